@@ -1,0 +1,297 @@
+"""Turning a frontend call's arguments into an AttentionConfig, with precise errors.
+
+Shared by the torch and JAX frontends: they describe each tensor as a
+`TensorMeta` (shape, dtype, device), and everything about shapes, dtypes,
+devices and option combinations is checked here, once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from fusedattn.config import DTYPES, AttentionConfig, BiasType, Layout, Mask, SoftmaxType
+from fusedattn.layout import check_cu_seqlens, layout_spec
+
+__all__ = ["TensorMeta", "CallArguments", "build_config", "check_sequence_values", "EAGER_SCORE_MOD"]
+
+INDEX_DTYPES = ("int32", "int64")
+# Key of a Python score_mod callable applied to materialised scores; only backends that
+# evaluate Python on the score matrix (the reference) accept it.
+EAGER_SCORE_MOD = ("eager-callable",)
+_AXIS_NAMES = {"B": "B", "S": "S", "H": "H", "D": "D", "T": "T", "3": "3", "2": "2"}
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """What the checks need to know of a tensor, without the framework."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    device: str  # e.g. "cuda:0", "cpu", "TFRT_CPU_0"; "" when not known (a JAX tracer)
+    device_kind: str  # "cpu" or "cuda"
+
+    def line(self, name: str) -> str:
+        return f"{name}: shape {self.shape}, dtype {self.dtype}, device {self.device or self.device_kind}"
+
+
+def _other_device(a: str, b: str) -> bool:
+    """True when both placements are known and differ."""
+    return bool(a) and bool(b) and a != b
+
+
+@dataclass
+class CallArguments:
+    """The arguments of one attention call, as metadata plus plain options."""
+
+    api: str
+    framework: str
+    layout: str
+    tensors: tuple[TensorMeta | None, ...]  # as passed: (q, k, v) positions
+    mask: str = "none"
+    window: tuple[int, int] | None = None
+    bias: TensorMeta | None = None
+    bias_type: str | None = None
+    bias_requires_grad: bool = False
+    alibi_slopes: TensorMeta | None = None
+    softmax_type: str = "vanilla"
+    sink: TensorMeta | None = None
+    dropout_p: float = 0.0
+    scale: float | None = None
+    cu_seqlens_q: TensorMeta | None = None
+    cu_seqlens_kv: TensorMeta | None = None
+    cu_seqlens_q_padded: TensorMeta | None = None
+    cu_seqlens_kv_padded: TensorMeta | None = None
+    max_seqlen_q: int | None = None
+    max_seqlen_kv: int | None = None
+    deterministic: bool = False
+    return_lse: bool = False
+    return_max_logit: bool = False
+    is_training: bool = False
+    score_mod: Callable | None = None
+
+    def error(self, argument: str, expected: str, got, hint: str = "") -> ValueError:
+        message = f"{self.api}: {argument}: expected {expected}, got {got}"
+        return ValueError(message + (f"; {hint}" if hint else ""))
+
+    def call_lines(self) -> list[str]:
+        """One line per tensor argument, for "no backend" errors."""
+        spec = layout_spec(self.layout)
+        lines = [meta.line(name) for (name, _), meta in zip(spec.tensors, self.tensors) if meta is not None]
+        for name in ("bias", "alibi_slopes", "sink", "cu_seqlens_q", "cu_seqlens_kv",
+                     "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
+            meta = getattr(self, name)
+            if meta is not None:
+                lines.append(meta.line(name))
+        return lines
+
+
+def _dims(args: CallArguments, name: str, axes: str, meta: TensorMeta) -> dict[str, int]:
+    if len(meta.shape) != len(axes):
+        readable = ", ".join(_AXIS_NAMES[a] for a in axes)
+        raise args.error(name, f"a {len(axes)}-D tensor ({readable}) for layout {args.layout!r}",
+                         f"shape {meta.shape}")
+    return dict(zip(axes, meta.shape))
+
+
+def _agree(args: CallArguments, what: str, values: dict[str, int]) -> int:
+    distinct = set(values.values())
+    if len(distinct) != 1:
+        detail = ", ".join(f"{k} has {v}" for k, v in values.items())
+        raise args.error(what, "the same size in every tensor", detail)
+    return distinct.pop()
+
+
+def _layout_tensors(args: CallArguments):
+    """Check the tensors a layout takes; return per-role dims {q: {...}, k: {...}, v: {...}}."""
+    spec = layout_spec(args.layout)
+    given = list(args.tensors)
+    names = spec.names
+    for position, name in enumerate(("q", "k", "v")):
+        expected = position < len(names)
+        if expected and given[position] is None:
+            label = names[position]
+            raise args.error(label, f"a tensor for layout {args.layout!r} (takes {', '.join(names)})", "None")
+        if not expected and given[position] is not None:
+            raise args.error(
+                name, f"None for packed layout {args.layout!r}, which takes {', '.join(names)}",
+                "a tensor", hint=f"pass the packed tensor{'s' if len(names) > 1 else ''} only",
+            )
+    roles: dict[str, dict[str, int]] = {}
+    metas: dict[str, TensorMeta] = {}
+    for (name, axes), meta in zip(spec.tensors, given):
+        dims = _dims(args, name, axes, meta)
+        pack = "3" if "3" in axes else "2" if "2" in axes else None
+        if pack is not None and dims[pack] != int(pack):
+            raise args.error(name, f"size {pack} at the packing axis of {axes}", f"shape {meta.shape}")
+        for role in name:  # "qkv" -> q, k, v; "kv" -> k, v
+            roles[role] = dims
+            metas[role] = meta
+    return roles, metas
+
+
+def _check_metas(args: CallArguments, metas: dict[str, TensorMeta]) -> str:
+    q = metas["q"]
+    for role, meta in metas.items():
+        if meta.dtype not in DTYPES:
+            raise args.error(role, f"a floating dtype ({', '.join(DTYPES)})", meta.dtype)
+        if meta.dtype != q.dtype:
+            raise args.error(role, f"dtype {q.dtype} like q", meta.dtype, hint="cast q, k and v to one dtype")
+        if _other_device(meta.device, q.device):
+            raise args.error(role, f"device {q.device} like q", meta.device)
+    return q.dtype
+
+
+def _check_index(args: CallArguments, name: str, meta: TensorMeta | None, batch: int | None,
+                 device: str) -> int | None:
+    """Check a (B+1,) integer offsets tensor; return B."""
+    if meta is None:
+        return None
+    if meta.dtype not in INDEX_DTYPES:
+        raise args.error(name, "an int32 or int64 tensor", f"dtype {meta.dtype}")
+    if len(meta.shape) != 1 or meta.shape[0] < 2:
+        raise args.error(name, "a 1-D tensor of B+1 >= 2 offsets", f"shape {meta.shape}")
+    if _other_device(meta.device, device):
+        raise args.error(name, f"device {device} like q", meta.device)
+    if batch is not None and meta.shape[0] != batch + 1:
+        raise args.error(name, f"B+1 = {batch + 1} offsets", f"shape {meta.shape}")
+    return meta.shape[0] - 1
+
+
+def build_config(args: CallArguments) -> AttentionConfig:
+    """Validate the call and describe it as an AttentionConfig; raise ValueError on bad input."""
+    try:
+        layout = Layout.parse(args.layout, "layout")
+        mask = Mask.parse(args.mask, "mask")
+        softmax = SoftmaxType.parse(args.softmax_type, "softmax_type")
+    except ValueError as error:
+        raise ValueError(f"{args.api}: {error}") from None
+    roles, metas = _layout_tensors(args)
+    dtype = _check_metas(args, metas)
+    device = metas["q"].device
+    q, k, v = roles["q"], roles["k"], roles["v"]
+
+    heads_q = q["H"]
+    heads_kv = _agree(args, "heads of k and v (H)", {"k": k["H"], "v": v["H"]})
+    head_dim_qk = _agree(args, "head dim of q and k (D)", {"q": q["D"], "k": k["D"]})
+    head_dim_v = v["D"]
+    if heads_q % heads_kv:
+        raise args.error("heads", f"Hq a multiple of Hkv (GQA/MQA)", f"Hq={heads_q}, Hkv={heads_kv}")
+
+    if layout.is_ragged:
+        mask = mask.with_padding()  # packed sequences always mask their padding
+        for name in ("cu_seqlens_q", "cu_seqlens_kv"):
+            if getattr(args, name) is None:
+                raise args.error(name, f"a (B+1,) offsets tensor for layout {layout.value!r}", "None")
+        _agree(args, "tokens of k and v (T)", {"k": k["T"], "v": v["T"]})
+        batch = _check_index(args, "cu_seqlens_q", args.cu_seqlens_q, None, device)
+        _check_index(args, "cu_seqlens_kv", args.cu_seqlens_kv, batch, device)
+        for name in ("cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
+            _check_index(args, name, getattr(args, name), batch, device)
+        if (args.cu_seqlens_q_padded is None) != (args.cu_seqlens_kv_padded is None):
+            raise args.error("cu_seqlens_q_padded/cu_seqlens_kv_padded", "both or neither", "only one")
+        for name in ("max_seqlen_q", "max_seqlen_kv"):
+            value = getattr(args, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise args.error(name, "an int >= 0 (the longest sequence)", repr(value))
+        seqlen_q, seqlen_kv = args.max_seqlen_q, args.max_seqlen_kv
+    else:
+        batch = _agree(args, "batch (B)", {r: roles[r]["B"] for r in ("q", "k", "v")})
+        seqlen_q = q["S"]
+        seqlen_kv = _agree(args, "key/value sequence length (Skv)", {"k": k["S"], "v": v["S"]})
+        for name in ("cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
+            if getattr(args, name) is not None:
+                raise args.error(name, "None: padded offsets are for THD layouts", "a tensor")
+        if mask.is_padding:
+            for name in ("cu_seqlens_q", "cu_seqlens_kv"):
+                if getattr(args, name) is None:
+                    raise args.error(name, f"a (B+1,) offsets tensor giving each sequence's length, "
+                                           f"for mask {mask.value!r}", "None")
+                _check_index(args, name, getattr(args, name), batch, device)
+        elif args.cu_seqlens_q is not None or args.cu_seqlens_kv is not None:
+            raise args.error("mask", "a padding mask when cu_seqlens are given", repr(mask.value),
+                             hint=f"use {mask.with_padding().value!r} or drop cu_seqlens")
+
+    bias_type, bias_shape = _bias(args, heads_q, batch, dtype, device)
+    if softmax is SoftmaxType.LEARNABLE:
+        if args.sink is None:
+            raise args.error("sink", "a (Hq,) tensor of sink logits for softmax_type 'learnable'", "None")
+        if args.sink.shape != (heads_q,):
+            raise args.error("sink", f"shape (Hq,) = ({heads_q},)", f"shape {args.sink.shape}")
+        if args.sink.dtype not in DTYPES or _other_device(args.sink.device, device):
+            raise args.error("sink", f"a floating tensor on {device}", f"{args.sink.dtype} on {args.sink.device}")
+    elif args.sink is not None:
+        raise args.error("sink", f"None for softmax_type {softmax.value!r}", "a tensor",
+                         hint="use softmax_type='learnable' for per-head sink logits")
+    if args.score_mod is not None and not callable(args.score_mod):
+        raise args.error("score_mod", "a callable score_mod(score, b, h, q_idx, kv_idx)",
+                         type(args.score_mod).__name__)
+    window = args.window if args.window is not None else (-1, -1)
+    if isinstance(window, list):
+        window = tuple(window)
+    try:
+        return AttentionConfig(
+            dtype=dtype, layout=layout, batch=batch, seqlen_q=seqlen_q, seqlen_kv=seqlen_kv,
+            heads_q=heads_q, heads_kv=heads_kv, head_dim_qk=head_dim_qk, head_dim_v=head_dim_v,
+            mask=mask, window=window, bias=bias_type, bias_shape=bias_shape,
+            bias_requires_grad=bool(args.bias_requires_grad), softmax=softmax,
+            dropout_p=args.dropout_p, scale=args.scale, is_training=bool(args.is_training),
+            deterministic=args.deterministic, return_lse=args.return_lse,
+            return_max_logit=args.return_max_logit,
+            score_mod_key=EAGER_SCORE_MOD if args.score_mod is not None else None,
+            padded_offsets=args.cu_seqlens_q_padded is not None,
+            device=metas["q"].device_kind, framework=args.framework,
+        )
+    except ValueError as error:
+        raise ValueError(f"{args.api}: {error}") from None
+
+
+def _bias(args: CallArguments, heads_q: int, batch: int, dtype: str, device: str):
+    """(BiasType, shape) from bias / bias_type / alibi_slopes."""
+    if args.bias is not None and args.alibi_slopes is not None:
+        raise args.error("alibi_slopes", "None when a bias tensor is given", "a tensor",
+                         hint="add the ALiBi term to your bias tensor, or drop bias")
+    if args.alibi_slopes is not None:
+        if args.bias_type not in (None, "alibi"):
+            raise args.error("bias_type", "'alibi' (or None) with alibi_slopes", repr(args.bias_type))
+        meta = args.alibi_slopes
+        if meta.dtype not in DTYPES or _other_device(meta.device, device):
+            raise args.error("alibi_slopes", f"a floating tensor on {device}", f"{meta.dtype} on {meta.device}")
+        return BiasType.ALIBI, meta.shape
+    if args.bias is None:
+        if args.bias_type not in (None, "none"):
+            raise args.error("bias", f"a tensor for bias_type {args.bias_type!r}", "None")
+        return BiasType.NONE, None
+    try:
+        bias_type = BiasType.parse(args.bias_type or "post_scale", "bias_type")
+    except ValueError as error:
+        raise ValueError(f"{args.api}: {error}") from None
+    if bias_type not in (BiasType.PRE_SCALE, BiasType.POST_SCALE):
+        raise args.error("bias_type", "'pre_scale' or 'post_scale' with a bias tensor", repr(bias_type.value))
+    meta = args.bias
+    if meta.dtype not in DTYPES:
+        raise args.error("bias", f"a floating tensor ({', '.join(DTYPES)})", f"dtype {meta.dtype}")
+    if _other_device(meta.device, device):
+        raise args.error("bias", f"device {device} like q", meta.device)
+    shape = tuple(meta.shape)
+    if len(shape) < 4:
+        shape = (1,) * (4 - len(shape)) + shape  # broadcasting from the right, as arrays do
+    return bias_type, shape
+
+
+def check_sequence_values(args: CallArguments, cfg: AttentionConfig, host: dict[str, np.ndarray],
+                          total_q: int | None, total_kv: int | None) -> None:
+    """Check the values of cu_seqlens (host copies) against the tensors and max_seqlen."""
+    for side, total, limit in (("q", total_q, cfg.seqlen_q), ("kv", total_kv, cfg.seqlen_kv)):
+        name = f"cu_seqlens_{side}"
+        if name not in host:
+            continue
+        padded_name = f"{name}_padded"
+        longest = check_cu_seqlens(f"{args.api}: {name}", host[name],
+                                   total if total is not None else int(np.max(host[name])),
+                                   host.get(padded_name), f"{args.api}: {padded_name}")
+        if longest > limit:
+            what = f"max_seqlen_{side}" if cfg.layout.is_ragged else f"the tensor's S{side}"
+            raise ValueError(f"{args.api}: {name}: a sequence of {longest} tokens exceeds {what}={limit}")

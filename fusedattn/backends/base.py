@@ -1,0 +1,123 @@
+"""The interface every backend implements, and the capability checks they share.
+
+A backend answers `supports(cfg)` with human-readable reasons (empty = it can run
+the call) and never raises from it. Shared rules (framework, device, dtype, head
+dims, packages) are declared as class attributes and checked here once.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, NamedTuple
+
+from fusedattn.config import AttentionConfig
+
+__all__ = ["Backend", "AttentionInputs", "AttentionOutputs", "package_missing"]
+
+DIFFERENTIABLE = ("q", "k", "v", "bias", "sink", "alibi_slopes")
+
+
+@dataclass
+class AttentionInputs:
+    """The arrays of one call, unpacked to the layout's base form (q, k, v separate).
+
+    Framework arrays (torch tensors or JAX arrays); optional ones are None.
+    dropout_seed/offset are integer scalars arrays; cu_seqlens_* are (B+1,) integers.
+    """
+
+    q: Any
+    k: Any
+    v: Any
+    bias: Any = None
+    alibi_slopes: Any = None
+    sink: Any = None
+    cu_seqlens_q: Any = None
+    cu_seqlens_kv: Any = None
+    cu_seqlens_q_padded: Any = None
+    cu_seqlens_kv_padded: Any = None
+    dropout_seed: Any = None
+    dropout_offset: Any = None
+    score_mod: Callable | None = field(default=None, compare=False)
+
+    def arrays(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "score_mod"}
+
+    def replace(self, **arrays) -> "AttentionInputs":
+        return AttentionInputs(**{**self.arrays(), "score_mod": self.score_mod, **arrays})
+
+
+class AttentionOutputs(NamedTuple):
+    """out in q's layout; lse (B, Hq, Sq) float32, or (Tq, Hq) for THD; max_logit (Hq,) float32."""
+
+    out: Any
+    lse: Any = None
+    max_logit: Any = None
+
+
+def package_missing(import_name: str) -> bool:
+    """True when `import_name` cannot be imported; looks without importing it."""
+    try:
+        return importlib.util.find_spec(import_name) is None
+    except (ImportError, ValueError):
+        return True
+
+
+class Backend:
+    """Base class: declare capabilities as attributes, add own rules in `_reasons`."""
+
+    name: str = ""
+    frameworks: tuple[str, ...] = ("torch", "jax")
+    devices: tuple[str, ...] = ("cpu", "cuda")
+    dtypes: tuple[str, ...] = ("float16", "bfloat16", "float32", "float64")
+    max_head_dim: int | None = None
+    head_dim_multiple: int = 1
+    # (import name, distribution name) pairs this backend needs installed.
+    packages: tuple[tuple[str, str], ...] = ()
+
+    def availability(self) -> list[str]:
+        """Reasons this backend cannot run anything here, whatever the call."""
+        return [
+            f"package {dist} not installed" + (f" (import {module})" if module != dist else "")
+            for module, dist in self.packages
+            if package_missing(module)
+        ]
+
+    def supports(self, cfg: AttentionConfig) -> list[str]:
+        """Reasons this backend cannot run `cfg`; empty when it can. Never raises."""
+        try:
+            reasons = self.availability()
+            if cfg.framework not in self.frameworks:
+                reasons.append(f"framework {cfg.framework} not supported (supports {', '.join(self.frameworks)})")
+            if cfg.device not in self.devices:
+                reasons.append(f"device {cfg.device} not supported (needs {' or '.join(self.devices)})")
+            dtypes = {cfg.dtype, cfg.k_dtype, cfg.v_dtype}
+            if not dtypes <= set(self.dtypes):
+                got = "/".join(sorted(dtypes))
+                reasons.append(f"dtype {got} not supported (supports {', '.join(self.dtypes)})")
+            for label, dim in (("head_dim_qk", cfg.head_dim_qk), ("head_dim_v", cfg.head_dim_v)):
+                if self.max_head_dim is not None and dim > self.max_head_dim:
+                    reasons.append(f"{label}={dim} > {self.max_head_dim}")
+                if dim % self.head_dim_multiple:
+                    reasons.append(f"{label}={dim} is not a multiple of {self.head_dim_multiple}")
+            if reasons:  # cheap rules failed: skip the backend's own (possibly costly) checks
+                return reasons
+            return list(self._reasons(cfg))
+        except Exception as error:  # a probe must never take the call down
+            return [f"{self.name}: support check failed: {type(error).__name__}: {error}"]
+
+    def _reasons(self, cfg: AttentionConfig) -> list[str]:
+        """Backend-specific rules, run after the shared ones pass."""
+        return []
+
+    def forward(self, cfg: AttentionConfig, inputs: AttentionInputs):
+        """Run the forward pass: returns (AttentionOutputs, saved) for `backward`."""
+        raise NotImplementedError(f"backend {self.name} has no forward")
+
+    def backward(self, cfg: AttentionConfig, inputs: AttentionInputs, saved, outputs: AttentionOutputs,
+                 grad_out, grad_lse=None) -> dict:
+        """Gradients {name: array} for the differentiable inputs (see DIFFERENTIABLE)."""
+        raise NotImplementedError(f"backend {self.name} has no backward")
+
+    def __repr__(self) -> str:
+        return f"<fusedattn backend {self.name}>"

@@ -1,0 +1,108 @@
+"""A bounded, thread-safe LRU cache whose values are built once per key.
+
+Concurrent callers asking for the same missing key wait for one build; callers
+for other keys are never blocked by it (no lock is held while building).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Callable, Generic, Hashable, TypeVar
+
+__all__ = ["LRUCache"]
+
+V = TypeVar("V")
+
+
+class _Pending:
+    """A build in progress: other callers for the same key wait on `done`."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.value = None
+        self.error: BaseException | None = None
+
+
+class LRUCache(Generic[V]):
+    def __init__(self, maxsize: int) -> None:
+        if not isinstance(maxsize, int) or maxsize < 1:
+            raise ValueError(f"LRUCache: expected maxsize >= 1, got {maxsize!r}")
+        self.maxsize = maxsize
+        self._items: OrderedDict[Hashable, V] = OrderedDict()
+        self._pending: dict[Hashable, _Pending] = {}
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+        self.builds = 0
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._items)
+
+    def __contains__(self, key: Hashable) -> bool:
+        with self._lock:
+            return key in self._items
+
+    def get(self, key: Hashable, default=None):
+        with self._lock:
+            if key in self._items:
+                self._items.move_to_end(key)
+                self.hits += 1
+                return self._items[key]
+            return default
+
+    def put(self, key: Hashable, value: V) -> None:
+        with self._lock:
+            self._insert(key, value)
+
+    def get_or_build(self, key: Hashable, build: Callable[[], V]) -> V:
+        """Return the cached value for `key`, building it once if absent.
+
+        A failed build is not cached: its exception reaches every caller that
+        waited on it, and the next call tries again.
+        """
+        with self._lock:
+            if key in self._items:
+                self._items.move_to_end(key)
+                self.hits += 1
+                return self._items[key]
+            pending = self._pending.get(key)
+            owner = pending is None
+            if owner:
+                pending = self._pending[key] = _Pending()
+                self.misses += 1
+        if not owner:
+            pending.done.wait()
+            if pending.error is not None:
+                raise pending.error
+            return pending.value
+        try:
+            value = build()
+        except BaseException as error:
+            pending.error = error
+            with self._lock:
+                del self._pending[key]
+            pending.done.set()
+            raise
+        pending.value = value
+        with self._lock:
+            self.builds += 1
+            self._insert(key, value)
+            del self._pending[key]
+        pending.done.set()
+        return value
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+
+    def keys(self) -> list:
+        with self._lock:
+            return list(self._items)
+
+    def _insert(self, key: Hashable, value: V) -> None:
+        self._items[key] = value
+        self._items.move_to_end(key)
+        while len(self._items) > self.maxsize:
+            self._items.popitem(last=False)

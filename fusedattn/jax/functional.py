@@ -1,0 +1,158 @@
+"""fusedattn.jax.attention: validate, describe, select, run through a custom_vjp (no math here)."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from fusedattn.arguments import CallArguments, TensorMeta, build_config, check_sequence_values
+from fusedattn.backends import get_backend
+from fusedattn.backends.base import DIFFERENTIABLE, AttentionInputs, AttentionOutputs
+from fusedattn.frontend_common import pick_outputs
+from fusedattn.layout import split_packed
+from fusedattn.selection import select_backend
+from fusedattn.xp.jax_ops import OPS
+
+__all__ = ["attention"]
+
+API = "fusedattn.jax.attention"
+ARRAY_NAMES = ("q", "k", "v", "bias", "alibi_slopes", "sink", "cu_seqlens_q", "cu_seqlens_kv",
+               "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "dropout_seed", "dropout_offset")
+
+
+def _is_concrete(x) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+def _meta(x, name: str) -> TensorMeta | None:
+    if x is None:
+        return None
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise ValueError(f"{API}: {name}: expected a JAX array, got {type(x).__name__}")
+    x = x if isinstance(x, jax.Array) else jnp.asarray(x)
+    return TensorMeta(tuple(x.shape), OPS.dtype_name(x), OPS.device_label(x), OPS.device_kind(x))
+
+
+def _inputs(arrays, score_mod) -> AttentionInputs:
+    return AttentionInputs(**dict(zip(ARRAY_NAMES, arrays)), score_mod=score_mod)
+
+
+# The backend chosen at trace time is a static argument: forward decides backward.
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _attention(cfg, backend_name, score_mod, arrays):
+    outputs, _ = get_backend(backend_name).forward(cfg, _inputs(arrays, score_mod))
+    return tuple(outputs)
+
+
+def _attention_fwd(cfg, backend_name, score_mod, arrays):
+    outputs, saved = get_backend(backend_name).forward(cfg, _inputs(arrays, score_mod))
+    return tuple(outputs), (arrays, saved, outputs.out, outputs.lse)
+
+
+def _attention_bwd(cfg, backend_name, score_mod, residuals, cotangents):
+    arrays, saved, out, lse = residuals
+    grad_out, grad_lse, _ = cotangents
+    grads = get_backend(backend_name).backward(cfg, _inputs(arrays, score_mod), saved,
+                                               AttentionOutputs(out, lse), grad_out, grad_lse)
+    return (tuple(grads.get(name) if name in DIFFERENTIABLE and x is not None else None
+                  for name, x in zip(ARRAY_NAMES, arrays)),)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _dropout_state(rng, seed, offset):
+    """(seed, offset) uint32 scalars from a PRNG key, or from the given integers."""
+    if rng is not None:
+        bits = jax.random.bits(rng, (2,), jnp.uint32)
+        return bits[0], bits[1]
+    if seed is None:
+        raise ValueError(f"{API}: dropout_rng: expected a PRNG key (or dropout_seed) when dropout_p > 0, got None")
+    return jnp.asarray(seed).astype(jnp.uint32), jnp.asarray(offset).astype(jnp.uint32)
+
+
+def attention(
+    q,
+    k=None,
+    v=None,
+    *,
+    layout: str = "bshd",
+    mask: str = "none",
+    window: tuple[int, int] | None = None,
+    bias=None,
+    bias_type: str | None = None,
+    alibi_slopes=None,
+    softmax_type: str = "vanilla",
+    sink=None,
+    dropout_p: float = 0.0,
+    dropout_rng=None,
+    dropout_seed=None,
+    dropout_offset=0,
+    scale: float | None = None,
+    cu_seqlens_q=None,
+    cu_seqlens_kv=None,
+    cu_seqlens_q_padded=None,
+    cu_seqlens_kv_padded=None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_kv: int | None = None,
+    deterministic: bool = False,
+    return_lse: bool = False,
+    return_max_logit: bool = False,
+    backend: str | None = None,
+    score_mod: Callable | None = None,
+):
+    """Scaled-dot-product attention for JAX arrays, with the keywords of fusedattn.torch.attention.
+
+    Differences from the torch frontend: dropout takes `dropout_rng` (a PRNG key turned
+    into the (seed, offset) pair; or pass dropout_seed/dropout_offset); under `jax.jit`
+    THD calls need static `max_seqlen_q/kv` (offsets are traced, so their values are not
+    checked). Shapes, layouts, masks and outputs are as documented there.
+
+    Example:
+        >>> q = k = v = jax.random.normal(jax.random.key(0), (2, 128, 8, 64))
+        >>> out = attention(q, k, v, mask="causal")
+        >>> grads = jax.grad(lambda q: attention(q, k, v).sum())(q)
+    """
+    named = {"q": q, "k": k, "v": v, "bias": bias, "alibi_slopes": alibi_slopes, "sink": sink,
+             "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_kv": cu_seqlens_kv,
+             "cu_seqlens_q_padded": cu_seqlens_q_padded, "cu_seqlens_kv_padded": cu_seqlens_kv_padded}
+    metas = {name: _meta(x, name) for name, x in named.items()}
+    args = CallArguments(
+        api=API, framework="jax", layout=layout, tensors=(metas["q"], metas["k"], metas["v"]),
+        mask=mask, window=window, bias=metas["bias"], bias_type=bias_type, bias_requires_grad=bias is not None,
+        alibi_slopes=metas["alibi_slopes"], softmax_type=softmax_type, sink=metas["sink"],
+        dropout_p=dropout_p, scale=scale,
+        cu_seqlens_q=metas["cu_seqlens_q"], cu_seqlens_kv=metas["cu_seqlens_kv"],
+        cu_seqlens_q_padded=metas["cu_seqlens_q_padded"], cu_seqlens_kv_padded=metas["cu_seqlens_kv_padded"],
+        max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv, deterministic=deterministic,
+        return_lse=return_lse, return_max_logit=return_max_logit,
+        # Whether a gradient will be taken is unknown at trace time: assume it may.
+        is_training=True, score_mod=score_mod,
+    )
+    offsets = {name: x for name, x in named.items() if name.startswith("cu_") and x is not None}
+    host = {name: OPS.to_host(x) for name, x in offsets.items() if _is_concrete(x)}
+    if str(layout) in ("thd", "t3hd", "thd_t2hd"):
+        for side in ("q", "kv"):
+            name = f"cu_seqlens_{side}"
+            if getattr(args, f"max_seqlen_{side}") is None and name in offsets:
+                if name not in host:
+                    raise ValueError(f"{API}: max_seqlen_{side}: expected a static int when {name} is traced "
+                                     "(under jit), got None")
+                lengths = host[name][1:] - host[name][:-1]
+                setattr(args, f"max_seqlen_{side}", int(lengths.max(initial=0)) if lengths.size else 0)
+    cfg = build_config(args)
+    unpacked = split_packed(cfg.layout, [x for x in (q, k, v) if x is not None])
+    totals = (unpacked[0].shape[0], unpacked[1].shape[0]) if cfg.layout.is_ragged else (None, None)
+    if len(host) == len(offsets):
+        check_sequence_values(args, cfg, host, *totals)
+    selection = select_backend(cfg, backend, call_lines=args.call_lines())
+    seed = offset = None
+    if cfg.dropout_p > 0.0:
+        seed, offset = _dropout_state(dropout_rng, dropout_seed, dropout_offset)
+    arrays = (*unpacked, bias, alibi_slopes, sink, cu_seqlens_q, cu_seqlens_kv,
+              cu_seqlens_q_padded, cu_seqlens_kv_padded, seed, offset)
+    out, lse, max_logit = _attention(cfg, selection.name, score_mod, arrays)
+    return pick_outputs(cfg, out, lse, max_logit)

@@ -1,0 +1,40 @@
+"""The autograd bridge: the backend that ran the forward pass also runs the backward."""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from fusedattn.backends.base import DIFFERENTIABLE, AttentionInputs, AttentionOutputs
+
+# Order of the arrays passed to run_attention (matches AttentionInputs' fields).
+ARRAY_NAMES = ("q", "k", "v", "bias", "alibi_slopes", "sink", "cu_seqlens_q", "cu_seqlens_kv",
+               "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "dropout_seed", "dropout_offset")
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, cfg, backend, score_mod, *arrays):
+        inputs = AttentionInputs(**dict(zip(ARRAY_NAMES, arrays)), score_mod=score_mod)
+        outputs, saved = backend.forward(cfg, inputs)
+        ctx.cfg, ctx.backend, ctx.score_mod, ctx.saved = cfg, backend, score_mod, saved
+        ctx.save_for_backward(*arrays, outputs.out, outputs.lse)
+        ctx.mark_non_differentiable(outputs.max_logit)
+        return outputs.out, outputs.lse, outputs.max_logit
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out, grad_lse, _grad_max_logit):
+        *arrays, out, lse = ctx.saved_tensors
+        inputs = AttentionInputs(**dict(zip(ARRAY_NAMES, arrays)), score_mod=ctx.score_mod)
+        grads = ctx.backend.backward(ctx.cfg, inputs, ctx.saved, AttentionOutputs(out, lse),
+                                     grad_out, grad_lse)
+        needed = dict(zip(ARRAY_NAMES, ctx.needs_input_grad[3:]))
+        return (None, None, None) + tuple(
+            grads.get(name) if name in DIFFERENTIABLE and needed[name] else None for name in ARRAY_NAMES
+        )
+
+
+def run_attention(cfg, backend, score_mod, arrays):
+    """(out, lse, max_logit) through autograd; backward goes to the same backend."""
+    return _Attention.apply(cfg, backend, score_mod, *arrays)

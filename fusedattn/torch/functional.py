@@ -1,0 +1,150 @@
+"""fusedattn.torch.attention: validate, describe, select, run (no math here)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from fusedattn.arguments import CallArguments, TensorMeta, build_config, check_sequence_values
+from fusedattn.frontend_common import pick_outputs
+from fusedattn.layout import split_packed
+from fusedattn.selection import select_backend
+from fusedattn.torch.autograd import run_attention
+from fusedattn.xp.torch_ops import OPS
+
+__all__ = ["attention"]
+
+API = "fusedattn.torch.attention"
+
+
+def _meta(x, name: str) -> TensorMeta | None:
+    if x is None:
+        return None
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{API}: {name}: expected a torch.Tensor, got {type(x).__name__}")
+    return TensorMeta(tuple(x.shape), OPS.dtype_name(x), str(x.device), x.device.type)
+
+
+def _dropout_state(seed, offset, like: torch.Tensor):
+    """(seed, offset) as int64 tensors on q's device; a missing seed is drawn from torch's RNG."""
+    if seed is None:
+        seed = int(torch.randint(0, 2**31 - 1, (), dtype=torch.int64))
+    for name, value in (("dropout_seed", seed), ("dropout_offset", offset)):
+        if not (isinstance(value, int) or (isinstance(value, torch.Tensor) and value.numel() == 1
+                                           and not value.is_floating_point())):
+            raise ValueError(f"{API}: {name}: expected an int or a one-element integer tensor, got {value!r}")
+    as_tensor = lambda v: torch.as_tensor(v, dtype=torch.int64).reshape(()).to(like.device)  # noqa: E731
+    return as_tensor(seed), as_tensor(offset)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    *,
+    layout: str = "bshd",
+    mask: str = "none",
+    window: tuple[int, int] | None = None,
+    bias: torch.Tensor | None = None,
+    bias_type: str | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    softmax_type: str = "vanilla",
+    sink: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int | torch.Tensor | None = None,
+    dropout_offset: int | torch.Tensor = 0,
+    scale: float | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_kv: torch.Tensor | None = None,
+    cu_seqlens_q_padded: torch.Tensor | None = None,
+    cu_seqlens_kv_padded: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_kv: int | None = None,
+    deterministic: bool = False,
+    return_lse: bool = False,
+    return_max_logit: bool = False,
+    backend: str | None = None,
+    score_mod: Callable | None = None,
+):
+    """Scaled-dot-product attention, forward and backward, on the best backend for the call.
+
+    Args:
+        q, k, v: tensors in `layout`. Packed layouts take fewer: `bs3hd`/`sb3hd`/`t3hd`
+            take one qkv tensor as `q`; `bshd_bs2hd`/`sbhd_sb2hd`/`thd_t2hd` take q and a
+            packed kv as `k`. Shapes: bshd (B, S, H, D), sbhd (S, B, H, D), bhsd (B, H, S, D),
+            thd (T, H, D) with T packed tokens. k and v may have fewer heads (GQA/MQA)
+            and v its own head dim Dv.
+        layout: one of bshd, sbhd, bhsd, thd, bs3hd, sb3hd, t3hd, bshd_bs2hd, sbhd_sb2hd, thd_t2hd.
+        mask: none, causal (top-left diagonal), causal_bottom_right, padding, padding_causal,
+            padding_causal_bottom_right. Padding masks take per-sequence lengths from
+            cu_seqlens_q/kv; THD layouts always mask padding ('causal' means 'padding_causal').
+        window: (left, right) keys visible before/after the diagonal, -1 = unbounded.
+            The diagonal is top-left for causal and padding_causal, bottom-right otherwise.
+        bias: tensor broadcastable to (B|1, Hq|1, Sq, Skv), added after scaling
+            (bias_type 'post_scale', the default) or before ('pre_scale'); has a gradient.
+        alibi_slopes: (Hq,) or (B, Hq) ALiBi slopes: adds -slope * |i - j| (diagonal-aligned).
+        softmax_type: 'vanilla', 'off_by_one' (an extra zero logit in the denominator) or
+            'learnable' (per-head `sink` logits of shape (Hq,), with gradient).
+        dropout_p: probability of dropping an attention weight. The mask comes from
+            (dropout_seed, dropout_offset); the same pair gives the same mask in forward and
+            backward. A missing seed is drawn from torch's global generator.
+        scale: multiplies q k^T; default 1/sqrt(D).
+        cu_seqlens_q/kv: (B+1,) int32/int64 cumulative sequence lengths (THD and padding masks).
+        cu_seqlens_q/kv_padded: (B+1,) start offsets of each sequence in the packed tensor
+            when sequences are stored with gaps (THD only).
+        max_seqlen_q/kv: longest sequence (THD); computed from cu_seqlens when omitted.
+        deterministic: ask for a bitwise-reproducible backward.
+        return_lse, return_max_logit: return an AttentionResult(out, lse, max_logit).
+        backend: force one backend by name; its reasons raise if it cannot run the call.
+        score_mod: callable score_mod(score, b, h, q_idx, kv_idx) -> score on the scaled
+            scores (index tensors broadcast against score); runs on the reference backend.
+
+    Returns:
+        The output in q's layout (B, S, Hq, Dv) etc., or an AttentionResult.
+
+    Example:
+        >>> q = k = v = torch.randn(2, 128, 8, 64)
+        >>> out = attention(q, k, v, mask="causal")
+    """
+    tensors = (q, k, v)
+    named = {"q": q, "k": k, "v": v, "bias": bias, "alibi_slopes": alibi_slopes, "sink": sink,
+             "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_kv": cu_seqlens_kv,
+             "cu_seqlens_q_padded": cu_seqlens_q_padded, "cu_seqlens_kv_padded": cu_seqlens_kv_padded}
+    metas = {name: _meta(x, name) for name, x in named.items()}
+    differentiable = [x for x in (q, k, v, bias, alibi_slopes, sink) if x is not None]
+    args = CallArguments(
+        api=API, framework="torch", layout=layout, tensors=(metas["q"], metas["k"], metas["v"]),
+        mask=mask, window=window, bias=metas["bias"], bias_type=bias_type,
+        bias_requires_grad=bool(bias is not None and bias.requires_grad),
+        alibi_slopes=metas["alibi_slopes"], softmax_type=softmax_type, sink=metas["sink"],
+        dropout_p=dropout_p, scale=scale,
+        cu_seqlens_q=metas["cu_seqlens_q"], cu_seqlens_kv=metas["cu_seqlens_kv"],
+        cu_seqlens_q_padded=metas["cu_seqlens_q_padded"], cu_seqlens_kv_padded=metas["cu_seqlens_kv_padded"],
+        max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv, deterministic=deterministic,
+        return_lse=return_lse, return_max_logit=return_max_logit,
+        is_training=torch.is_grad_enabled() and any(x.requires_grad for x in differentiable),
+        score_mod=score_mod,
+    )
+    host = {name: OPS.to_host(x) for name, x in named.items() if name.startswith("cu_") and x is not None}
+    if str(layout) in ("thd", "t3hd", "thd_t2hd"):
+        # Unknown max lengths come from the offsets (one host read; pass them to avoid it).
+        for side in ("q", "kv"):
+            if f"cu_seqlens_{side}" in host and getattr(args, f"max_seqlen_{side}") is None:
+                lengths = host[f"cu_seqlens_{side}"][1:] - host[f"cu_seqlens_{side}"][:-1]
+                setattr(args, f"max_seqlen_{side}", int(lengths.max(initial=0)) if lengths.size else 0)
+    cfg = build_config(args)
+    unpacked = split_packed(cfg.layout, [x for x in tensors if x is not None])
+    if cfg.layout.is_ragged:
+        totals = (unpacked[0].shape[0], unpacked[1].shape[0])
+    else:
+        totals = (None, None)
+    check_sequence_values(args, cfg, host, *totals)
+    selection = select_backend(cfg, backend, call_lines=args.call_lines())
+    seed = offset = None
+    if cfg.dropout_p > 0.0:
+        seed, offset = _dropout_state(dropout_seed, dropout_offset, q)
+    arrays = (*unpacked, bias, alibi_slopes, sink, cu_seqlens_q, cu_seqlens_kv,
+              cu_seqlens_q_padded, cu_seqlens_kv_padded, seed, offset)
+    out, lse, max_logit = run_attention(cfg, selection.backend, score_mod, arrays)
+    return pick_outputs(cfg, out, lse, max_logit)
