@@ -74,14 +74,19 @@ class Backend:
     head_dim_multiple: int = 1
     # (import name, distribution name) pairs this backend needs installed.
     packages: tuple[tuple[str, str], ...] = ()
+    # False for a backend whose kernels this version does not have yet: it says so.
+    implemented: bool = True
 
     def availability(self) -> list[str]:
         """Reasons this backend cannot run anything here, whatever the call."""
-        return [
+        reasons = [
             f"package {dist} not installed" + (f" (import {module})" if module != dist else "")
             for module, dist in self.packages
             if package_missing(module)
         ]
+        if not self.implemented:
+            reasons.append(f"the {self.name} backend is not implemented in this version of fusedattn")
+        return reasons
 
     def supports(self, cfg: AttentionConfig) -> list[str]:
         """Reasons this backend cannot run `cfg`; empty when it can. Never raises."""

@@ -10,10 +10,8 @@ class CudnnBackend(Backend):
     dtypes = ("float16", "bfloat16")
     max_head_dim = 256
     head_dim_multiple = 8
+    implemented = False
     packages = (("cudnn", "nvidia-cudnn-frontend"),)
-
-    def _reasons(self, cfg):
-        return ["cuDNN graphs are not implemented in this version of fusedattn"]
 
 
 __all__ = ["CudnnBackend"]

@@ -9,10 +9,8 @@ class TritonBackend(Backend):
     devices = ("cuda",)
     dtypes = ("float16", "bfloat16")
     max_head_dim = 256
+    implemented = False
     packages = (("triton", "triton"),)
-
-    def _reasons(self, cfg):
-        return ["Triton flash kernels are not implemented in this version of fusedattn"]
 
 
 __all__ = ["TritonBackend"]
