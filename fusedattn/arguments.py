@@ -7,21 +7,22 @@ devices and option combinations is checked here, once.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
 from fusedattn.config import DTYPES, AttentionConfig, BiasType, Layout, Mask, SoftmaxType
 from fusedattn.layout import check_cu_seqlens, layout_spec
 
-__all__ = ["TensorMeta", "CallArguments", "build_config", "check_sequence_values", "EAGER_SCORE_MOD"]
+__all__ = ["TensorMeta", "CallArguments", "build_config", "infer_max_seqlens", "check_sequence_values",
+           "EAGER_SCORE_MOD"]
 
 INDEX_DTYPES = ("int32", "int64")
+_RAGGED_LAYOUTS = frozenset(layout.value for layout in Layout if layout.is_ragged)
 # Key of a Python score_mod callable applied to materialised scores; only backends that
 # evaluate Python on the score matrix (the reference) accept it.
 EAGER_SCORE_MOD = ("eager-callable",)
-_AXIS_NAMES = {"B": "B", "S": "S", "H": "H", "D": "D", "T": "T", "3": "3", "2": "2"}
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ class CallArguments:
 
 def _dims(args: CallArguments, name: str, axes: str, meta: TensorMeta) -> dict[str, int]:
     if len(meta.shape) != len(axes):
-        readable = ", ".join(_AXIS_NAMES[a] for a in axes)
+        readable = ", ".join(axes)
         raise args.error(name, f"a {len(axes)}-D tensor ({readable}) for layout {args.layout!r}",
                          f"shape {meta.shape}")
     return dict(zip(axes, meta.shape))
@@ -178,7 +179,7 @@ def build_config(args: CallArguments) -> AttentionConfig:
     head_dim_qk = _agree(args, "head dim of q and k (D)", {"q": q["D"], "k": k["D"]})
     head_dim_v = v["D"]
     if heads_q % heads_kv:
-        raise args.error("heads", f"Hq a multiple of Hkv (GQA/MQA)", f"Hq={heads_q}, Hkv={heads_kv}")
+        raise args.error("heads", "Hq a multiple of Hkv (GQA/MQA)", f"Hq={heads_q}, Hkv={heads_kv}")
 
     if layout.is_ragged:
         mask = mask.with_padding()  # packed sequences always mask their padding
@@ -279,6 +280,21 @@ def _bias(args: CallArguments, heads_q: int, batch: int, dtype: str, device: str
     if len(shape) < 4:
         shape = (1,) * (4 - len(shape)) + shape  # broadcasting from the right, as arrays do
     return bias_type, shape
+
+
+def infer_max_seqlens(args: CallArguments, host: dict[str, np.ndarray], traced: set[str]) -> None:
+    """Fill a THD call's missing max_seqlen_q/kv from host copies of its offsets."""
+    if str(getattr(args.layout, "value", args.layout)) not in _RAGGED_LAYOUTS:
+        return
+    for side in ("q", "kv"):
+        name = f"cu_seqlens_{side}"
+        if getattr(args, f"max_seqlen_{side}") is not None:
+            continue
+        if name in traced:
+            raise args.error(f"max_seqlen_{side}", f"a static int when {name} is traced (under jit)", "None")
+        if name in host:
+            lengths = np.diff(np.asarray(host[name]).astype(np.int64))
+            setattr(args, f"max_seqlen_{side}", int(lengths.max(initial=0)))
 
 
 def check_sequence_values(args: CallArguments, cfg: AttentionConfig, host: dict[str, np.ndarray],

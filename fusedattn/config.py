@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Hashable
 from dataclasses import dataclass, replace
-from typing import Hashable
 
 __all__ = [
     "Layout",
@@ -87,7 +87,7 @@ class Mask(_Choice):
         """
         return self.value.endswith("bottom_right") or not self.is_causal
 
-    def with_padding(self) -> "Mask":
+    def with_padding(self) -> Mask:
         return self if self.is_padding else Mask("padding" if self is Mask.NONE else "padding_" + self.value)
 
 
@@ -254,7 +254,7 @@ class AttentionConfig:
     def gqa_group(self) -> int:
         return self.heads_q // self.heads_kv
 
-    def replace(self, **changes) -> "AttentionConfig":
+    def replace(self, **changes) -> AttentionConfig:
         return replace(self, **changes)
 
     def summary(self) -> str:

@@ -1,10 +1,14 @@
-"""Steps both frontends share after describing a call: results and keyword checks."""
+"""What both frontends share: preparing a call (describe, validate, select) and shaping results."""
 
 from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-__all__ = ["AttentionResult", "pick_outputs"]
+from fusedattn.arguments import CallArguments, build_config, check_sequence_values, infer_max_seqlens
+from fusedattn.layout import split_packed
+from fusedattn.selection import select_backend
+
+__all__ = ["AttentionResult", "pick_outputs", "prepare_call", "PreparedCall", "TENSOR_ARGUMENTS"]
 
 
 class AttentionResult(NamedTuple):
@@ -25,3 +29,42 @@ def pick_outputs(cfg, out, lse, max_logit):
     if not (cfg.return_lse or cfg.return_max_logit):
         return out
     return AttentionResult(out, lse if cfg.return_lse else None, max_logit if cfg.return_max_logit else None)
+
+
+TENSOR_ARGUMENTS = ("q", "k", "v", "bias", "alibi_slopes", "sink", "cu_seqlens_q", "cu_seqlens_kv",
+                    "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
+
+
+class PreparedCall(NamedTuple):
+    """A validated call: its config, the chosen backend, and the arrays to hand it
+    (q, k, v unpacked, then the other tensor arguments in TENSOR_ARGUMENTS order)."""
+
+    cfg: Any
+    selection: Any
+    arrays: tuple
+
+
+def prepare_call(api: str, framework: str, tensors: dict, *, describe, host_copy, is_training: bool,
+                 bias_requires_grad: bool, backend, **options) -> PreparedCall:
+    """Describe, validate and select for one call; shared by the torch and JAX frontends.
+
+    describe(x, name) -> TensorMeta | None; host_copy(x) -> numpy array, or None when the
+    values are not available (a JAX tracer). `options` are the call's remaining keywords.
+    """
+    metas = {name: describe(tensors[name], name) for name in TENSOR_ARGUMENTS}
+    args = CallArguments(
+        api=api, framework=framework, tensors=(metas["q"], metas["k"], metas["v"]),
+        **{name: metas[name] for name in TENSOR_ARGUMENTS[3:]},
+        is_training=is_training, bias_requires_grad=bias_requires_grad, **options,
+    )
+    offsets = {name: tensors[name] for name in TENSOR_ARGUMENTS[6:] if tensors[name] is not None}
+    host = {name: host_copy(x) for name, x in offsets.items()}
+    host = {name: values for name, values in host.items() if values is not None}
+    infer_max_seqlens(args, host, traced=set(offsets) - set(host))
+    cfg = build_config(args)
+    unpacked = split_packed(cfg.layout, [tensors[n] for n in ("q", "k", "v") if tensors[n] is not None])
+    if len(host) == len(offsets):
+        totals = (unpacked[0].shape[0], unpacked[1].shape[0]) if cfg.layout.is_ragged else (None, None)
+        check_sequence_values(args, cfg, host, *totals)
+    selection = select_backend(cfg, backend, call_lines=args.call_lines)
+    return PreparedCall(cfg, selection, (*unpacked, *(tensors[n] for n in TENSOR_ARGUMENTS[3:])))

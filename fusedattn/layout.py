@@ -192,7 +192,8 @@ def check_cu_seqlens(argument: str, cu_seqlens: np.ndarray, total_tokens: int,
         return int(lengths.max(initial=0))
     padded = np.asarray(padded_offsets).astype(np.int64)
     if padded.shape != cu.shape:
-        raise ValueError(f"{padded_argument}: expected shape {tuple(cu.shape)} like {argument}, got {tuple(padded.shape)}")
+        raise ValueError(f"{padded_argument}: expected shape {tuple(cu.shape)} like {argument}, "
+                         f"got {tuple(padded.shape)}")
     if padded[0] < 0:
         raise ValueError(f"{padded_argument}: expected offsets >= 0, got {int(padded[0])}")
     room = np.diff(padded)

@@ -14,8 +14,9 @@ import logging
 import os
 import sys
 import warnings
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Union
 
 from fusedattn.backends import BACKENDS, Backend, backend_names, get_backend
 from fusedattn.cache import LRUCache
@@ -73,8 +74,11 @@ def probe_all(cfg: AttentionConfig) -> dict[str, list[str]]:
     return {b.name: b.supports(cfg) for b in BACKENDS}
 
 
+CallLines = Sequence[str] | Callable[[], Sequence[str]]
+
+
 def _decide(cfg: AttentionConfig, forced: str | None, forced_by: str | None,
-            call_lines: Sequence[str]) -> Selection:
+            call_lines: CallLines) -> Selection:
     if forced is not None:
         reasons = get_backend(forced).supports(cfg)
         if reasons:
@@ -97,10 +101,11 @@ def _decide(cfg: AttentionConfig, forced: str | None, forced_by: str | None,
 
 
 def select_backend(cfg: AttentionConfig, backend: str | None = None, *,
-                   call_lines: Sequence[str] = ()) -> Selection:
+                   call_lines: CallLines = ()) -> Selection:
     """Choose the backend for `cfg`: the first in order with no reasons, or the forced one.
 
-    `call_lines` describe the call's tensors for the error message. Decisions are
+    `call_lines` (or a function returning them, called only on error) describe the
+    call's tensors for the error message. Decisions are
     cached per (config, forced backend); failures are not cached.
     """
     forced, forced_by = _forced_name(backend)
@@ -145,8 +150,10 @@ def _indent_reasons(table: Mapping[str, Sequence[str]], verdicts: Mapping[str, s
 
 
 def format_no_backend(title: str, cfg: AttentionConfig, table: Mapping[str, Sequence[str]],
-                      call_lines: Sequence[str] = ()) -> str:
+                      call_lines: CallLines = ()) -> str:
     """The fixed shape of a "no backend" error: call summary, attributes, then every backend's reasons."""
+    if callable(call_lines):
+        call_lines = call_lines()
     lines = [f"fusedattn: {title}"]
     lines.extend(f"  {line}" for line in call_lines)
     lines.append(f"  attributes: {cfg.summary()}")

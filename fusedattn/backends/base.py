@@ -8,8 +8,9 @@ dims, packages) are declared as class attributes and checked here once.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 from fusedattn.config import AttentionConfig
 
@@ -43,7 +44,7 @@ class AttentionInputs:
     def arrays(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "score_mod"}
 
-    def replace(self, **arrays) -> "AttentionInputs":
+    def replace(self, **arrays) -> AttentionInputs:
         return AttentionInputs(**{**self.arrays(), "score_mod": self.score_mod, **arrays})
 
 

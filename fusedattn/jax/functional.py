@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
-from fusedattn.arguments import CallArguments, TensorMeta, build_config, check_sequence_values
+from fusedattn.arguments import TensorMeta
 from fusedattn.backends import get_backend
 from fusedattn.backends.base import DIFFERENTIABLE, AttentionInputs, AttentionOutputs
-from fusedattn.frontend_common import pick_outputs
-from fusedattn.layout import split_packed
-from fusedattn.selection import select_backend
+from fusedattn.frontend_common import pick_outputs, prepare_call
 from fusedattn.xp.jax_ops import OPS
 
 __all__ = ["attention"]
@@ -116,43 +114,20 @@ def attention(
         >>> out = attention(q, k, v, mask="causal")
         >>> grads = jax.grad(lambda q: attention(q, k, v).sum())(q)
     """
-    named = {"q": q, "k": k, "v": v, "bias": bias, "alibi_slopes": alibi_slopes, "sink": sink,
-             "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_kv": cu_seqlens_kv,
-             "cu_seqlens_q_padded": cu_seqlens_q_padded, "cu_seqlens_kv_padded": cu_seqlens_kv_padded}
-    metas = {name: _meta(x, name) for name, x in named.items()}
-    args = CallArguments(
-        api=API, framework="jax", layout=layout, tensors=(metas["q"], metas["k"], metas["v"]),
-        mask=mask, window=window, bias=metas["bias"], bias_type=bias_type, bias_requires_grad=bias is not None,
-        alibi_slopes=metas["alibi_slopes"], softmax_type=softmax_type, sink=metas["sink"],
-        dropout_p=dropout_p, scale=scale,
-        cu_seqlens_q=metas["cu_seqlens_q"], cu_seqlens_kv=metas["cu_seqlens_kv"],
-        cu_seqlens_q_padded=metas["cu_seqlens_q_padded"], cu_seqlens_kv_padded=metas["cu_seqlens_kv_padded"],
-        max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv, deterministic=deterministic,
-        return_lse=return_lse, return_max_logit=return_max_logit,
+    tensors = {"q": q, "k": k, "v": v, "bias": bias, "alibi_slopes": alibi_slopes, "sink": sink,
+               "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_kv": cu_seqlens_kv,
+               "cu_seqlens_q_padded": cu_seqlens_q_padded, "cu_seqlens_kv_padded": cu_seqlens_kv_padded}
+    call = prepare_call(
+        API, "jax", tensors, describe=_meta, host_copy=lambda x: OPS.to_host(x) if _is_concrete(x) else None,
         # Whether a gradient will be taken is unknown at trace time: assume it may.
-        is_training=True, score_mod=score_mod,
+        is_training=True, bias_requires_grad=bias is not None, backend=backend,
+        layout=layout, mask=mask, window=window, bias_type=bias_type, softmax_type=softmax_type,
+        dropout_p=dropout_p, scale=scale, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
+        deterministic=deterministic, return_lse=return_lse, return_max_logit=return_max_logit,
+        score_mod=score_mod,
     )
-    offsets = {name: x for name, x in named.items() if name.startswith("cu_") and x is not None}
-    host = {name: OPS.to_host(x) for name, x in offsets.items() if _is_concrete(x)}
-    if str(layout) in ("thd", "t3hd", "thd_t2hd"):
-        for side in ("q", "kv"):
-            name = f"cu_seqlens_{side}"
-            if getattr(args, f"max_seqlen_{side}") is None and name in offsets:
-                if name not in host:
-                    raise ValueError(f"{API}: max_seqlen_{side}: expected a static int when {name} is traced "
-                                     "(under jit), got None")
-                lengths = host[name][1:] - host[name][:-1]
-                setattr(args, f"max_seqlen_{side}", int(lengths.max(initial=0)) if lengths.size else 0)
-    cfg = build_config(args)
-    unpacked = split_packed(cfg.layout, [x for x in (q, k, v) if x is not None])
-    totals = (unpacked[0].shape[0], unpacked[1].shape[0]) if cfg.layout.is_ragged else (None, None)
-    if len(host) == len(offsets):
-        check_sequence_values(args, cfg, host, *totals)
-    selection = select_backend(cfg, backend, call_lines=args.call_lines())
     seed = offset = None
-    if cfg.dropout_p > 0.0:
+    if call.cfg.dropout_p > 0.0:
         seed, offset = _dropout_state(dropout_rng, dropout_seed, dropout_offset)
-    arrays = (*unpacked, bias, alibi_slopes, sink, cu_seqlens_q, cu_seqlens_kv,
-              cu_seqlens_q_padded, cu_seqlens_kv_padded, seed, offset)
-    out, lse, max_logit = _attention(cfg, selection.name, score_mod, arrays)
-    return pick_outputs(cfg, out, lse, max_logit)
+    out, lse, max_logit = _attention(call.cfg, call.selection.name, score_mod, (*call.arrays, seed, offset))
+    return pick_outputs(call.cfg, out, lse, max_logit)

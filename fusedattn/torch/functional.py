@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
-from fusedattn.arguments import CallArguments, TensorMeta, build_config, check_sequence_values
-from fusedattn.frontend_common import pick_outputs
-from fusedattn.layout import split_packed
-from fusedattn.selection import select_backend
+from fusedattn.arguments import TensorMeta
+from fusedattn.frontend_common import pick_outputs, prepare_call
 from fusedattn.torch.autograd import run_attention
 from fusedattn.xp.torch_ops import OPS
 
@@ -107,44 +105,22 @@ def attention(
         >>> q = k = v = torch.randn(2, 128, 8, 64)
         >>> out = attention(q, k, v, mask="causal")
     """
-    tensors = (q, k, v)
-    named = {"q": q, "k": k, "v": v, "bias": bias, "alibi_slopes": alibi_slopes, "sink": sink,
-             "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_kv": cu_seqlens_kv,
-             "cu_seqlens_q_padded": cu_seqlens_q_padded, "cu_seqlens_kv_padded": cu_seqlens_kv_padded}
-    metas = {name: _meta(x, name) for name, x in named.items()}
-    differentiable = [x for x in (q, k, v, bias, alibi_slopes, sink) if x is not None]
-    args = CallArguments(
-        api=API, framework="torch", layout=layout, tensors=(metas["q"], metas["k"], metas["v"]),
-        mask=mask, window=window, bias=metas["bias"], bias_type=bias_type,
-        bias_requires_grad=bool(bias is not None and bias.requires_grad),
-        alibi_slopes=metas["alibi_slopes"], softmax_type=softmax_type, sink=metas["sink"],
-        dropout_p=dropout_p, scale=scale,
-        cu_seqlens_q=metas["cu_seqlens_q"], cu_seqlens_kv=metas["cu_seqlens_kv"],
-        cu_seqlens_q_padded=metas["cu_seqlens_q_padded"], cu_seqlens_kv_padded=metas["cu_seqlens_kv_padded"],
-        max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv, deterministic=deterministic,
-        return_lse=return_lse, return_max_logit=return_max_logit,
+    tensors = {"q": q, "k": k, "v": v, "bias": bias, "alibi_slopes": alibi_slopes, "sink": sink,
+               "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_kv": cu_seqlens_kv,
+               "cu_seqlens_q_padded": cu_seqlens_q_padded, "cu_seqlens_kv_padded": cu_seqlens_kv_padded}
+    differentiable = [x for x in (q, k, v, bias, alibi_slopes, sink) if isinstance(x, torch.Tensor)]
+    # One host read of the offsets checks their values and fills missing max lengths.
+    call = prepare_call(
+        API, "torch", tensors, describe=_meta, host_copy=OPS.to_host,
         is_training=torch.is_grad_enabled() and any(x.requires_grad for x in differentiable),
+        bias_requires_grad=isinstance(bias, torch.Tensor) and bias.requires_grad, backend=backend,
+        layout=layout, mask=mask, window=window, bias_type=bias_type, softmax_type=softmax_type,
+        dropout_p=dropout_p, scale=scale, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
+        deterministic=deterministic, return_lse=return_lse, return_max_logit=return_max_logit,
         score_mod=score_mod,
     )
-    host = {name: OPS.to_host(x) for name, x in named.items() if name.startswith("cu_") and x is not None}
-    if str(layout) in ("thd", "t3hd", "thd_t2hd"):
-        # Unknown max lengths come from the offsets (one host read; pass them to avoid it).
-        for side in ("q", "kv"):
-            if f"cu_seqlens_{side}" in host and getattr(args, f"max_seqlen_{side}") is None:
-                lengths = host[f"cu_seqlens_{side}"][1:] - host[f"cu_seqlens_{side}"][:-1]
-                setattr(args, f"max_seqlen_{side}", int(lengths.max(initial=0)) if lengths.size else 0)
-    cfg = build_config(args)
-    unpacked = split_packed(cfg.layout, [x for x in tensors if x is not None])
-    if cfg.layout.is_ragged:
-        totals = (unpacked[0].shape[0], unpacked[1].shape[0])
-    else:
-        totals = (None, None)
-    check_sequence_values(args, cfg, host, *totals)
-    selection = select_backend(cfg, backend, call_lines=args.call_lines())
     seed = offset = None
-    if cfg.dropout_p > 0.0:
+    if call.cfg.dropout_p > 0.0:
         seed, offset = _dropout_state(dropout_seed, dropout_offset, q)
-    arrays = (*unpacked, bias, alibi_slopes, sink, cu_seqlens_q, cu_seqlens_kv,
-              cu_seqlens_q_padded, cu_seqlens_kv_padded, seed, offset)
-    out, lse, max_logit = run_attention(cfg, selection.backend, score_mod, arrays)
-    return pick_outputs(cfg, out, lse, max_logit)
+    out, lse, max_logit = run_attention(call.cfg, call.selection.backend, score_mod, (*call.arrays, seed, offset))
+    return pick_outputs(call.cfg, out, lse, max_logit)
