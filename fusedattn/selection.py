@@ -16,7 +16,6 @@ import sys
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Union
 
 from fusedattn.backends import BACKENDS, Backend, backend_names, get_backend
 from fusedattn.cache import LRUCache
