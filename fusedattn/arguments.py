@@ -15,7 +15,8 @@ import numpy as np
 from fusedattn.config import DTYPES, AttentionConfig, BiasType, Layout, Mask, SoftmaxType
 from fusedattn.layout import check_cu_seqlens, layout_spec
 
-__all__ = ["TensorMeta", "CallArguments", "build_config", "infer_max_seqlens", "check_sequence_values",
+__all__ = ["TensorMeta", "CallArguments", "build_config", "check_offset_tensors", "infer_max_seqlens",
+           "check_sequence_values",
            "EAGER_SCORE_MOD"]
 
 INDEX_DTYPES = ("int32", "int64")
@@ -120,6 +121,9 @@ def _layout_tensors(args: CallArguments):
                 name, f"None for packed layout {args.layout!r}, which takes {', '.join(names)}",
                 "a tensor", hint=f"pass the packed tensor{'s' if len(names) > 1 else ''} only",
             )
+    for (name, _), meta in zip(spec.tensors, given):
+        if any(size < 0 for size in meta.shape) or any(size == 0 for size in meta.shape[-2:]):
+            raise args.error(name, "heads (H) and head dim (D) of at least 1", f"shape {meta.shape}")
     roles: dict[str, dict[str, int]] = {}
     metas: dict[str, TensorMeta] = {}
     for (name, axes), meta in zip(spec.tensors, given):
@@ -159,6 +163,13 @@ def _check_index(args: CallArguments, name: str, meta: TensorMeta | None, batch:
     if batch is not None and meta.shape[0] != batch + 1:
         raise args.error(name, f"B+1 = {batch + 1} offsets", f"shape {meta.shape}")
     return meta.shape[0] - 1
+
+
+def check_offset_tensors(args: CallArguments) -> None:
+    """Dtype, rank and device of the cu_seqlens tensors, checked before their values are read."""
+    q = args.tensors[0]
+    for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
+        _check_index(args, name, getattr(args, name), None, q.device if q is not None else "")
 
 
 def build_config(args: CallArguments) -> AttentionConfig:

@@ -27,7 +27,7 @@ class _Pending:
 
 class LRUCache(Generic[V]):
     def __init__(self, maxsize: int) -> None:
-        if not isinstance(maxsize, int) or maxsize < 1:
+        if not isinstance(maxsize, int) or isinstance(maxsize, bool) or maxsize < 1:
             raise ValueError(f"LRUCache: expected maxsize >= 1, got {maxsize!r}")
         self.maxsize = maxsize
         self._items: OrderedDict[Hashable, V] = OrderedDict()

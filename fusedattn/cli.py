@@ -7,7 +7,7 @@ import importlib
 import platform
 import sys
 
-from fusedattn.backends import BACKENDS
+from fusedattn.backends import BACKENDS, backend_names
 from fusedattn.config import DTYPES, AttentionConfig, BiasType, Layout, Mask, SoftmaxType
 from fusedattn.selection import explain
 
@@ -150,7 +150,7 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--deterministic", action="store_true")
     ex.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if torch sees one")
     ex.add_argument("--framework", choices=["torch", "jax"], default="torch")
-    ex.add_argument("--backend", default=None, help="force a backend by name")
+    ex.add_argument("--backend", default=None, choices=backend_names(), help="force a backend by name")
     return parser
 
 

@@ -178,7 +178,8 @@ class AttentionConfig:
         set_("dropout_p", float(self.dropout_p))
         if self.scale is None:
             set_("scale", 1.0 / math.sqrt(self.head_dim_qk))
-        elif not (isinstance(self.scale, (int, float)) and math.isfinite(self.scale) and self.scale > 0):
+        elif (isinstance(self.scale, bool) or not isinstance(self.scale, (int, float))
+              or not math.isfinite(self.scale) or self.scale <= 0):
             raise ValueError(f"scale: expected a finite float > 0, got {self.scale!r}")
         set_("scale", float(self.scale))
         if self.layout.is_ragged and not self.mask.is_padding:
@@ -248,7 +249,9 @@ class AttentionConfig:
 
     @property
     def has_window(self) -> bool:
-        return self.window[0] != UNBOUNDED or self.window[1] != UNBOUNDED
+        """A sliding window beyond what the mask itself implies (causal masks store right=0)."""
+        left, right = self.window
+        return left != UNBOUNDED or (right != UNBOUNDED and not self.mask.is_causal)
 
     @property
     def gqa_group(self) -> int:
@@ -265,9 +268,8 @@ class AttentionConfig:
             f"Hq={self.heads_q}", f"Hkv={self.heads_kv}", f"D={self.head_dim_qk}", f"Dv={self.head_dim_v}",
             f"mask={self.mask.value}",
         ]
-        left, right = self.window
-        if left != UNBOUNDED or (right != UNBOUNDED and not self.mask.is_causal):
-            parts.append(f"window=({left}, {right})")
+        if self.has_window:
+            parts.append(f"window={self.window}")
         if self.bias is not BiasType.NONE:
             parts.append(f"bias={self.bias.value}{list(self.bias_shape)}")
         if self.softmax is not SoftmaxType.VANILLA:

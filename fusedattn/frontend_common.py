@@ -4,9 +4,15 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from fusedattn.arguments import CallArguments, build_config, check_sequence_values, infer_max_seqlens
+from fusedattn.arguments import (
+    CallArguments,
+    build_config,
+    check_offset_tensors,
+    check_sequence_values,
+    infer_max_seqlens,
+)
 from fusedattn.layout import split_packed
-from fusedattn.selection import select_backend
+from fusedattn.selection import NoBackendError, select_backend
 
 __all__ = ["AttentionResult", "pick_outputs", "prepare_call", "PreparedCall", "TENSOR_ARGUMENTS"]
 
@@ -57,6 +63,7 @@ def prepare_call(api: str, framework: str, tensors: dict, *, describe, host_copy
         **{name: metas[name] for name in TENSOR_ARGUMENTS[3:]},
         is_training=is_training, bias_requires_grad=bias_requires_grad, **options,
     )
+    check_offset_tensors(args)
     offsets = {name: tensors[name] for name in TENSOR_ARGUMENTS[6:] if tensors[name] is not None}
     host = {name: host_copy(x) for name, x in offsets.items()}
     host = {name: values for name, values in host.items() if values is not None}
@@ -66,5 +73,10 @@ def prepare_call(api: str, framework: str, tensors: dict, *, describe, host_copy
     if len(host) == len(offsets):
         totals = (unpacked[0].shape[0], unpacked[1].shape[0]) if cfg.layout.is_ragged else (None, None)
         check_sequence_values(args, cfg, host, *totals)
-    selection = select_backend(cfg, backend, call_lines=args.call_lines)
+    try:
+        selection = select_backend(cfg, backend, call_lines=args.call_lines)
+    except NoBackendError:
+        raise
+    except ValueError as error:  # a bad backend name, from the argument or the environment
+        raise ValueError(f"{api}: {error}") from None
     return PreparedCall(cfg, selection, (*unpacked, *(tensors[n] for n in TENSOR_ARGUMENTS[3:])))

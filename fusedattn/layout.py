@@ -87,7 +87,7 @@ def to_bhsd(x, base):
     if base is Layout.BSHD:
         return ops.moveaxis(x, 2, 1)
     if base is Layout.SBHD:
-        return ops.moveaxis(ops.moveaxis(x, 0, 2), 0, 1)  # S B H D -> B H S D
+        return ops.moveaxis(x, 0, 2)  # S B H D -> B H S D
     if base is Layout.BHSD:
         return x
     raise ValueError(f"to_bhsd: expected layout bshd, sbhd or bhsd, got {base.value!r}")
@@ -100,7 +100,7 @@ def from_bhsd(x, base):
     if base is Layout.BSHD:
         return ops.moveaxis(x, 1, 2)
     if base is Layout.SBHD:
-        return ops.moveaxis(ops.moveaxis(x, 2, 0), 2, 1)  # B H S D -> S B H D
+        return ops.moveaxis(x, 2, 0)  # B H S D -> S B H D
     if base is Layout.BHSD:
         return x
     raise ValueError(f"from_bhsd: expected layout bshd, sbhd or bhsd, got {base.value!r}")

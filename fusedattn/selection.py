@@ -111,17 +111,33 @@ def select_backend(cfg: AttentionConfig, backend: str | None = None, *,
     key = (cfg, forced)
     selection = _decisions.get(key)
     if selection is None:
-        selection = _decisions.get_or_build(key, lambda: _decide(cfg, forced, forced_by, call_lines))
-        _announce(cfg, selection)
+        def decide_and_announce() -> Selection:  # runs once per key, even under concurrent callers
+            decided = _decide(cfg, forced, forced_by, call_lines)
+            _announce(cfg, decided)
+            return decided
+
+        selection = _decisions.get_or_build(key, decide_and_announce)
     return selection
+
+
+def _stacklevel_outside_package() -> int:
+    """The warnings stacklevel of the first frame outside fusedattn: the user's call."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _announce(cfg: AttentionConfig, selection: Selection) -> None:
     """Say once per decision what was chosen; warn when a GPU call falls back to the reference."""
     if os.environ.get(ENV_LOG, "") not in ("", "0"):
+        # The variable asks for these records: let them through even where the
+        # application configured logging at WARNING; print them where nothing is configured.
+        if logger.getEffectiveLevel() > logging.INFO:
+            logger.setLevel(logging.INFO)
         if not logger.handlers and not logging.getLogger().handlers:
             logger.addHandler(logging.StreamHandler(sys.stderr))
-            logger.setLevel(logging.INFO)
         rejected = "; ".join(f"{n}: {', '.join(r)}" for n, r in selection.rejected.items())
         how = f" (forced by {selection.forced_by})" if selection.forced_by else ""
         logger.info("fusedattn: %s -> %s%s; others: %s", cfg.summary(), selection.name, how, rejected or "-")
@@ -130,7 +146,7 @@ def _announce(cfg: AttentionConfig, selection: Selection) -> None:
         warnings.warn(
             f"fusedattn: no fused backend supports this call, so it runs on the unfused reference "
             f"(slow, memory-hungry). {reasons}. Run fusedattn.explain(cfg) for the full table.",
-            RuntimeWarning, stacklevel=4,
+            RuntimeWarning, stacklevel=_stacklevel_outside_package(),
         )
 
 
@@ -185,8 +201,11 @@ def explain(cfg: AttentionConfig, backend: str | None = None) -> str:
             verdicts[name] = f"supported (not used: {chosen} comes first)"
     lines = [f"config: {cfg.summary()}"]
     if chosen is None:
-        what = f"backend {forced!r} (forced by {forced_by})" if forced else "no backend"
-        lines.append(f"selected: none; {what} cannot run this call, which raises NoBackendError")
+        if forced:
+            lines.append(f"selected: none; backend {forced!r} (forced by {forced_by}) cannot run this call, "
+                         "which raises NoBackendError")
+        else:
+            lines.append("selected: none; no backend can run this call, which raises NoBackendError")
     else:
         lines.append(f"selected: {chosen}")
     lines.append("backends (in selection order):")

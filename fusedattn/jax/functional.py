@@ -69,7 +69,18 @@ def _dropout_state(rng, seed, offset):
         return bits[0], bits[1]
     if seed is None:
         raise ValueError(f"{API}: dropout_rng: expected a PRNG key (or dropout_seed) when dropout_p > 0, got None")
-    return jnp.asarray(seed).astype(jnp.uint32), jnp.asarray(offset).astype(jnp.uint32)
+    return _uint32_scalar("dropout_seed", seed), _uint32_scalar("dropout_offset", offset)
+
+
+def _uint32_scalar(name: str, value):
+    """An integer (Python or a one-element integer array) as a uint32 scalar, modulo 2**32."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return jnp.uint32(value % 2**32)
+    dtype = getattr(value, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.integer) or getattr(value, "size", 0) != 1:
+        got = f"an array of shape {tuple(value.shape)}, dtype {dtype}" if dtype is not None else repr(value)
+        raise ValueError(f"{API}: {name}: expected an int or a one-element integer array, got {got}")
+    return jnp.reshape(value, ()).astype(jnp.uint32)
 
 
 def attention(

@@ -141,7 +141,13 @@ def attention_bhsd(ops, cfg: AttentionConfig, q, k, v, *, bias=None, alibi_slope
     has_mass = denominator > 0
     safe = ops.where(has_mass, denominator, 1.0)
     p = e / safe
-    lse = ops.where(has_mass, ops.log(safe) + m, NEG_INF)[..., 0]
+    lse = ops.where(has_mass, ops.log(safe) + m, NEG_INF)
+    if seqlens_q is not None:
+        # Rows past a sequence's end are not queries: no output, no sink mass, lse -inf.
+        is_query = q_idx < len_q
+        p = ops.where(is_query, p, 0.0)
+        lse = ops.where(is_query, lse, NEG_INF)
+    lse = lse[..., 0]
 
     if cfg.dropout_p > 0.0:
         keep = dropout_keep(ops, dropout_seed, dropout_offset, p.shape, cfg.dropout_p)
