@@ -18,10 +18,11 @@ demo: $(VENV)/.installed
 	$(PY) examples/demo.py
 
 test: $(VENV)/.installed
+	$(PY) -m ruff check fusedattn tests examples
 	$(PY) -m pytest -q tests
 
 lint: $(VENV)/.installed
-	$(PY) -m ruff check fusedattn tests bench examples
+	$(PY) -m ruff check fusedattn tests examples
 
 # On a GPU machine: the tests marked gpu, summary for bench/results.
 gpu-test:
