@@ -36,6 +36,7 @@ class LRUCache(Generic[V]):
         self.hits = 0
         self.misses = 0
         self.builds = 0
+        self._generation = 0  # bumped by clear(): builds started before it are not kept
 
     def __len__(self) -> int:
         with self._lock:
@@ -70,6 +71,7 @@ class LRUCache(Generic[V]):
                 return self._items[key]
             pending = self._pending.get(key)
             owner = pending is None
+            generation = self._generation
             if owner:
                 pending = self._pending[key] = _Pending()
                 self.misses += 1
@@ -89,14 +91,17 @@ class LRUCache(Generic[V]):
         pending.value = value
         with self._lock:
             self.builds += 1
-            self._insert(key, value)
+            if generation == self._generation:
+                self._insert(key, value)
             del self._pending[key]
         pending.done.set()
         return value
 
     def clear(self) -> None:
+        """Drop every entry; builds in progress still answer their callers but are not kept."""
         with self._lock:
             self._items.clear()
+            self._generation += 1
 
     def keys(self) -> list:
         with self._lock:

@@ -259,3 +259,23 @@ def test_many_threads_many_keys_stay_within_bound():
     assert errors == []
     assert len(cache) == 8 and len(cache) <= cache.maxsize
     assert counts == {key: 1 for key in range(8)}  # 8 keys fit in 16: each built exactly once
+
+
+def test_clear_during_a_build_drops_its_result():
+    started, release = threading.Event(), threading.Event()
+    cache = LRUCache(4)
+
+    def slow_build():
+        started.set()
+        release.wait(5)
+        return "stale"
+
+    results = []
+    worker = threading.Thread(target=lambda: results.append(cache.get_or_build("k", slow_build)))
+    worker.start()
+    assert started.wait(5)
+    cache.clear()
+    release.set()
+    worker.join(5)
+    assert results == ["stale"]  # the caller still gets its value
+    assert "k" not in cache  # but the cleared cache does not keep it
