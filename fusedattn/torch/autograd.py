@@ -15,6 +15,7 @@ ARRAY_NAMES = ("q", "k", "v", "bias", "alibi_slopes", "sink", "cu_seqlens_q", "c
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, cfg, backend, score_mod, *arrays):
+        ctx.set_materialize_grads(False)  # unused outputs give None: backends skip their terms
         inputs = AttentionInputs(**dict(zip(ARRAY_NAMES, arrays)), score_mod=score_mod)
         outputs, saved = backend.forward(cfg, inputs)
         ctx.cfg, ctx.backend, ctx.score_mod, ctx.saved = cfg, backend, score_mod, saved

@@ -1,17 +1,42 @@
-"""cuDNN frontend graphs. Declares its capabilities now; the graphs come in a later release."""
+"""cuDNN frontend graphs: dense layouts, causal masks and windows, bias, sinks, dropout, GQA.
+
+Support is proven by building: `supports(cfg)` builds the forward graph (and the
+backward graph for training) with the run's attributes and caches them; the run uses
+those graphs. The cudnn and torch imports happen only once the cheap rules pass.
+"""
+
+from __future__ import annotations
 
 from fusedattn.backends.base import Backend
+from fusedattn.backends.cudnn.spec import unsupported
 
 
 class CudnnBackend(Backend):
     name = "cudnn"
-    frameworks = ("torch", "jax")
+    frameworks = ("torch",)
     devices = ("cuda",)
     dtypes = ("float16", "bfloat16")
     max_head_dim = 256
     head_dim_multiple = 8
-    implemented = False
     packages = (("cudnn", "nvidia-cudnn-frontend"),)
+
+    def _reasons(self, cfg):
+        reasons = unsupported(cfg)
+        if reasons:
+            return reasons
+        from fusedattn.backends.cudnn.runtime import probe
+
+        return probe(cfg)
+
+    def forward(self, cfg, inputs):
+        from fusedattn.backends.cudnn.torch_run import forward
+
+        return forward(cfg, inputs), None
+
+    def backward(self, cfg, inputs, saved, outputs, grad_out, grad_lse=None):
+        from fusedattn.backends.cudnn.torch_run import backward
+
+        return backward(cfg, inputs, outputs, grad_out, grad_lse)
 
 
 __all__ = ["CudnnBackend"]

@@ -1,0 +1,98 @@
+"""Running built cuDNN graphs on torch tensors: handles per device and thread, the graph
+cache, and binding buffers on torch's current stream."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import cudnn
+import torch
+
+from fusedattn.backends.cudnn.graphs import BuiltGraph, GraphBuildError, build_backward, build_forward
+from fusedattn.backends.cudnn.spec import TensorSpec, sdpa_spec
+from fusedattn.cache import LRUCache
+from fusedattn.config import AttentionConfig
+
+ENV_CACHE_SIZE = "FUSEDATTN_CUDNN_CACHE_SIZE"
+_graphs: LRUCache = LRUCache(int(os.environ.get(ENV_CACHE_SIZE, "256")))
+_build_locks: dict[int, threading.Lock] = {}
+_locks_guard = threading.Lock()
+_local = threading.local()
+
+
+def graph_cache() -> LRUCache:
+    return _graphs
+
+
+def _handle(device: int):
+    """This thread's cuDNN handle for `device`, bound to torch's current stream there."""
+    handles = getattr(_local, "handles", None)
+    if handles is None:
+        handles = _local.handles = {}
+    if device not in handles:
+        with torch.cuda.device(device):
+            handles[device] = cudnn.create_handle()
+    handle = handles[device]
+    cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream(device).cuda_stream)
+    return handle
+
+
+def _build_lock(device: int) -> threading.Lock:
+    # cuDNN handles and graph builds are not thread-safe: builds on one device take turns.
+    with _locks_guard:
+        return _build_locks.setdefault(device, threading.Lock())
+
+
+def get_graph(cfg: AttentionConfig, direction: str, device: int) -> BuiltGraph:
+    """The built forward or backward graph of cfg on `device`, built once and cached."""
+    def build() -> BuiltGraph:
+        with _build_lock(device), torch.cuda.device(device):
+            builder = build_forward if direction == "forward" else build_backward
+            return builder(cfg, sdpa_spec(cfg), _handle(device))
+
+    return _graphs.get_or_build((cfg, direction, device), build)
+
+
+def probe(cfg: AttentionConfig) -> list[str]:
+    """Build what the run will use on the current device; reasons when cuDNN declines."""
+    if not torch.cuda.is_available():
+        return ["no CUDA device visible to torch"]
+    device = torch.cuda.current_device()
+    directions = ("forward", "backward") if cfg.is_training else ("forward",)
+    for direction in directions:
+        try:
+            get_graph(cfg, direction, device)
+        except GraphBuildError as error:
+            return [f"cuDNN {cudnn.backend_version()}: {error} ({_relevant(cfg)})"]
+    return []
+
+
+def _relevant(cfg: AttentionConfig) -> str:
+    """The config fields cuDNN's support rules look at, for the reason text."""
+    return (f"dtype={cfg.dtype} B={cfg.batch} Sq={cfg.seqlen_q} Skv={cfg.seqlen_kv} Hq={cfg.heads_q} "
+            f"Hkv={cfg.heads_kv} D={cfg.head_dim_qk} Dv={cfg.head_dim_v} mask={cfg.mask.value} "
+            f"window={cfg.window} bias={cfg.bias.value} softmax={cfg.softmax.value} dropout_p={cfg.dropout_p} "
+            f"deterministic={cfg.deterministic}")
+
+
+def as_layout(x: torch.Tensor, spec: TensorSpec, view_bhsd) -> torch.Tensor:
+    """x viewed as (B, H, S, D) with the graph's strides; copied into them when it has others."""
+    view = view_bhsd(x)
+    if tuple(view.stride()) == spec.stride or view.numel() == 0:
+        return view
+    out = torch.empty_strided(spec.dim, spec.stride, dtype=x.dtype, device=x.device)
+    out.copy_(view)
+    return out
+
+
+def empty_like_spec(spec: TensorSpec, dtype, device) -> torch.Tensor:
+    return torch.empty_strided(spec.dim, spec.stride, dtype=dtype, device=device)
+
+
+def execute(built: BuiltGraph, buffers: dict, device: int) -> None:
+    """Run a graph with {our name: tensor} on torch's current stream."""
+    handle = _handle(device)
+    pack = {built.tensors[name]: tensor for name, tensor in buffers.items() if name in built.tensors}
+    workspace = torch.empty(max(built.workspace, 1), dtype=torch.uint8, device=device)
+    built.graph.execute(pack, workspace, handle=handle)

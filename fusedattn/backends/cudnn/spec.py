@@ -1,0 +1,129 @@
+"""What the cuDNN graphs of a config look like, as plain data (no cudnn import).
+
+Keeping the description separate from the cudnn calls lets CPU tests check the
+mapping from our vocabulary (layouts, windows, alignment, bias) to cuDNN's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fusedattn.config import UNBOUNDED, AttentionConfig, BiasType, Layout, SoftmaxType
+
+__all__ = ["TensorSpec", "SdpaSpec", "sdpa_spec", "unsupported", "layout_strides", "gradient_spec"]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A graph tensor in cuDNN's (B, H, S, D) dim order with the strides of its memory."""
+
+    dim: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+# For each base layout: the memory order of (B, H, S, D) as the permutation that takes
+# the memory shape to BHSD.
+_MEMORY = {Layout.BSHD: "BSHD", Layout.SBHD: "SBHD", Layout.BHSD: "BHSD"}
+
+
+def layout_strides(cfg: AttentionConfig, role: str) -> TensorSpec:
+    """Dims (B, H, S, D) and strides of q/k/v/o as a contiguous tensor of cfg's layout would have them.
+
+    Packed layouts interleave q, k, v (or k, v) along their packing axis, so each slice
+    strides over the whole pack.
+    """
+    heads = cfg.heads_q if role in ("q", "o") else cfg.heads_kv
+    seqlen = cfg.seqlen_q if role in ("q", "o") else cfg.seqlen_kv
+    head_dim = cfg.head_dim_v if role in ("v", "o") else cfg.head_dim_qk
+    sizes = {"B": cfg.batch, "S": seqlen, "H": heads, "D": head_dim}
+    name = cfg.layout.value
+    packed_qkv = name in ("bs3hd", "sb3hd")
+    packed_kv = name in ("bshd_bs2hd", "sbhd_sb2hd") and role in ("k", "v")
+    base = "BSHD" if name.startswith("bs") else "SBHD" if name.startswith("sb") else _MEMORY[cfg.layout]
+    if role != "o" and (packed_qkv or packed_kv):
+        count = 3 if packed_qkv else 2
+        memory = base[:2] + "P" + base[2:]  # e.g. B S P H D with P the pack of 3 or 2
+        shape = tuple(count if a == "P" else sizes[a] for a in memory)
+        strides = dict(zip(memory, _contiguous(shape)))
+    else:
+        strides = dict(zip(base, _contiguous(tuple(sizes[a] for a in base))))
+    return TensorSpec(tuple(sizes[a] for a in "BHSD"), tuple(strides[a] for a in "BHSD"))
+
+
+def gradient_spec(spec: TensorSpec) -> TensorSpec:
+    """A dense tensor with spec's axis order: gradients of packed inputs are not packed."""
+    order = sorted(range(len(spec.dim)), key=lambda axis: -spec.stride[axis])  # outermost first
+    strides, step = [0] * len(spec.dim), 1
+    for axis in reversed(order):
+        strides[axis] = step
+        step *= max(spec.dim[axis], 1)
+    return TensorSpec(spec.dim, tuple(strides))
+
+
+@dataclass(frozen=True)
+class SdpaSpec:
+    """The sdpa / sdpa_backward attributes for a config, in cuDNN's terms."""
+
+    q: TensorSpec
+    k: TensorSpec
+    v: TensorSpec
+    o: TensorSpec
+    stats: TensorSpec
+    bias: TensorSpec | None
+    top_left: bool
+    right_bound: int | None  # diagonal_band_right_bound: keys j <= i + R stay
+    left_bound: int | None  # diagonal_band_left_bound: keys j <= i - L are masked
+    sink: bool
+    dropout: bool
+    max_logit: bool
+
+
+def sdpa_spec(cfg: AttentionConfig) -> SdpaSpec:
+    """cuDNN's description of a dense (non-THD) call."""
+    left, right = cfg.window
+    # With Sq == Skv both diagonals coincide; top-left is the form cuDNN supports most widely.
+    top_left = not cfg.diagonal_bottom_right or (cfg.seqlen_q == cfg.seqlen_kv and not cfg.mask.is_padding)
+    bias = None
+    if cfg.bias in (BiasType.PRE_SCALE, BiasType.POST_SCALE):
+        b, h, sq, skv = cfg.bias_shape
+        full = (b, h, cfg.seqlen_q, cfg.seqlen_kv)
+        strides = _contiguous((b, h, sq, skv))
+        # Broadcast sequence axes read the same element again: stride 0.
+        stride = tuple(0 if size == 1 and want > 1 else s for size, want, s in zip((b, h, sq, skv), full, strides))
+        bias = TensorSpec(full, stride)
+    stats_dim = (cfg.batch, cfg.heads_q, cfg.seqlen_q, 1)
+    return SdpaSpec(
+        q=layout_strides(cfg, "q"), k=layout_strides(cfg, "k"), v=layout_strides(cfg, "v"),
+        o=layout_strides(cfg, "o"), stats=TensorSpec(stats_dim, _contiguous(stats_dim)), bias=bias,
+        top_left=top_left,
+        right_bound=None if right == UNBOUNDED else right,
+        left_bound=None if left == UNBOUNDED else left + 1,
+        sink=cfg.softmax is not SoftmaxType.VANILLA,
+        dropout=cfg.dropout_p > 0.0,
+        max_logit=cfg.return_max_logit,
+    )
+
+
+def unsupported(cfg: AttentionConfig) -> list[str]:
+    """Rules this backend knows without building: features it does not map to cuDNN (yet)."""
+    reasons = []
+    if cfg.layout.is_ragged or cfg.mask.is_padding:
+        reasons.append(f"layout {cfg.layout.value} / mask {cfg.mask.value}: THD and padding masks "
+                       "are not wired to cuDNN in this version")
+    if cfg.bias is BiasType.ALIBI:
+        reasons.append("alibi: cuDNN's built-in ALiBi generates its own slopes; user slopes are not supported")
+    if cfg.bias is BiasType.PRE_SCALE:
+        reasons.append("bias_type=pre_scale: cuDNN adds the bias after scaling; use post_scale")
+    if cfg.score_mod_key is not None:
+        reasons.append("score_mod: Python callables on the score matrix run on the reference only")
+    if cfg.seqlen_q == 0 or cfg.seqlen_kv == 0:
+        reasons.append(f"Sq={cfg.seqlen_q}, Skv={cfg.seqlen_kv}: empty sequences")
+    return reasons

@@ -1,0 +1,207 @@
+"""The cuDNN backend against the reference, forward and every gradient, on a GPU.
+
+Error rule (STYLE 15): cuDNN's error against a float64 computation must stay within a
+small multiple of the same-dtype reference's own error (the reference computes in float32
+and rounds once to the I/O dtype).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("cudnn")
+
+import fusedattn  # noqa: E402
+import fusedattn.torch as fat  # noqa: E402
+from fusedattn.backends import get_backend  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+FACTOR = 4.0  # cuDNN rounds P to the I/O dtype before P @ V; the reference does not
+ATOL = {torch.bfloat16: 2e-3, torch.float16: 3e-4}
+
+DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _pack(layout, q, k, v):
+    """(tensors to pass, which leaf tensors get gradients) for a layout, from bshd q, k, v."""
+    if layout == "bshd":
+        return (q, k, v), (q, k, v)
+    if layout == "sbhd":
+        return tuple(x.transpose(0, 1).contiguous() for x in (q, k, v)), None
+    if layout == "bhsd":
+        return tuple(x.transpose(1, 2).contiguous() for x in (q, k, v)), None
+    if layout == "bs3hd":
+        return (torch.stack([q, k, v], dim=2),), None
+    if layout == "sb3hd":
+        return (torch.stack([q, k, v], dim=2).transpose(0, 1).contiguous(),), None
+    if layout == "bshd_bs2hd":
+        return (q, torch.stack([k, v], dim=2)), None
+    if layout == "sbhd_sb2hd":
+        return (q.transpose(0, 1).contiguous(), torch.stack([k, v], dim=2).transpose(0, 1).contiguous()), None
+    raise ValueError(layout)
+
+
+def run(backend, tensors, options, grad_seed=7, max_logit=False):
+    """Forward (with lse and max_logit) and gradients of every tensor that requires one."""
+    leaves = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in tensors]
+    extra = {}
+    for name in ("bias", "sink"):
+        if options.get(name) is not None:
+            extra[name] = options[name].detach().clone().requires_grad_(True)
+    opts = {**options, **extra}
+    result = fat.attention(*leaves, backend=backend, return_lse=True, return_max_logit=max_logit, **opts)
+    gen = torch.Generator(device="cuda").manual_seed(grad_seed)
+    grad = torch.randn(result.out.shape, generator=gen, device="cuda", dtype=torch.float32)
+    result.out.float().backward(grad)
+    grads = [leaf.grad for leaf in leaves] + [extra[n].grad for n in extra]
+    return result, grads
+
+
+def assert_close_to_exact(name, got, same_dtype, exact):
+    err = (got.double() - exact.double()).abs().max().item()
+    ref_err = (same_dtype.double() - exact.double()).abs().max().item()
+    scale = exact.double().abs().max().item()
+    limit = FACTOR * ref_err + ATOL[torch.bfloat16] * max(scale, 1.0)
+    assert err <= limit, f"{name}: cuDNN error {err:.3e} > {limit:.3e} (reference's own error {ref_err:.3e})"
+
+
+def check_against_reference(tensors, options, dtype, max_logit=False):
+    cfg_reasons = None
+    try:
+        fused, fused_grads = run("cudnn", tensors, options, max_logit=max_logit)
+    except fusedattn.NoBackendError as error:
+        cfg_reasons = str(error)
+    if cfg_reasons:
+        pytest.skip("cudnn declined: " + cfg_reasons.splitlines()[-1])
+    same, same_grads = run("reference", tensors, options, max_logit=max_logit)
+    wide = {k: (v.double() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in options.items()}
+    exact, exact_grads = run("reference", [t.double() for t in tensors], wide, max_logit=max_logit)
+    assert torch.isfinite(fused.out).all()
+    assert_close_to_exact("out", fused.out, same.out, exact.out)
+    finite = torch.isfinite(exact.lse)
+    torch.testing.assert_close(fused.lse[finite], exact.lse[finite].float(), atol=2e-2, rtol=2e-3)
+    if max_logit:
+        torch.testing.assert_close(fused.max_logit, exact.max_logit.float(), atol=5e-2, rtol=1e-2)
+    for i, (g, s, e) in enumerate(zip(fused_grads, same_grads, exact_grads)):
+        assert g is not None, f"gradient {i} missing"
+        assert_close_to_exact(f"grad {i}", g, s, e)
+
+
+def make(b, sq, skv, hq, hkv, d, dv, dtype, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(b, sq, hq, d, generator=gen, device="cuda").to(dtype)
+    k = torch.randn(b, skv, hkv, d, generator=gen, device="cuda").to(dtype)
+    v = torch.randn(b, skv, hkv, dv, generator=gen, device="cuda").to(dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("layout", ["bshd", "sbhd", "bhsd", "bs3hd", "sb3hd", "bshd_bs2hd", "sbhd_sb2hd"])
+@pytest.mark.parametrize("mask", ["none", "causal"])
+def test_layouts_and_masks(dtype, layout, mask):
+    packed_all = layout in ("bs3hd", "sb3hd")
+    q, k, v = make(2, 128, 128 if packed_all else 192, 4, 4 if packed_all else 2, 64, 64, dtype)
+    tensors, _ = _pack(layout, q, k, v)
+    check_against_reference(tensors, {"layout": layout, "mask": mask}, dtype)
+
+
+@pytest.mark.parametrize("mask,sq,skv", [("causal", 96, 160), ("causal", 160, 96), ("causal_bottom_right", 96, 160),
+                                         ("causal_bottom_right", 160, 96), ("none", 96, 160)])
+def test_alignment(mask, sq, skv):
+    q, k, v = make(2, sq, skv, 4, 4, 128, 128, torch.bfloat16, seed=1)
+    check_against_reference((q, k, v), {"mask": mask}, torch.bfloat16)
+
+
+@pytest.mark.parametrize("mask,window", [("causal", (32, 0)), ("none", (16, 16)), ("none", (-1, 8)),
+                                         ("none", (24, -1)), ("causal_bottom_right", (40, 0))])
+def test_windows(mask, window):
+    q, k, v = make(2, 128, 128, 4, 4, 64, 64, torch.bfloat16, seed=2)
+    check_against_reference((q, k, v), {"mask": mask, "window": window}, torch.bfloat16)
+
+
+@pytest.mark.parametrize("hq,hkv,d,dv", [(8, 2, 128, 128), (8, 1, 64, 64), (4, 4, 192, 128), (4, 4, 256, 256),
+                                         (4, 2, 32, 32)])
+def test_heads_and_dims(hq, hkv, d, dv):
+    q, k, v = make(2, 128, 128, hq, hkv, d, dv, torch.bfloat16, seed=3)
+    check_against_reference((q, k, v), {"mask": "causal"}, torch.bfloat16)
+
+
+@pytest.mark.parametrize("shape", [(1, 4, 128, 128), (2, 1, 128, 128), (1, 1, 128, 128), (2, 4, 128, 128),
+                                   (128, 128)])
+def test_post_scale_bias(shape):
+    q, k, v = make(2, 128, 128, 4, 4, 64, 64, torch.bfloat16, seed=4)
+    bias = torch.randn(shape, device="cuda").to(torch.bfloat16)
+    check_against_reference((q, k, v), {"bias": bias}, torch.bfloat16)
+
+
+@pytest.mark.parametrize("softmax_type", ["off_by_one", "learnable"])
+@pytest.mark.parametrize("mask", ["none", "causal"])
+def test_sinks(softmax_type, mask):
+    q, k, v = make(2, 128, 128, 4, 4, 64, 64, torch.bfloat16, seed=5)
+    options = {"softmax_type": softmax_type, "mask": mask}
+    if softmax_type == "learnable":
+        options["sink"] = torch.randn(4, device="cuda")
+    check_against_reference((q, k, v), options, torch.bfloat16)
+
+
+@pytest.mark.parametrize("mask,softmax_type", [("none", "vanilla"), ("causal", "vanilla"), ("causal", "learnable")])
+def test_max_logit_and_lse(mask, softmax_type):
+    q, k, v = make(2, 128, 128, 4, 4, 64, 64, torch.bfloat16, seed=10)
+    options = {"mask": mask, "softmax_type": softmax_type}
+    if softmax_type == "learnable":
+        options["sink"] = torch.randn(4, device="cuda")
+    check_against_reference((q, k, v), options, torch.bfloat16, max_logit=True)
+
+
+def test_dropout_is_reproducible_and_drops_about_p():
+    q, k, v = make(2, 128, 128, 4, 4, 64, 64, torch.bfloat16, seed=6)
+    options = {"dropout_p": 0.25, "dropout_seed": 1234, "dropout_offset": 0}
+    first, first_grads = run("cudnn", (q, k, v), options)
+    again, again_grads = run("cudnn", (q, k, v), options)
+    assert torch.equal(first.out, again.out)
+    for a, b in zip(first_grads, again_grads):
+        assert torch.equal(a, b)
+    other, _ = run("cudnn", (q, k, v), {**options, "dropout_seed": 99})
+    assert not torch.equal(first.out, other.out)
+    # v = identity over 64 keys: out[b, i, h, j] = P_ij * keep_ij / (1 - p), zero where dropped.
+    v_eye = torch.eye(64, device="cuda").reshape(1, 64, 1, 64).expand(2, 64, 4, 64).to(torch.bfloat16).contiguous()
+    probe = fat.attention(q, k[:, :64], v_eye, backend="cudnn", dropout_p=0.25, dropout_seed=5)
+    dropped = (probe == 0).float().mean().item()
+    assert 0.2 < dropped < 0.3, dropped
+
+
+def test_deterministic_backward_is_bitwise_repeatable():
+    q, k, v = make(2, 256, 256, 8, 2, 64, 64, torch.bfloat16, seed=8)
+    _, first = run("cudnn", (q, k, v), {"mask": "causal", "deterministic": True})
+    _, again = run("cudnn", (q, k, v), {"mask": "causal", "deterministic": True})
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+
+
+def test_auto_selection_picks_cudnn_and_explain_shows_cudnn_reasons():
+    q, k, v = make(1, 64, 64, 2, 2, 64, 64, torch.bfloat16)
+    cfg = fusedattn.AttentionConfig(dtype="bfloat16", layout="bshd", batch=1, seqlen_q=64, seqlen_kv=64, heads_q=2,
+                                    heads_kv=2, head_dim_qk=64, head_dim_v=64, device="cuda", is_training=True)
+    assert fusedattn.select_backend(cfg).name == "cudnn"
+    rejected = cfg.replace(head_dim_qk=72 * 8, head_dim_v=72 * 8)  # 576 > 256: cheap rule
+    assert "head_dim_qk=576 > 256" in fusedattn.explain(rejected)
+    # A config cuDNN itself declines shows cuDNN's own message.
+    declined = cfg.replace(mask="causal_bottom_right", seqlen_q=96, seqlen_kv=64, dropout_p=0.1)
+    text = fusedattn.explain(declined)
+    assert "cudnn: rejected" in text and "cuDNN" in text, text
+
+
+def test_graphs_are_built_once_and_reused():
+    from fusedattn.backends.cudnn.runtime import graph_cache
+
+    q, k, v = make(1, 80, 80, 2, 2, 64, 64, torch.bfloat16, seed=9)
+    builds = graph_cache().builds
+    for _ in range(3):
+        fat.attention(q, k, v, mask="causal", backend="cudnn")
+    assert graph_cache().builds - builds == 1  # the forward graph, built by the probe
+
+
+def test_backend_object_reports_available():
+    assert get_backend("cudnn").availability() == []
