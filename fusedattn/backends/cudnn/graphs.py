@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import cudnn
 
-from fusedattn.backends.cudnn.spec import SdpaSpec, TensorSpec, gradient_spec
+from fusedattn.backends.cudnn.spec import SdpaSpec, TensorSpec, gradient_spec, short_reason
 from fusedattn.config import AttentionConfig
 
 __all__ = ["BuiltGraph", "build_forward", "build_backward", "GraphBuildError"]
@@ -85,18 +85,10 @@ def _finish(graph, tensors: dict, what: str) -> BuiltGraph:
         graph.check_support()
         graph.build_plans()
     except Exception as error:  # cuDNN reports declines through several exception types
-        raise GraphBuildError(f"{what} graph: {_short(error)}") from error
+        raise GraphBuildError(f"{what} graph: {short_reason(error)}") from error
     engine = getattr(graph, "selected_engine", None)
     name = "" if engine is None else getattr(engine, "name", str(engine))
     return BuiltGraph(graph, tensors, graph.get_workspace_size(), name)
-
-
-def _short(error: Exception) -> str:
-    text = str(error).strip().replace("\n", " ")
-    marker = "the backend declined:"
-    if marker in text:
-        text = text.split(marker, 1)[1].split("; python engines declined", 1)[0].strip(" ;)")
-    return f"{type(error).__name__}: {text[:400]}"
 
 
 def build_forward(cfg: AttentionConfig, spec: SdpaSpec, handle) -> BuiltGraph:

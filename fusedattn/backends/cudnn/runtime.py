@@ -10,7 +10,7 @@ import cudnn
 import torch
 
 from fusedattn.backends.cudnn.graphs import BuiltGraph, GraphBuildError, build_backward, build_forward
-from fusedattn.backends.cudnn.spec import TensorSpec, sdpa_spec
+from fusedattn.backends.cudnn.spec import TensorSpec, graph_key, sdpa_spec
 from fusedattn.cache import LRUCache
 from fusedattn.config import AttentionConfig
 
@@ -51,7 +51,7 @@ def get_graph(cfg: AttentionConfig, direction: str, device: int) -> BuiltGraph:
             builder = build_forward if direction == "forward" else build_backward
             return builder(cfg, sdpa_spec(cfg), _handle(device))
 
-    return _graphs.get_or_build((cfg, direction, device), build)
+    return _graphs.get_or_build(graph_key(cfg, direction, device), build)
 
 
 def probe(cfg: AttentionConfig) -> list[str]:

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 from fusedattn.config import UNBOUNDED, AttentionConfig, BiasType, Layout, SoftmaxType
 
-__all__ = ["TensorSpec", "SdpaSpec", "sdpa_spec", "unsupported", "layout_strides", "gradient_spec"]
+__all__ = ["TensorSpec", "SdpaSpec", "sdpa_spec", "unsupported", "layout_strides", "gradient_spec", "short_reason",
+           "graph_key"]
 
 
 @dataclass(frozen=True)
@@ -127,3 +128,19 @@ def unsupported(cfg: AttentionConfig) -> list[str]:
     if cfg.seqlen_q == 0 or cfg.seqlen_kv == 0:
         reasons.append(f"Sq={cfg.seqlen_q}, Skv={cfg.seqlen_kv}: empty sequences")
     return reasons
+
+
+def short_reason(error: Exception) -> str:
+    """cuDNN's own words for a decline, without the list of Python engines that also declined."""
+    text = " ".join(str(error).split())
+    marker = "the backend declined:"
+    if marker in text:
+        text = text.split(marker, 1)[1].split("; python engines declined", 1)[0].strip(" ;)")
+    return f"{type(error).__name__}: {text[:400]}"
+
+
+def graph_key(cfg: AttentionConfig, direction: str, device: int) -> tuple:
+    """Cache key of a built graph: the whole config, the pass, and the GPU it was built for."""
+    if direction not in ("forward", "backward"):
+        raise ValueError(f"direction: expected 'forward' or 'backward', got {direction!r}")
+    return (cfg, direction, int(device))

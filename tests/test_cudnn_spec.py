@@ -1,0 +1,125 @@
+"""The cuDNN backend's description of a call (no cudnn needed): strides, masks, keys, reasons."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fusedattn.backends import get_backend
+from fusedattn.backends.cudnn.spec import (
+    gradient_spec,
+    graph_key,
+    layout_strides,
+    sdpa_spec,
+    short_reason,
+    unsupported,
+)
+from fusedattn.config import AttentionConfig
+from fusedattn.layout import layout_spec, split_packed, to_bhsd
+
+PACKED_QKV = ("bs3hd", "sb3hd")
+
+
+def cfg_for(layout="bshd", **changes):
+    same = layout in PACKED_QKV
+    base = dict(dtype="bfloat16", layout=layout, batch=2, seqlen_q=5, seqlen_kv=5 if same else 7, heads_q=4,
+                heads_kv=4 if same else 2, head_dim_qk=8, head_dim_v=8, device="cuda")
+    return AttentionConfig(**{**base, **changes})
+
+
+@pytest.mark.parametrize("layout", ["bshd", "sbhd", "bhsd", "bs3hd", "sb3hd", "bshd_bs2hd", "sbhd_sb2hd"])
+def test_strides_match_real_tensors_of_the_layout(layout):
+    cfg = cfg_for(layout)
+    sizes = {"B": cfg.batch, "D": 8, "3": 3, "2": 2}
+    tensors = []
+    for name, axes in layout_spec(layout).tensors:
+        query = name.startswith("q")
+        dims = {**sizes, "S": cfg.seqlen_q if query else cfg.seqlen_kv, "H": cfg.heads_q if query else cfg.heads_kv}
+        tensors.append(torch.empty([dims[a] for a in axes]))
+    for role, x in zip("qkv", split_packed(layout, tensors)):
+        view = to_bhsd(x, layout_spec(layout).base)
+        spec = layout_strides(cfg, role)
+        assert (tuple(view.shape), view.stride()) == (spec.dim, spec.stride)
+    out = layout_strides(cfg, "o")
+    contiguous = to_bhsd(torch.empty(out.dim).movedim(1, 2).contiguous(), "bshd") if layout.startswith("bs") else None
+    if contiguous is not None:
+        assert contiguous.stride() == out.stride
+
+
+@pytest.mark.parametrize("layout", ["bs3hd", "sb3hd", "bshd_bs2hd"])
+def test_gradients_are_dense_in_the_same_axis_order(layout):
+    cfg = cfg_for(layout)
+    for role in "qkv":
+        packed = layout_strides(cfg, role)
+        dense = gradient_spec(packed)
+        order = sorted(range(4), key=lambda a: -packed.stride[a])
+        assert sorted(range(4), key=lambda a: -dense.stride[a]) == order
+        numel = 1
+        for size in dense.dim:
+            numel *= size
+        assert sum(s * (d - 1) for s, d in zip(dense.stride, dense.dim)) + 1 == numel  # no gaps
+
+
+@pytest.mark.parametrize("mask,window,sq,skv,top_left,right,left", [
+    ("none", (-1, -1), 5, 7, False, None, None),  # no bounds: the alignment is not used
+    ("causal", (-1, -1), 5, 7, True, 0, None),
+    ("causal", (3, 0), 5, 7, True, 0, 4),  # left bound L masks j <= i - L: a window of 3 keeps 3 earlier keys
+    ("causal_bottom_right", (-1, -1), 5, 7, False, 0, None),
+    ("causal_bottom_right", (-1, -1), 6, 6, True, 0, None),  # equal lengths: the diagonals coincide
+    ("none", (2, 2), 5, 7, False, 2, 3),  # non-causal windows align bottom-right
+    ("none", (2, 2), 6, 6, True, 2, 3),
+])
+def test_masks_and_windows_map_to_cudnn_bounds(mask, window, sq, skv, top_left, right, left):
+    spec = sdpa_spec(cfg_for(mask=mask, window=window, seqlen_q=sq, seqlen_kv=skv))
+    assert (spec.top_left, spec.right_bound, spec.left_bound) == (top_left, right, left)
+
+
+def test_bias_broadcast_axes_get_stride_zero():
+    spec = sdpa_spec(cfg_for(bias="post_scale", bias_shape=(1, 4, 1, 7)))
+    assert spec.bias.dim == (1, 4, 5, 7)
+    assert spec.bias.stride[2] == 0 and spec.bias.stride[3] == 1
+
+
+@pytest.mark.parametrize("changes,needle", [
+    (dict(layout="thd", mask="padding"), "THD and padding"),
+    (dict(bias="alibi", bias_shape=(4,)), "alibi"),
+    (dict(bias="pre_scale", bias_shape=(1, 1, 5, 7)), "pre_scale"),
+    (dict(score_mod_key=("eager-callable",)), "score_mod"),
+])
+def test_unsupported_features_give_reasons(changes, needle):
+    reasons = unsupported(cfg_for(**changes))
+    assert reasons and needle in " ".join(reasons)
+    assert unsupported(cfg_for()) == []
+
+
+def test_graph_keys_come_from_the_config():
+    a, b = cfg_for(), cfg_for()
+    assert graph_key(a, "forward", 0) == graph_key(b, "forward", 0)
+    assert hash(graph_key(a, "forward", 0)) == hash(graph_key(b, "forward", 0))
+    different = {graph_key(a, "forward", 0), graph_key(a, "backward", 0), graph_key(a, "forward", 1),
+                 graph_key(cfg_for(scale=0.5), "forward", 0), graph_key(cfg_for(dropout_p=0.1), "forward", 0),
+                 graph_key(cfg_for(deterministic=True), "forward", 0)}
+    assert len(different) == 6
+    with pytest.raises(ValueError, match="direction"):
+        graph_key(a, "sideways", 0)
+
+
+def test_short_reason_keeps_cudnns_words_and_drops_engine_noise():
+    class cudnnGraphNotSupportedError(Exception):
+        pass
+
+    error = cudnnGraphNotSupportedError(
+        "no engine — python or backend — proposed a plan for this graph (the backend declined: "
+        "Bottom right causal mask does not support max_s_q > max_s_kv; python engines declined: "
+        "sdpa_fwd_sm90: requires the cutedsl extra)")
+    assert short_reason(error) == ("cudnnGraphNotSupportedError: Bottom right causal mask does not support "
+                                   "max_s_q > max_s_kv")
+    assert short_reason(ValueError("line one\n  line two")) == "ValueError: line one line two"
+
+
+def test_backend_without_the_package_says_so(monkeypatch):
+    import fusedattn.backends.base as base
+
+    monkeypatch.setattr(base, "package_missing", lambda name: name == "cudnn")
+    reasons = get_backend("cudnn").supports(cfg_for())
+    assert reasons == ["package nvidia-cudnn-frontend not installed (import cudnn)"]
