@@ -18,11 +18,11 @@ demo: $(VENV)/.installed
 	$(PY) examples/demo.py
 
 test: $(VENV)/.installed
-	$(PY) -m ruff check fusedattn tests examples
+	$(PY) -m ruff check fusedattn tests examples bench
 	$(PY) -m pytest -q tests
 
 lint: $(VENV)/.installed
-	$(PY) -m ruff check fusedattn tests examples
+	$(PY) -m ruff check fusedattn tests examples bench
 
 # On a GPU machine: the tests marked gpu, summary for bench/results.
 gpu-test:

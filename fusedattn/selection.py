@@ -29,6 +29,18 @@ DECISION_CACHE_SIZE = 4096
 
 logger = logging.getLogger("fusedattn")
 _decisions: LRUCache = LRUCache(DECISION_CACHE_SIZE)
+# Frontends remember (config, selection) per call signature (shapes, dtypes, options) so a
+# repeated call skips validation and config building; cleared with the decisions.
+_calls: LRUCache = LRUCache(DECISION_CACHE_SIZE)
+
+
+def recall_call(signature):
+    """The (config, selection) remembered for a call signature, or None."""
+    return _calls.get(signature)
+
+
+def remember_call(signature, planned) -> None:
+    _calls.put(signature, planned)
 
 
 @dataclass(frozen=True)
@@ -153,6 +165,7 @@ def _announce(cfg: AttentionConfig, selection: Selection) -> None:
 def clear_decisions() -> None:
     """Forget cached decisions (after installing a package, or in tests)."""
     _decisions.clear()
+    _calls.clear()
 
 
 def _indent_reasons(table: Mapping[str, Sequence[str]], verdicts: Mapping[str, str] | None = None) -> list[str]:

@@ -205,3 +205,27 @@ def test_graphs_are_built_once_and_reused():
 
 def test_backend_object_reports_available():
     assert get_backend("cudnn").availability() == []
+
+
+def test_forward_and_backward_run_under_cuda_graph_capture():
+    q, k, v = make(2, 256, 256, 8, 2, 64, 64, torch.bfloat16, seed=11)
+    q, k, v = (x.clone().requires_grad_(True) for x in (q, k, v))
+    grad = torch.randn(2, 256, 8, 64, device="cuda").to(torch.bfloat16)
+
+    def step():
+        out = fat.attention(q, k, v, mask="causal", backend="cudnn")
+        return torch.autograd.grad(out, (q, k, v), grad)
+
+    expected = step()  # eager, which also builds and caches the graphs before capture
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up on the capture stream
+    torch.cuda.current_stream().wait_stream(side)
+    cuda_graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(cuda_graph):
+        captured = step()
+    cuda_graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip(captured, expected):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)

@@ -10,7 +10,7 @@ import cudnn
 import torch
 
 from fusedattn.backends.cudnn.graphs import BuiltGraph, GraphBuildError, build_backward, build_forward
-from fusedattn.backends.cudnn.spec import TensorSpec, graph_key, sdpa_spec
+from fusedattn.backends.cudnn.spec import graph_key, sdpa_spec
 from fusedattn.cache import LRUCache
 from fusedattn.config import AttentionConfig
 
@@ -74,20 +74,6 @@ def _relevant(cfg: AttentionConfig) -> str:
             f"Hkv={cfg.heads_kv} D={cfg.head_dim_qk} Dv={cfg.head_dim_v} mask={cfg.mask.value} "
             f"window={cfg.window} bias={cfg.bias.value} softmax={cfg.softmax.value} dropout_p={cfg.dropout_p} "
             f"deterministic={cfg.deterministic}")
-
-
-def as_layout(x: torch.Tensor, spec: TensorSpec, view_bhsd) -> torch.Tensor:
-    """x viewed as (B, H, S, D) with the graph's strides; copied into them when it has others."""
-    view = view_bhsd(x)
-    if tuple(view.stride()) == spec.stride or view.numel() == 0:
-        return view
-    out = torch.empty_strided(spec.dim, spec.stride, dtype=x.dtype, device=x.device)
-    out.copy_(view)
-    return out
-
-
-def empty_like_spec(spec: TensorSpec, dtype, device) -> torch.Tensor:
-    return torch.empty_strided(spec.dim, spec.stride, dtype=dtype, device=device)
 
 
 def execute(built: BuiltGraph, buffers: dict, device: int) -> None:

@@ -1,21 +1,70 @@
-"""Forward and backward of the cuDNN backend on torch tensors (on torch's current stream)."""
+"""Forward and backward of the cuDNN backend on torch tensors (on torch's current stream).
+
+Everything that depends only on the config (strides, permutations, output shapes) is
+computed once per config in a `_Plan`, so a call does little more than allocate the
+outputs and execute the built graph.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from fusedattn.backends.base import AttentionInputs, AttentionOutputs
-from fusedattn.backends.cudnn.runtime import as_layout, empty_like_spec, execute, get_graph
-from fusedattn.backends.cudnn.spec import SdpaSpec, gradient_spec, sdpa_spec
-from fusedattn.config import AttentionConfig, SoftmaxType
-from fusedattn.layout import from_bhsd, layout_spec, to_bhsd
+from fusedattn.backends.cudnn.runtime import execute, get_graph
+from fusedattn.backends.cudnn.spec import SdpaSpec, TensorSpec, gradient_spec, sdpa_spec
+from fusedattn.cache import LRUCache
+from fusedattn.config import AttentionConfig, Layout, SoftmaxType
+from fusedattn.layout import layout_spec
+
+# Axis permutation taking a base-layout tensor to (B, H, S, D), and back.
+_TO_BHSD = {Layout.BSHD: (0, 2, 1, 3), Layout.SBHD: (1, 2, 0, 3), Layout.BHSD: (0, 1, 2, 3)}
+_FROM_BHSD = {Layout.BSHD: (0, 2, 1, 3), Layout.SBHD: (2, 0, 1, 3), Layout.BHSD: (0, 1, 2, 3)}
 
 
-def _shared_buffers(cfg: AttentionConfig, spec: SdpaSpec, inputs: AttentionInputs) -> dict:
-    base = layout_spec(cfg.layout).base
-    view = lambda x: to_bhsd(x, base)  # noqa: E731
-    buffers = {"q": as_layout(inputs.q, spec.q, view), "k": as_layout(inputs.k, spec.k, view),
-               "v": as_layout(inputs.v, spec.v, view)}
+@dataclass(frozen=True)
+class _Plan:
+    spec: SdpaSpec
+    to_bhsd: tuple[int, ...]
+    from_bhsd: tuple[int, ...]
+    grads: dict  # role -> TensorSpec of its gradient
+
+
+_plans: LRUCache = LRUCache(1024)
+
+
+def _plan(cfg: AttentionConfig) -> _Plan:
+    def make() -> _Plan:
+        spec = sdpa_spec(cfg)
+        base = layout_spec(cfg.layout).base
+        grads = {role: gradient_spec(getattr(spec, role)) for role in ("q", "k", "v")}
+        return _Plan(spec, _TO_BHSD[base], _FROM_BHSD[base], grads)
+
+    plan = _plans.get(cfg)
+    return plan if plan is not None else _plans.get_or_build(cfg, make)
+
+
+def _bhsd(x: torch.Tensor, plan: _Plan, spec: TensorSpec) -> torch.Tensor:
+    """x viewed as (B, H, S, D) with the graph's strides; copied into them when it has others."""
+    view = x.permute(plan.to_bhsd)
+    if view.stride() == spec.stride or view.numel() == 0:
+        return view
+    out = torch.empty_strided(spec.dim, spec.stride, dtype=x.dtype, device=x.device)
+    out.copy_(view)
+    return out
+
+
+def _empty_bhsd(spec: TensorSpec, plan: _Plan, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A new tensor with spec's strides, as (base-layout view, BHSD view)."""
+    bhsd = torch.empty_strided(spec.dim, spec.stride, dtype=dtype, device=device)
+    return bhsd.permute(plan.from_bhsd), bhsd
+
+
+def _shared_buffers(cfg: AttentionConfig, plan: _Plan, inputs: AttentionInputs) -> dict:
+    spec = plan.spec
+    buffers = {"q": _bhsd(inputs.q, plan, spec.q), "k": _bhsd(inputs.k, plan, spec.k),
+               "v": _bhsd(inputs.v, plan, spec.v)}
     if spec.bias is not None:
         bias = inputs.bias.to(inputs.q.dtype).reshape(cfg.bias_shape).expand(spec.bias.dim)
         buffers["bias"] = bias if bias.stride()[2:] == spec.bias.stride[2:] else bias.contiguous()
@@ -31,24 +80,22 @@ def _shared_buffers(cfg: AttentionConfig, spec: SdpaSpec, inputs: AttentionInput
 
 
 def forward(cfg: AttentionConfig, inputs: AttentionInputs) -> AttentionOutputs:
-    device = inputs.q.device.index
-    spec = sdpa_spec(cfg)
-    base = layout_spec(cfg.layout).base
-    buffers = _shared_buffers(cfg, spec, inputs)
-    out_shape = from_bhsd(torch.empty(spec.o.dim, device="meta"), base).shape
-    out = torch.empty(out_shape, dtype=inputs.q.dtype, device=inputs.q.device)  # contiguous in the base layout
-    buffers["o"] = to_bhsd(out, base)
+    device = inputs.q.device
+    plan = _plan(cfg)
+    spec = plan.spec
+    buffers = _shared_buffers(cfg, plan, inputs)
+    out, buffers["o"] = _empty_bhsd(spec.o, plan, inputs.q.dtype, device)
     stat_names = ("row_max", "sum_exp") if spec.max_logit else ("stats",)
     for name in stat_names:
-        buffers[name] = empty_like_spec(spec.stats, torch.float32, inputs.q.device)
-    execute(get_graph(cfg, "forward", device), buffers, device)
+        buffers[name] = torch.empty(spec.stats.dim, dtype=torch.float32, device=device)
+    execute(get_graph(cfg, "forward", device.index), buffers, device.index)
     if spec.max_logit:
         row_max = buffers["row_max"]
         lse = row_max + torch.log(buffers["sum_exp"])
         max_logit = row_max.amax(dim=(0, 2, 3))
     else:
         lse = buffers["stats"]
-        max_logit = torch.empty(0, dtype=torch.float32, device=inputs.q.device)  # not requested
+        max_logit = torch.empty(0, dtype=torch.float32, device=device)  # not requested
     return AttentionOutputs(out, lse.view(cfg.batch, cfg.heads_q, cfg.seqlen_q), max_logit)
 
 
@@ -57,27 +104,24 @@ def backward(cfg: AttentionConfig, inputs: AttentionInputs, outputs: AttentionOu
         raise NotImplementedError(
             "fusedattn: the cudnn backend has no gradient through the returned lse; "
             "use backend='reference' for losses that depend on lse")
-    device = inputs.q.device.index
-    spec = sdpa_spec(cfg)
-    base = layout_spec(cfg.layout).base
-    view = lambda x: to_bhsd(x, base)  # noqa: E731
-    buffers = _shared_buffers(cfg, spec, inputs)
-    buffers["o"] = view(outputs.out)
-    if grad_out is None:  # only lse or max_logit was used
+    device = inputs.q.device
+    plan = _plan(cfg)
+    spec = plan.spec
+    buffers = _shared_buffers(cfg, plan, inputs)
+    buffers["o"] = outputs.out.permute(plan.to_bhsd)
+    if grad_out is None:  # only max_logit was used
         grad_out = torch.zeros_like(outputs.out)
-    buffers["dO"] = as_layout(grad_out, spec.o, view)
-    buffers["stats"] = outputs.lse.reshape(cfg.batch, cfg.heads_q, cfg.seqlen_q, 1)
-    built = get_graph(cfg, "backward", device)
-    grads_bhsd = {}
-    for name, role in (("dq", "q"), ("dk", "k"), ("dv", "v")):
-        shaped = gradient_spec(getattr(spec, role))
-        grads_bhsd[role] = buffers[name] = empty_like_spec(shaped, inputs.q.dtype, inputs.q.device)
+    buffers["dO"] = _bhsd(grad_out, plan, spec.o)
+    buffers["stats"] = outputs.lse.reshape(spec.stats.dim)
+    built = get_graph(cfg, "backward", device.index)
+    grads = {}
+    for role in ("q", "k", "v"):
+        grads[role], buffers["d" + role] = _empty_bhsd(plan.grads[role], plan, inputs.q.dtype, device)
     if "dbias" in built.tensors:
-        buffers["dbias"] = torch.empty(spec.bias.dim, dtype=inputs.q.dtype, device=inputs.q.device)
+        buffers["dbias"] = torch.empty(spec.bias.dim, dtype=inputs.q.dtype, device=device)
     if "dsink" in built.tensors:
-        buffers["dsink"] = torch.empty(1, cfg.heads_q, 1, 1, dtype=torch.float32, device=inputs.q.device)
-    execute(built, buffers, device)
-    grads = {role: from_bhsd(g, base) for role, g in grads_bhsd.items()}
+        buffers["dsink"] = torch.empty(1, cfg.heads_q, 1, 1, dtype=torch.float32, device=device)
+    execute(built, buffers, device.index)
     if "dbias" in buffers:
         grads["bias"] = _reduce_to(buffers["dbias"], cfg.bias_shape).reshape(inputs.bias.shape).to(inputs.bias.dtype)
     if "dsink" in buffers and cfg.softmax is SoftmaxType.LEARNABLE:

@@ -1,0 +1,371 @@
+"""Shared helpers of the benchmark scripts: FLOP counts, timing, error entries, the results file, the live table.
+
+A suite describes each implementation of a workload as an `Impl` (a forward callable, the
+leaves its backward differentiates, a fixed output gradient) and hands it to `measure`,
+which times it and turns any failure into a `{"error": "..."}` entry. Results follow the
+"Benchmark results" format of DESIGN.md and are rewritten after every row, so a run that is
+killed still leaves what it measured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import importlib
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+
+# `python bench/<suite>.py` puts bench/ on sys.path, not the checkout: benchmark the checkout's fusedattn.
+if str(ROOT) not in sys.path:
+    sys.path.insert(1, str(ROOT))
+
+__all__ = [
+    "FWD", "FWD_BWD", "MODES", "ROOT", "RESULTS", "Impl", "ResultsFile", "LiveTable",
+    "attention_flops", "tflops", "time_ms", "measure", "error_entry", "max_abs_diff",
+    "best_peer_ratio", "workload_matches", "device_name", "versions", "today",
+]
+
+FWD, FWD_BWD = "fwd", "fwd+bwd"
+MODES = (FWD, FWD_BWD)
+BACKWARD_FACTOR = 2.5  # backward ~ 2.5x forward FLOPs (5 matmuls against 2), so fwd+bwd = 3.5x forward
+ERROR_CHARS = 1500  # an error entry keeps this much of the message (fusedattn's reasons come last)
+WARNING_CHARS = 300  # and this much of each distinct warning seen before it
+
+
+# --- FLOPs -------------------------------------------------------------------------------------------------------
+
+def attention_flops(B: int, Hq: int, Sq: int, Skv: int, D: int, *, causal: bool, mode: str, Dv: int | None = None
+                    ) -> float:
+    """Matmul FLOPs of one call: 2*B*Hq*Sq*Skv*(D + Dv) forward, halved for causal when Sq == Skv."""
+    forward = 2.0 * B * Hq * Sq * Skv * (D + (D if Dv is None else Dv))
+    if causal and Sq == Skv:
+        forward /= 2
+    return forward * (1.0 + BACKWARD_FACTOR if mode == FWD_BWD else 1.0)
+
+
+def tflops(flops: float, ms: float) -> float:
+    return flops / (ms * 1e9)
+
+
+# --- timing ------------------------------------------------------------------------------------------------------
+
+def time_ms(step: Callable[[], object], *, warmup: int, repeats: int, device: torch.device) -> list[float]:
+    """Per-call times in ms after `warmup` calls.
+
+    On CUDA: an event pair around each call, calls queued back to back, one synchronize at
+    the end (so launch overhead counts only where it exceeds the GPU time). L2 is not flushed
+    between calls. On CPU (smoke tests of the script only): wall clock.
+    """
+    for _ in range(warmup):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
+        for start, end in zip(starts, ends):
+            start.record()
+            step()
+            end.record()
+        torch.cuda.synchronize(device)
+        return [start.elapsed_time(end) for start, end in zip(starts, ends)]
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - began) * 1e3)
+    return times
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+@dataclass
+class Impl:
+    """One implementation of a workload, ready to call on inputs made outside the timed region."""
+
+    name: str
+    call: Callable[[], torch.Tensor]  # the forward; returns the attention output
+    inputs: tuple[torch.Tensor, ...]  # leaves the backward differentiates
+    grad_out: torch.Tensor | None = None  # fixed output gradient, shaped like call()'s output
+    to_reference: Callable[[torch.Tensor], torch.Tensor] = _identity  # output/grad -> the reference layout
+    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext  # entered around everything
+    forward_no_grad: bool = False  # time the forward under torch.no_grad()
+
+    def step(self, mode: str) -> Callable[[], object]:
+        """One timed call: the forward, or the forward then the gradients of (q, k, v)."""
+        if mode == FWD:
+            if self.forward_no_grad:
+                def forward_only():
+                    with torch.no_grad():
+                        return self.call()
+                return forward_only
+            return self.call
+        return lambda: torch.autograd.grad(self.call(), self.inputs, self.grad_out)
+
+    def outputs(self, mode: str) -> list[torch.Tensor]:
+        """Output (and in fwd+bwd the input gradients) of one call, in the reference layout, for checking."""
+        if mode == FWD:
+            with torch.no_grad() if self.forward_no_grad else contextlib.nullcontext():
+                return [self.to_reference(self.call().detach())]
+        out = self.call()
+        grads = torch.autograd.grad(out, self.inputs, self.grad_out)
+        return [self.to_reference(t.detach()) for t in (out, *grads)]
+
+
+def _one_line(text: str, limit: int) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def error_entry(error: BaseException | str, caught: Sequence[warnings.WarningMessage] = ()) -> dict:
+    """{"error": "<Type>: <message>"} plus the distinct warnings seen before it (SDPA explains itself there)."""
+    text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+    text = _one_line(text, ERROR_CHARS)
+    seen = []
+    for w in caught:
+        message = _one_line(str(w.message), WARNING_CHARS)
+        if message not in seen:
+            seen.append(message)
+    if seen:
+        text += " | warnings: " + " / ".join(seen[:4])
+    return {"error": text}
+
+
+def release_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        with contextlib.suppress(Exception):
+            torch.cuda.synchronize(device)
+        with contextlib.suppress(Exception):
+            torch.cuda.empty_cache()
+
+
+def measure(impl: Impl, *, mode: str, warmup: int, repeats: int, device: torch.device, keep_outputs: bool
+            ) -> tuple[dict, list[torch.Tensor] | None]:
+    """({"ms": median} or {"error": ...}, the checked outputs when keep_outputs) for one implementation.
+
+    The first call (which compiles or builds graphs) also yields the outputs checked against
+    the reference; then `warmup` more calls, then `repeats` timed ones. Never raises for a
+    failure of the implementation.
+    """
+    outputs = None
+    failed = None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            with impl.context():
+                outputs = impl.outputs(mode)
+                if not keep_outputs:
+                    outputs = None
+                times = time_ms(impl.step(mode), warmup=warmup, repeats=repeats, device=device)
+        except Exception as error:  # any failure of a peer (or of ours) becomes an entry
+            failed = error_entry(error, caught)
+            outputs = None
+    if failed is not None:
+        release_memory(device)
+        return failed, None
+    return {"ms": statistics.median(times)}, outputs
+
+
+def max_abs_diff(ours: Sequence[torch.Tensor], reference: Sequence[torch.Tensor]) -> float:
+    """Largest |ours - reference| over paired tensors (float32 arithmetic)."""
+    worst = 0.0
+    for a, b in zip(ours, reference):
+        if a.shape != b.shape:
+            raise ValueError(f"max_abs_diff: shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}")
+        worst = max(worst, float((a.float() - b.float()).abs().max()))
+    return worst
+
+
+def best_peer_ratio(ours: dict, peers: dict) -> float | None:
+    """Best peer's ms / our ms (> 1: we are faster), over peers without error; None when undefined."""
+    times = [p["ms"] for p in peers.values() if "ms" in p]
+    if "ms" not in ours or not times or ours["ms"] <= 0:
+        return None
+    return min(times) / ours["ms"]
+
+
+def workload_matches(pattern: str | None, name: str) -> bool:
+    """--only: a regex searched in the name, or failing that a plain substring ('fwd+bwd' works as typed)."""
+    if not pattern:
+        return True
+    try:
+        if re.search(pattern, name):
+            return True
+    except re.error:
+        pass
+    return pattern in name
+
+
+# --- environment -------------------------------------------------------------------------------------------------
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()})"
+
+
+def today() -> str:
+    return datetime.date.today().isoformat()
+
+
+def _module_version(name: str) -> str | None:
+    try:
+        module = importlib.import_module(name)
+    except Exception as error:
+        return f"not importable ({type(error).__name__})"
+    return str(getattr(module, "__version__", "unknown"))
+
+
+def _cudnn_frontend() -> str:
+    try:
+        import cudnn
+    except Exception as error:
+        return f"not importable ({type(error).__name__}: {_one_line(str(error), 120)})"
+    text = str(getattr(cudnn, "__version__", "unknown"))
+    try:
+        text += f" (backend {cudnn.backend_version()})"
+    except Exception:
+        pass
+    return text
+
+
+def _git_describe() -> str | None:
+    try:
+        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except Exception:
+        return None
+    return head + ("+dirty" if dirty else "")
+
+
+def versions() -> dict:
+    """python, torch, cuda, triton, cudnn (as torch sees it), cudnn_frontend, fusedattn (and its git commit)."""
+    try:
+        cudnn = torch.backends.cudnn.version()
+    except Exception as error:
+        cudnn = f"unknown ({type(error).__name__})"
+    fusedattn = _module_version("fusedattn")
+    commit = _git_describe()
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": _module_version("triton"),
+        "cudnn": cudnn,
+        "cudnn_frontend": _cudnn_frontend(),
+        "fusedattn": fusedattn if commit is None else f"{fusedattn} (git {commit})",
+    }
+
+
+# --- results -----------------------------------------------------------------------------------------------------
+
+def _json_safe(value):
+    """NaN and infinities as strings (JSON has none); tuples as lists."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+@dataclass
+class ResultsFile:
+    """bench/results/<suite>.json, rewritten (atomically) after every row.
+
+    With merge, rows of an earlier file whose workload this run does not measure are kept.
+    """
+
+    path: Path
+    header: dict  # suite, device, date, versions
+    merge: bool = False
+    rows: list[dict] = field(default_factory=list)
+    kept: list[dict] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.path = Path(self.path)
+        if self.merge and self.path.exists():
+            try:
+                self.kept = list(json.loads(self.path.read_text()).get("rows", []))
+            except (OSError, ValueError) as error:
+                print(f"warning: --merge: cannot read {self.path}: {error}; starting afresh", file=sys.stderr)
+
+    def add(self, row: dict) -> None:
+        self.rows.append(row)
+        self.write()
+
+    def write(self) -> None:
+        measured = {row["workload"] for row in self.rows}
+        rows = [row for row in self.kept if row.get("workload") not in measured] + self.rows
+        document = _json_safe({**self.header, "rows": rows})
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        partial = self.path.with_name(self.path.name + ".partial")
+        partial.write_text(json.dumps(document, indent=1) + "\n")
+        os.replace(partial, self.path)
+
+
+class LiveTable:
+    """A compact table on stdout, one line per row as it is measured (flushed)."""
+
+    def __init__(self, peers: Sequence[str], name_width: int = 44):
+        self.peers = list(peers)
+        self.name_width = name_width
+        self.widths = [max(len(p), 7) for p in self.peers]
+        cells = [f"{p:>{w}}" for p, w in zip(self.peers, self.widths)]
+        print(f"{'workload':<{name_width}} {'ours ms':>9} {'ours TF':>8} | " + " ".join(cells)
+              + f" | {'ratio':>6} {'maxdiff':>8}", flush=True)
+        print("  (TF = TFLOP/s; peers in TFLOP/s; ratio = best peer ms / ours ms, > 1: ours faster; "
+              "maxdiff = max |ours - reference| over the output and, in fwd+bwd, the gradients)", flush=True)
+
+    def row(self, row: dict, seconds: float | None = None) -> None:
+        ours = row["ours"]
+        ms = f"{ours['ms']:9.3f}" if "ms" in ours else f"{'error':>9}"
+        tf = f"{ours['value']:8.1f}" if "value" in ours else f"{'-':>8}"
+        cells = []
+        for name, width in zip(self.peers, self.widths):
+            entry = row["peers"].get(name)
+            text = "" if entry is None else f"{entry['value']:.1f}" if "value" in entry else "err"
+            cells.append(f"{text:>{width}}")
+        ratio = row.get("ratio_vs_best_peer")
+        ratio_text = f"{ratio:6.2f}" if isinstance(ratio, float) else f"{'-':>6}"
+        diff = row["params"].get("max_abs_diff_vs_sdpa")
+        grad_diff = row["params"].get("max_abs_grad_diff_vs_sdpa")
+        if isinstance(diff, float) and isinstance(grad_diff, float):
+            diff = max(diff, grad_diff)
+        diff_text = f"{diff:8.1e}" if isinstance(diff, float) else f"{'-':>8}"
+        took = "" if seconds is None else f"  [{seconds:.1f} s]"
+        print(f"{row['workload']:<{self.name_width}} {ms} {tf} | " + " ".join(cells) + f" | {ratio_text} {diff_text}"
+              + took, flush=True)
+        if "error" in ours:
+            print(f"    ! ours: {_console_error(ours['error'])}", flush=True)
+        for name, entry in row["peers"].items():
+            if "error" in entry and not entry["error"].startswith("skipped"):
+                print(f"    ! {name}: {_console_error(entry['error'])}", flush=True)
+
+
+def _console_error(text: str, limit: int = 240) -> str:
+    """An error for the live table: fusedattn's per-backend reasons rather than its call summary."""
+    reasons = text.find(" backends: ")
+    if reasons > 0 and "fusedattn" in text[:reasons]:
+        text = text[: min(reasons, 90)] + " ..." + text[reasons:]
+    return _one_line(text, limit)
