@@ -21,7 +21,7 @@ PACKED_QKV = ("bs3hd", "sb3hd")
 
 
 def cfg_for(layout="bshd", **changes):
-    same = layout in PACKED_QKV
+    same = layout in PACKED_QKV or layout == "t3hd"
     base = dict(dtype="bfloat16", layout=layout, batch=2, seqlen_q=5, seqlen_kv=5 if same else 7, heads_q=4,
                 heads_kv=4 if same else 2, head_dim_qk=8, head_dim_v=8, device="cuda")
     return AttentionConfig(**{**base, **changes})
@@ -81,9 +81,8 @@ def test_bias_broadcast_axes_get_stride_zero():
 
 
 @pytest.mark.parametrize("changes,needle", [
-    (dict(layout="thd", mask="padding"), "THD and padding"),
+    (dict(layout="thd", mask="padding", return_max_logit=True), "return_max_logit"),
     (dict(bias="alibi", bias_shape=(4,)), "alibi"),
-    (dict(bias="pre_scale", bias_shape=(1, 1, 5, 7)), "pre_scale"),
     (dict(score_mod_key=("eager-callable",)), "score_mod"),
 ])
 def test_unsupported_features_give_reasons(changes, needle):
@@ -123,3 +122,13 @@ def test_backend_without_the_package_says_so(monkeypatch):
     monkeypatch.setattr(base, "package_missing", lambda name: name == "cudnn")
     reasons = get_backend("cudnn").supports(cfg_for())
     assert reasons == ["package nvidia-cudnn-frontend not installed (import cudnn)"]
+
+
+def test_thd_tensors_use_bshd_strides_and_token_major_stats():
+    spec = sdpa_spec(cfg_for("thd", mask="padding"))
+    assert spec.ragged and spec.padding
+    assert spec.q.stride == (5 * 4 * 8, 8, 4 * 8, 1)  # (B, H, S, D) over a (T, H, D) tensor
+    assert spec.token_stride("q") == 32 and spec.token_stride("k") == 16
+    assert spec.stats.stride == (5 * 4, 1, 4, 1)  # (T, Hq) floats
+    packed = sdpa_spec(cfg_for("t3hd", mask="padding"))
+    assert packed.token_stride("q") == 3 * 4 * 8

@@ -229,3 +229,66 @@ def test_forward_and_backward_run_under_cuda_graph_capture():
     torch.cuda.synchronize()
     for got, want in zip(captured, expected):
         torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def _lengths(lengths):
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
+    return cu.cuda()
+
+
+@pytest.mark.parametrize("mask,lens_q,lens_kv", [
+    ("padding", [100, 37, 128], [128, 64, 90]),
+    ("padding_causal", [100, 37, 128], [128, 64, 90]),
+    ("padding_causal_bottom_right", [50, 37, 90], [128, 64, 90]),
+])
+def test_padding_masks_on_bshd(mask, lens_q, lens_kv):
+    q, k, v = make(3, 128, 128, 4, 2, 64, 64, torch.bfloat16, seed=12)
+    options = {"mask": mask, "cu_seqlens_q": _lengths(lens_q), "cu_seqlens_kv": _lengths(lens_kv)}
+    check_against_reference((q, k, v), options, torch.bfloat16)
+
+
+def _thd(layout, lens_q, lens_kv, hq, hkv, d, seed, gaps=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    total_q, total_kv = sum(lens_q) + gaps * len(lens_q), sum(lens_kv) + gaps * len(lens_kv)
+    rand = lambda *shape: torch.randn(*shape, generator=gen, device="cuda").to(torch.bfloat16)  # noqa: E731
+    if layout == "t3hd":
+        return (rand(total_q, 3, hq, d),)
+    if layout == "thd_t2hd":
+        return rand(total_q, hq, d), rand(total_kv, 2, hkv, d)
+    return rand(total_q, hq, d), rand(total_kv, hkv, d), rand(total_kv, hkv, d)
+
+
+@pytest.mark.parametrize("layout", ["thd", "t3hd", "thd_t2hd"])
+@pytest.mark.parametrize("mask", ["padding", "padding_causal"])
+def test_thd(layout, mask):
+    lens_q = [100, 37, 128, 5]
+    lens_kv = lens_q if layout == "t3hd" else [128, 64, 90, 7]
+    hkv = 4 if layout == "t3hd" else 2
+    tensors = _thd(layout, lens_q, lens_kv, 4, hkv, 64, seed=13)
+    options = {"layout": layout, "mask": mask, "cu_seqlens_q": _lengths(lens_q), "cu_seqlens_kv": _lengths(lens_kv)}
+    check_against_reference(tensors, options, torch.bfloat16)
+
+
+def test_thd_with_padded_offsets_and_gaps():
+    lens = [60, 17, 128]
+    tensors = _thd("thd", lens, lens, 4, 4, 64, seed=14, gaps=8)
+    starts = torch.tensor([0, 68, 93, 229], dtype=torch.int32, device="cuda")  # 8-token gaps after each
+    options = {"layout": "thd", "mask": "padding_causal", "cu_seqlens_q": _lengths(lens),
+               "cu_seqlens_kv": _lengths(lens), "cu_seqlens_q_padded": starts, "cu_seqlens_kv_padded": starts}
+    check_against_reference(tensors, options, torch.bfloat16)
+
+
+def test_thd_with_an_empty_sequence():
+    lens_q, lens_kv = [40, 0, 30], [40, 0, 30]
+    tensors = _thd("thd", lens_q, lens_kv, 4, 4, 64, seed=15)
+    options = {"layout": "thd", "mask": "padding_causal", "cu_seqlens_q": _lengths(lens_q),
+               "cu_seqlens_kv": _lengths(lens_kv)}
+    check_against_reference(tensors, options, torch.bfloat16)
+
+
+@pytest.mark.parametrize("shape", [(1, 4, 128, 128), (2, 4, 128, 128)])
+def test_pre_scale_bias(shape):
+    q, k, v = make(2, 128, 128, 4, 4, 64, 64, torch.bfloat16, seed=16)
+    bias = torch.randn(shape, device="cuda").to(torch.bfloat16)
+    check_against_reference((q, k, v), {"bias": bias, "bias_type": "pre_scale"}, torch.bfloat16)

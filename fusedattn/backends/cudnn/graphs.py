@@ -59,20 +59,36 @@ def _mask_kwargs(spec: SdpaSpec) -> dict:
     return kwargs
 
 
+_INDEX = TensorSpec((1, 1, 1, 1), (1, 1, 1, 1))
+
+
+def _ragged(graph, tensors: dict, cfg: AttentionConfig, spec: SdpaSpec, name: str, tensor):
+    """Give a THD tensor its per-sequence start offsets (an int32 (B+1, 1, 1, 1) input "ro_<name>")."""
+    if spec.ragged:
+        offsets = TensorSpec((cfg.batch + 1, 1, 1, 1), (1, 1, 1, 1))
+        tensor.set_ragged_offset(_declare(graph, tensors, "ro_" + name, offsets, cudnn.data_type.INT32))
+    return tensor
+
+
 def _common_inputs(graph, tensors: dict, cfg: AttentionConfig, spec: SdpaSpec) -> dict:
     """Tensors and attributes shared by forward and backward (they must match)."""
     io = _IO_TYPES[cfg.dtype]
-    kwargs = dict(q=_declare(graph, tensors, "q", spec.q, io), k=_declare(graph, tensors, "k", spec.k, io),
-                  v=_declare(graph, tensors, "v", spec.v, io), attn_scale=cfg.scale, **_mask_kwargs(spec))
+    kwargs = {role: _ragged(graph, tensors, cfg, spec, role, _declare(graph, tensors, role, getattr(spec, role), io))
+              for role in ("q", "k", "v")}
+    kwargs.update(attn_scale=cfg.scale, **_mask_kwargs(spec))
+    if spec.padding:
+        lengths = TensorSpec((cfg.batch, 1, 1, 1), (1, 1, 1, 1))
+        kwargs["use_padding_mask"] = True
+        kwargs["seq_len_q"] = _declare(graph, tensors, "seq_len_q", lengths, cudnn.data_type.INT32)
+        kwargs["seq_len_kv"] = _declare(graph, tensors, "seq_len_kv", lengths, cudnn.data_type.INT32)
     if spec.bias is not None:
         kwargs["bias"] = _declare(graph, tensors, "bias", spec.bias, io)
     if spec.sink:
         heads = cfg.heads_q
         kwargs["sink_token"] = _declare(graph, tensors, "sink", TensorSpec((1, heads, 1, 1), (heads, 1, 1, 1)), _FLOAT)
     if spec.dropout:
-        one = TensorSpec((1, 1, 1, 1), (1, 1, 1, 1))
-        seed = _declare(graph, tensors, "dropout_seed", one, cudnn.data_type.INT64)
-        offset = _declare(graph, tensors, "dropout_offset", one, cudnn.data_type.INT64)
+        seed = _declare(graph, tensors, "dropout_seed", _INDEX, cudnn.data_type.INT64)
+        offset = _declare(graph, tensors, "dropout_offset", _INDEX, cudnn.data_type.INT64)
         kwargs["dropout"] = (cfg.dropout_p, seed, offset)
     return kwargs
 
@@ -103,12 +119,12 @@ def build_forward(cfg: AttentionConfig, spec: SdpaSpec, handle) -> BuiltGraph:
             kwargs[key] = graph.tensor(name=name, dim=list(spec.stats.dim), stride=list(spec.stats.stride),
                                        data_type=_FLOAT)
     o, stats = graph.sdpa(name="sdpa", generate_stats=not spec.max_logit, **kwargs)
-    _output(tensors, "o", o, spec.o)
+    _ragged(graph, tensors, cfg, spec, "o", _output(tensors, "o", o, spec.o))
     if spec.max_logit:
         _output(tensors, "row_max", kwargs["score_max"], spec.stats, _FLOAT)
         _output(tensors, "sum_exp", kwargs["score_sum_exp"], spec.stats, _FLOAT)
     else:
-        _output(tensors, "stats", stats, spec.stats, _FLOAT)
+        _ragged(graph, tensors, cfg, spec, "stats", _output(tensors, "stats", stats, spec.stats, _FLOAT))
     return _finish(graph, tensors, "forward")
 
 
@@ -118,9 +134,11 @@ def build_backward(cfg: AttentionConfig, spec: SdpaSpec, handle) -> BuiltGraph:
     tensors: dict = {}
     io = _IO_TYPES[cfg.dtype]
     kwargs = _common_inputs(graph, tensors, cfg, spec)
-    kwargs["o"] = _declare(graph, tensors, "o", spec.o, io)
+    kwargs["o"] = _ragged(graph, tensors, cfg, spec, "o", _declare(graph, tensors, "o", spec.o, io))
     kwargs["dO"] = _declare(graph, tensors, "dO", spec.o, io)
-    kwargs["stats"] = _declare(graph, tensors, "stats", spec.stats, _FLOAT)
+    if spec.ragged:  # dO is laid out like o
+        kwargs["dO"].set_ragged_offset(tensors["ro_o"])
+    kwargs["stats"] = _ragged(graph, tensors, cfg, spec, "stats", _declare(graph, tensors, "stats", spec.stats, _FLOAT))
     if spec.bias is not None and cfg.bias_requires_grad:
         dims = spec.bias.dim
         kwargs["dBias"] = graph.tensor(name="dbias", dim=list(dims), stride=list(_dense(dims)), data_type=io)
@@ -131,9 +149,8 @@ def build_backward(cfg: AttentionConfig, spec: SdpaSpec, handle) -> BuiltGraph:
     if cfg.deterministic:
         kwargs["use_deterministic_algorithm"] = True
     dq, dk, dv = graph.sdpa_backward(name="sdpa_backward", **kwargs)
-    _output(tensors, "dq", dq, gradient_spec(spec.q))
-    _output(tensors, "dk", dk, gradient_spec(spec.k))
-    _output(tensors, "dv", dv, gradient_spec(spec.v))
+    for name, grad in (("dq", dq), ("dk", dk), ("dv", dv)):
+        _ragged(graph, tensors, cfg, spec, name, _output(tensors, name, grad, gradient_spec(getattr(spec, name[1]))))
     if "dBias" in kwargs:
         _output(tensors, "dbias", kwargs["dBias"], TensorSpec(spec.bias.dim, _dense(spec.bias.dim)))
     if spec.sink:

@@ -76,9 +76,17 @@ def _relevant(cfg: AttentionConfig) -> str:
             f"deterministic={cfg.deterministic}")
 
 
-def execute(built: BuiltGraph, buffers: dict, device: int) -> None:
-    """Run a graph with {our name: tensor} on torch's current stream."""
+def execute(built: BuiltGraph, buffers: dict, device: int, raw: bool = False) -> None:
+    """Run a graph with {our name: tensor} on torch's current stream.
+
+    raw=True passes device pointers instead of tensors: THD tensors are (T, H, D) in torch
+    but logical (B, H, S, D) in the graph, so only their addresses mean the same thing.
+    """
     handle = _handle(device)
-    pack = {built.tensors[name]: tensor for name, tensor in buffers.items() if name in built.tensors}
     workspace = torch.empty(max(built.workspace, 1), dtype=torch.uint8, device=device)
-    built.graph.execute(pack, workspace, handle=handle)
+    if raw:
+        pack = {built.tensors[name]: tensor.data_ptr() for name, tensor in buffers.items() if name in built.tensors}
+        built.graph.execute(pack, workspace.data_ptr(), handle=handle)
+    else:
+        pack = {built.tensors[name]: tensor for name, tensor in buffers.items() if name in built.tensors}
+        built.graph.execute(pack, workspace, handle=handle)

@@ -33,6 +33,7 @@ def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
 # For each base layout: the memory order of (B, H, S, D) as the permutation that takes
 # the memory shape to BHSD.
 _MEMORY = {Layout.BSHD: "BSHD", Layout.SBHD: "SBHD", Layout.BHSD: "BHSD"}
+_RAGGED_AS_PADDED = {"thd": "bshd", "t3hd": "bs3hd", "thd_t2hd": "bshd_bs2hd"}
 
 
 def layout_strides(cfg: AttentionConfig, role: str) -> TensorSpec:
@@ -45,7 +46,8 @@ def layout_strides(cfg: AttentionConfig, role: str) -> TensorSpec:
     seqlen = cfg.seqlen_q if role in ("q", "o") else cfg.seqlen_kv
     head_dim = cfg.head_dim_v if role in ("v", "o") else cfg.head_dim_qk
     sizes = {"B": cfg.batch, "S": seqlen, "H": heads, "D": head_dim}
-    name = cfg.layout.value
+    # A THD tensor is a BSHD tensor whose sequences start at ragged offsets.
+    name = _RAGGED_AS_PADDED.get(cfg.layout.value, cfg.layout.value)
     packed_qkv = name in ("bs3hd", "sb3hd")
     packed_kv = name in ("bshd_bs2hd", "sbhd_sb2hd") and role in ("k", "v")
     base = "BSHD" if name.startswith("bs") else "SBHD" if name.startswith("sb") else _MEMORY[cfg.layout]
@@ -85,10 +87,16 @@ class SdpaSpec:
     sink: bool
     dropout: bool
     max_logit: bool
+    padding: bool  # per-sequence lengths (seq_len_q/kv tensors)
+    ragged: bool  # THD: q/k/v/o/stats start each sequence at a ragged offset
+
+    def token_stride(self, role: str) -> int:
+        """Elements between consecutive tokens of one sequence: the ragged offset's unit."""
+        return getattr(self, role).stride[2]
 
 
 def sdpa_spec(cfg: AttentionConfig) -> SdpaSpec:
-    """cuDNN's description of a dense (non-THD) call."""
+    """cuDNN's description of a call."""
     left, right = cfg.window
     # With Sq == Skv both diagonals coincide; top-left is the form cuDNN supports most widely.
     top_left = not cfg.diagonal_bottom_right or (cfg.seqlen_q == cfg.seqlen_kv and not cfg.mask.is_padding)
@@ -101,28 +109,32 @@ def sdpa_spec(cfg: AttentionConfig) -> SdpaSpec:
         stride = tuple(0 if size == 1 and want > 1 else s for size, want, s in zip((b, h, sq, skv), full, strides))
         bias = TensorSpec(full, stride)
     stats_dim = (cfg.batch, cfg.heads_q, cfg.seqlen_q, 1)
+    ragged = cfg.layout.is_ragged
+    if ragged:  # token-major (T, Hq) like the LSE this library returns for THD
+        stats = TensorSpec(stats_dim, (cfg.seqlen_q * cfg.heads_q, 1, cfg.heads_q, 1))
+    else:
+        stats = TensorSpec(stats_dim, _contiguous(stats_dim))
     return SdpaSpec(
         q=layout_strides(cfg, "q"), k=layout_strides(cfg, "k"), v=layout_strides(cfg, "v"),
-        o=layout_strides(cfg, "o"), stats=TensorSpec(stats_dim, _contiguous(stats_dim)), bias=bias,
+        o=layout_strides(cfg, "o"), stats=stats, bias=bias,
         top_left=top_left,
         right_bound=None if right == UNBOUNDED else right,
         left_bound=None if left == UNBOUNDED else left + 1,
         sink=cfg.softmax is not SoftmaxType.VANILLA,
         dropout=cfg.dropout_p > 0.0,
         max_logit=cfg.return_max_logit,
+        padding=cfg.mask.is_padding,
+        ragged=ragged,
     )
 
 
 def unsupported(cfg: AttentionConfig) -> list[str]:
     """Rules this backend knows without building: features it does not map to cuDNN (yet)."""
     reasons = []
-    if cfg.layout.is_ragged or cfg.mask.is_padding:
-        reasons.append(f"layout {cfg.layout.value} / mask {cfg.mask.value}: THD and padding masks "
-                       "are not wired to cuDNN in this version")
+    if cfg.layout.is_ragged and cfg.return_max_logit:
+        reasons.append("return_max_logit with a THD layout is not wired to cuDNN in this version")
     if cfg.bias is BiasType.ALIBI:
         reasons.append("alibi: cuDNN's built-in ALiBi generates its own slopes; user slopes are not supported")
-    if cfg.bias is BiasType.PRE_SCALE:
-        reasons.append("bias_type=pre_scale: cuDNN adds the bias after scaling; use post_scale")
     if cfg.score_mod_key is not None:
         reasons.append("score_mod: Python callables on the score matrix run on the reference only")
     if cfg.seqlen_q == 0 or cfg.seqlen_kv == 0:

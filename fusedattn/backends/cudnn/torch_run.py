@@ -15,7 +15,7 @@ from fusedattn.backends.base import AttentionInputs, AttentionOutputs
 from fusedattn.backends.cudnn.runtime import execute, get_graph
 from fusedattn.backends.cudnn.spec import SdpaSpec, TensorSpec, gradient_spec, sdpa_spec
 from fusedattn.cache import LRUCache
-from fusedattn.config import AttentionConfig, Layout, SoftmaxType
+from fusedattn.config import AttentionConfig, BiasType, Layout, SoftmaxType
 from fusedattn.layout import layout_spec
 
 # Axis permutation taking a base-layout tensor to (B, H, S, D), and back.
@@ -39,6 +39,8 @@ def _plan(cfg: AttentionConfig) -> _Plan:
         spec = sdpa_spec(cfg)
         base = layout_spec(cfg.layout).base
         grads = {role: gradient_spec(getattr(spec, role)) for role in ("q", "k", "v")}
+        if cfg.layout.is_ragged:  # THD tensors are passed as they are, with ragged offsets
+            return _Plan(spec, (), (), grads)
         return _Plan(spec, _TO_BHSD[base], _FROM_BHSD[base], grads)
 
     plan = _plans.get(cfg)
@@ -55,18 +57,65 @@ def _bhsd(x: torch.Tensor, plan: _Plan, spec: TensorSpec) -> torch.Tensor:
     return out
 
 
-def _empty_bhsd(spec: TensorSpec, plan: _Plan, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+def _empty_bhsd(spec: TensorSpec, plan: _Plan, dtype, device, zero=False) -> tuple[torch.Tensor, torch.Tensor]:
     """A new tensor with spec's strides, as (base-layout view, BHSD view)."""
     bhsd = torch.empty_strided(spec.dim, spec.stride, dtype=dtype, device=device)
+    if zero:
+        bhsd.zero_()
     return bhsd.permute(plan.from_bhsd), bhsd
+
+
+def _tokens(x: torch.Tensor, spec: TensorSpec, role: str) -> torch.Tensor:
+    """A (T, H, D) tensor with the token/head/dim strides the graph was built for."""
+    want = (spec.stride[2], spec.stride[1], spec.stride[3])
+    if x.stride() == want or x.shape[0] <= 1:
+        return x
+    if want == (x.shape[1] * x.shape[2], x.shape[2], 1):
+        return x.contiguous()
+    raise ValueError(f"fusedattn: {role}: expected a packed THD tensor with strides {want}, got {x.stride()}; "
+                     "pass the packed tensor itself (not a copy of one slice)")
+
+
+def _offsets(cfg: AttentionConfig, inputs: AttentionInputs, side: str):
+    """(start offsets (B+1,), lengths (B,)) of the sequences on one side, from cu_seqlens."""
+    cu = getattr(inputs, f"cu_seqlens_{side}")
+    padded = getattr(inputs, f"cu_seqlens_{side}_padded")
+    return (padded if padded is not None else cu), cu[1:] - cu[:-1]
+
+
+def _sequence_buffers(cfg: AttentionConfig, plan: _Plan, inputs: AttentionInputs, buffers: dict) -> None:
+    """seq_len_q/kv for padding masks, and for THD the ragged offsets of every tensor."""
+    spec = plan.spec
+    starts_q, lengths_q = _offsets(cfg, inputs, "q")
+    starts_kv, lengths_kv = _offsets(cfg, inputs, "kv")
+    buffers["seq_len_q"] = lengths_q.to(torch.int32).reshape(-1, 1, 1, 1)
+    buffers["seq_len_kv"] = lengths_kv.to(torch.int32).reshape(-1, 1, 1, 1)
+    if not spec.ragged:
+        return
+    units = {"q": spec.token_stride("q"), "k": spec.token_stride("k"), "v": spec.token_stride("v"),
+             "o": spec.token_stride("o"), "stats": cfg.heads_q}
+    for role, unit in (("dq", plan.grads["q"].stride[2]), ("dk", plan.grads["k"].stride[2]),
+                       ("dv", plan.grads["v"].stride[2])):
+        units[role] = unit
+    for name, unit in units.items():
+        starts = starts_q if name in ("q", "o", "stats", "dq") else starts_kv
+        buffers["ro_" + name] = (starts.to(torch.int64) * unit).to(torch.int32).reshape(-1, 1, 1, 1)
 
 
 def _shared_buffers(cfg: AttentionConfig, plan: _Plan, inputs: AttentionInputs) -> dict:
     spec = plan.spec
-    buffers = {"q": _bhsd(inputs.q, plan, spec.q), "k": _bhsd(inputs.k, plan, spec.k),
-               "v": _bhsd(inputs.v, plan, spec.v)}
+    if spec.ragged:  # (T, H, D) tensors: cuDNN reads them through logical (B, H, S, D) dims + offsets
+        buffers = {role: _tokens(getattr(inputs, role), getattr(spec, role), role) for role in ("q", "k", "v")}
+    else:
+        buffers = {"q": _bhsd(inputs.q, plan, spec.q), "k": _bhsd(inputs.k, plan, spec.k),
+                   "v": _bhsd(inputs.v, plan, spec.v)}
+    if spec.padding:
+        _sequence_buffers(cfg, plan, inputs, buffers)
     if spec.bias is not None:
-        bias = inputs.bias.to(inputs.q.dtype).reshape(cfg.bias_shape).expand(spec.bias.dim)
+        bias = inputs.bias.to(inputs.q.dtype)
+        if cfg.bias is BiasType.PRE_SCALE:  # (qk + b) * scale == qk * scale + b * scale
+            bias = bias * cfg.scale
+        bias = bias.reshape(cfg.bias_shape).expand(spec.bias.dim)
         buffers["bias"] = bias if bias.stride()[2:] == spec.bias.stride[2:] else bias.contiguous()
     if spec.sink:
         if cfg.softmax is SoftmaxType.LEARNABLE:
@@ -84,19 +133,37 @@ def forward(cfg: AttentionConfig, inputs: AttentionInputs) -> AttentionOutputs:
     plan = _plan(cfg)
     spec = plan.spec
     buffers = _shared_buffers(cfg, plan, inputs)
-    out, buffers["o"] = _empty_bhsd(spec.o, plan, inputs.q.dtype, device)
+    if spec.ragged:
+        # cuDNN writes only each sequence's tokens: gaps and trailing tokens stay 0.
+        out = torch.zeros(inputs.q.shape[0], cfg.heads_q, cfg.head_dim_v, dtype=inputs.q.dtype, device=device)
+        buffers["o"] = out
+        buffers["stats"] = lse = torch.zeros(inputs.q.shape[0], cfg.heads_q, dtype=torch.float32, device=device)
+        execute(get_graph(cfg, "forward", device.index), buffers, device.index, raw=True)
+        return AttentionOutputs(out, lse, torch.empty(0, dtype=torch.float32, device=device))
+    # With padding, rows past a sequence's end are not written: start from zeros.
+    out, buffers["o"] = _empty_bhsd(spec.o, plan, inputs.q.dtype, device, zero=spec.padding)
     stat_names = ("row_max", "sum_exp") if spec.max_logit else ("stats",)
     for name in stat_names:
         buffers[name] = torch.empty(spec.stats.dim, dtype=torch.float32, device=device)
     execute(get_graph(cfg, "forward", device.index), buffers, device.index)
     if spec.max_logit:
         row_max = buffers["row_max"]
+        if spec.padding:
+            row_max = row_max.masked_fill(~_is_query(cfg, buffers), float("-inf"))
         lse = row_max + torch.log(buffers["sum_exp"])
         max_logit = row_max.amax(dim=(0, 2, 3))
     else:
         lse = buffers["stats"]
         max_logit = torch.empty(0, dtype=torch.float32, device=device)  # not requested
+    if spec.padding:  # rows past a sequence's end are not queries: lse -inf, as the reference says
+        lse = lse.masked_fill(~_is_query(cfg, buffers), float("-inf"))
     return AttentionOutputs(out, lse.view(cfg.batch, cfg.heads_q, cfg.seqlen_q), max_logit)
+
+
+def _is_query(cfg: AttentionConfig, buffers: dict) -> torch.Tensor:
+    """(B, 1, Sq, 1) True for rows inside their sequence."""
+    rows = torch.arange(cfg.seqlen_q, device=buffers["seq_len_q"].device).reshape(1, 1, -1, 1)
+    return rows < buffers["seq_len_q"]
 
 
 def backward(cfg: AttentionConfig, inputs: AttentionInputs, outputs: AttentionOutputs, grad_out, grad_lse) -> dict:
@@ -108,22 +175,35 @@ def backward(cfg: AttentionConfig, inputs: AttentionInputs, outputs: AttentionOu
     plan = _plan(cfg)
     spec = plan.spec
     buffers = _shared_buffers(cfg, plan, inputs)
-    buffers["o"] = outputs.out.permute(plan.to_bhsd)
     if grad_out is None:  # only max_logit was used
         grad_out = torch.zeros_like(outputs.out)
-    buffers["dO"] = _bhsd(grad_out, plan, spec.o)
-    buffers["stats"] = outputs.lse.reshape(spec.stats.dim)
     built = get_graph(cfg, "backward", device.index)
     grads = {}
-    for role in ("q", "k", "v"):
-        grads[role], buffers["d" + role] = _empty_bhsd(plan.grads[role], plan, inputs.q.dtype, device)
+    if spec.ragged:
+        buffers["o"], buffers["dO"], buffers["stats"] = outputs.out, grad_out.contiguous(), outputs.lse
+        for role in ("q", "k", "v"):  # zeros: tokens outside every sequence get no gradient
+            source = getattr(inputs, role)
+            heads, dim = (cfg.heads_q, cfg.head_dim_qk) if role == "q" else (
+                cfg.heads_kv, cfg.head_dim_qk if role == "k" else cfg.head_dim_v)
+            grads[role] = buffers["d" + role] = torch.zeros(source.shape[0], heads, dim, dtype=source.dtype,
+                                                            device=device)
+    else:
+        buffers["o"] = outputs.out.permute(plan.to_bhsd)
+        buffers["dO"] = _bhsd(grad_out, plan, spec.o)
+        lse = outputs.lse.reshape(spec.stats.dim)
+        buffers["stats"] = lse.masked_fill(~_is_query(cfg, buffers), 0.0) if spec.padding else lse
+        for role in ("q", "k", "v"):
+            grads[role], buffers["d" + role] = _empty_bhsd(plan.grads[role], plan, inputs.q.dtype, device)
     if "dbias" in built.tensors:
         buffers["dbias"] = torch.empty(spec.bias.dim, dtype=inputs.q.dtype, device=device)
     if "dsink" in built.tensors:
         buffers["dsink"] = torch.empty(1, cfg.heads_q, 1, 1, dtype=torch.float32, device=device)
-    execute(built, buffers, device.index)
+    execute(built, buffers, device.index, raw=spec.ragged)
     if "dbias" in buffers:
-        grads["bias"] = _reduce_to(buffers["dbias"], cfg.bias_shape).reshape(inputs.bias.shape).to(inputs.bias.dtype)
+        dbias = _reduce_to(buffers["dbias"], cfg.bias_shape)
+        if cfg.bias is BiasType.PRE_SCALE:
+            dbias = dbias * cfg.scale
+        grads["bias"] = dbias.reshape(inputs.bias.shape).to(inputs.bias.dtype)
     if "dsink" in buffers and cfg.softmax is SoftmaxType.LEARNABLE:
         grads["sink"] = buffers["dsink"].reshape(cfg.heads_q).to(inputs.sink.dtype)
     return grads
