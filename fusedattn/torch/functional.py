@@ -92,6 +92,8 @@ def attention(
             backward. A missing seed is drawn from torch's global generator.
         scale: multiplies q k^T; default 1/sqrt(D).
         cu_seqlens_q/kv: (B+1,) int32/int64 cumulative sequence lengths (THD and padding masks).
+            Their values are checked (one host read) unless they are on the GPU and both
+            max_seqlen_q and max_seqlen_kv are given: then they are trusted, as in FlashAttention.
         cu_seqlens_q/kv_padded: (B+1,) start offsets of each sequence in the packed tensor
             when sequences are stored with gaps (THD only).
         max_seqlen_q/kv: longest sequence (THD); computed from cu_seqlens when omitted.
@@ -108,14 +110,19 @@ def attention(
         >>> q = k = v = torch.randn(2, 128, 8, 64)
         >>> out = attention(q, k, v, mask="causal")
     """
-    signature = _signature(q, k, v, bias, alibi_slopes, sink, layout, mask, window, bias_type, softmax_type,
-                           dropout_p, scale, max_seqlen_q, max_seqlen_kv, deterministic, return_lse,
-                           return_max_logit, backend, offsets=(cu_seqlens_q, cu_seqlens_kv), score_mod=score_mod)
+    offsets = (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded)
+    # Offsets on a GPU with both max lengths given are trusted, as FlashAttention trusts them:
+    # reading their values back would stall the GPU queue on every call.
+    trusted = (max_seqlen_q is not None and max_seqlen_kv is not None
+               and all(x is None or (isinstance(x, torch.Tensor) and x.is_cuda) for x in offsets))
+    signature = _signature(q, k, v, bias, alibi_slopes, sink, *offsets, layout, mask, window, bias_type,
+                           softmax_type, dropout_p, scale, max_seqlen_q, max_seqlen_kv, deterministic, return_lse,
+                           return_max_logit, backend, offsets=() if trusted else offsets, score_mod=score_mod)
     planned = recall_call(signature) if signature is not None else None
     if planned is not None:  # seen before: already validated, configured and selected
         cfg, selection = planned
         arrays = (*split_packed(cfg.layout, [x for x in (q, k, v) if x is not None]), bias, alibi_slopes, sink,
-                  None, None, None, None)
+                  *offsets)
     else:
         tensors = {"q": q, "k": k, "v": v, "bias": bias, "alibi_slopes": alibi_slopes, "sink": sink,
                    "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_kv": cu_seqlens_kv,
@@ -123,7 +130,7 @@ def attention(
         differentiable = [x for x in (q, k, v, bias, alibi_slopes, sink) if isinstance(x, torch.Tensor)]
         # One host read of the offsets checks their values and fills missing max lengths.
         call = prepare_call(
-            API, "torch", tensors, describe=_meta, host_copy=OPS.to_host,
+            API, "torch", tensors, describe=_meta, host_copy=(lambda x: None) if trusted else OPS.to_host,
             is_training=torch.is_grad_enabled() and any(x.requires_grad for x in differentiable),
             bias_requires_grad=isinstance(bias, torch.Tensor) and bias.requires_grad, backend=backend,
             layout=layout, mask=mask, window=window, bias_type=bias_type, softmax_type=softmax_type,

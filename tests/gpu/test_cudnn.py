@@ -208,19 +208,21 @@ def test_backend_object_reports_available():
 
 
 def test_forward_and_backward_run_under_cuda_graph_capture():
-    q, k, v = make(2, 256, 256, 8, 2, 64, 64, torch.bfloat16, seed=11)
-    q, k, v = (x.clone().requires_grad_(True) for x in (q, k, v))
-    grad = torch.randn(2, 256, 8, 64, device="cuda").to(torch.bfloat16)
-
-    def step():
-        out = fat.attention(q, k, v, mask="causal", backend="cudnn")
-        return torch.autograd.grad(out, (q, k, v), grad)
-
-    expected = step()  # eager, which also builds and caches the graphs before capture
+    # As torch's CUDA-graph recipe asks: the leaves are made and warmed up on a side stream,
+    # never on the legacy default stream, whose autograd accumulators capture cannot join.
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        step()  # warm-up on the capture stream
+        q, k, v = make(2, 256, 256, 8, 2, 64, 64, torch.bfloat16, seed=11)
+        q, k, v = (x.clone().requires_grad_(True) for x in (q, k, v))
+        grad = torch.randn(2, 256, 8, 64, device="cuda").to(torch.bfloat16)
+
+        def step():
+            out = fat.attention(q, k, v, mask="causal", backend="cudnn")
+            return torch.autograd.grad(out, (q, k, v), grad)
+
+        expected = [g.clone() for g in step()]  # also builds and caches the graphs before capture
+        step()
     torch.cuda.current_stream().wait_stream(side)
     cuda_graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(cuda_graph):

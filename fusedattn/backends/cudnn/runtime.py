@@ -84,7 +84,9 @@ def execute(built: BuiltGraph, buffers: dict, device: int, raw: bool = False) ->
     """
     handle = _handle(device)
     workspace = torch.empty(max(built.workspace, 1), dtype=torch.uint8, device=device)
-    if raw:
+    # Tensors reach cuDNN through DLPack, which may order work on the legacy stream: not
+    # allowed while a CUDA graph is being captured. Device pointers avoid it.
+    if raw or torch.cuda.is_current_stream_capturing():
         pack = {built.tensors[name]: tensor.data_ptr() for name, tensor in buffers.items() if name in built.tensors}
         built.graph.execute(pack, workspace.data_ptr(), handle=handle)
     else:
