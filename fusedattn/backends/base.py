@@ -49,7 +49,8 @@ class AttentionInputs:
 
 
 class AttentionOutputs(NamedTuple):
-    """out in q's layout; lse (B, Hq, Sq) float32, or (Tq, Hq) for THD; max_logit (Hq,) float32."""
+    """out contiguous in q's base layout; lse float32 (B, Hq, Sq), or (Tq, Hq) for THD;
+    max_logit float32 (Hq,) when cfg.return_max_logit, else an empty (0,) array."""
 
     out: Any
     lse: Any = None

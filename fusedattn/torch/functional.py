@@ -8,10 +8,11 @@ from collections.abc import Callable
 import torch
 
 from fusedattn.arguments import TensorMeta
-from fusedattn.frontend_common import pick_outputs, prepare_call
+from fusedattn.frontend_common import AttentionResult, pick_outputs, prepare_call
 from fusedattn.layout import split_packed
 from fusedattn.selection import ENV_BACKEND, recall_call, remember_call
 from fusedattn.torch.autograd import run_attention
+from fusedattn.torch.ops import register_config
 from fusedattn.xp.torch_ops import OPS
 
 __all__ = ["attention"]
@@ -110,6 +111,15 @@ def attention(
         >>> q = k = v = torch.randn(2, 128, 8, 64)
         >>> out = attention(q, k, v, mask="causal")
     """
+    if torch.compiler.is_compiling() and score_mod is None:
+        return _compiled_attention(
+            (q, k, v, bias, alibi_slopes, sink, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
+             cu_seqlens_kv_padded),
+            dict(layout=layout, mask=mask, window=tuple(window) if window is not None else None, bias_type=bias_type,
+                 softmax_type=softmax_type, dropout_p=dropout_p, scale=scale, max_seqlen_q=max_seqlen_q,
+                 max_seqlen_kv=max_seqlen_kv, deterministic=deterministic, return_lse=return_lse,
+                 return_max_logit=return_max_logit),
+            backend, dropout_seed, dropout_offset)
     offsets = (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded)
     # Offsets on a GPU with both max lengths given are trusted, as FlashAttention trusts them:
     # reading their values back would stall the GPU queue on every call.
@@ -162,3 +172,53 @@ def _signature(*call, offsets, score_mod):
     except (TypeError, AttributeError):
         return None
     return signature
+
+
+# ---------------------------------------------------------------- under torch.compile
+
+@torch._dynamo.assume_constant_result
+def _compile_time_plan(described: tuple, options: tuple, backend, grad_enabled: bool) -> str:
+    """Validate, configure and select at trace time, from shapes alone; return the op's config key.
+
+    Dynamo runs this once per distinct call and bakes the key into the graph as a constant.
+    """
+    options = dict(options)
+    names = ("q", "k", "v", "bias", "alibi_slopes", "sink", "cu_seqlens_q", "cu_seqlens_kv",
+             "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
+    stand_ins, metas = {}, {}
+    for name, entry in zip(names, described):
+        if entry is None:
+            stand_ins[name] = None
+            continue
+        shape, dtype, device, requires_grad = entry
+        stand_ins[name] = torch.empty(shape, dtype=dtype, device="meta").requires_grad_(requires_grad)
+        metas[name] = TensorMeta(tuple(shape), OPS.dtype_name(stand_ins[name]), str(device), device.type)
+    offsets_given = any(stand_ins[n] is not None for n in names[6:])
+    if offsets_given and (options["max_seqlen_q"] is None or options["max_seqlen_kv"] is None):
+        raise ValueError(f"{API}: max_seqlen_q/max_seqlen_kv: expected ints under torch.compile (the offsets' "
+                         "values cannot be read while tracing), got None")
+    differentiable = [stand_ins[n] for n in names[:6] if stand_ins[n] is not None]
+    cfg, selection, _ = prepare_call(
+        API, "torch", stand_ins, describe=lambda x, name: metas.get(name), host_copy=lambda x: None,
+        is_training=grad_enabled and any(x.requires_grad for x in differentiable),
+        bias_requires_grad=bool(stand_ins["bias"] is not None and stand_ins["bias"].requires_grad),
+        backend=backend, score_mod=None, **options,
+    )
+    return register_config(cfg, selection.name)
+
+
+def _compiled_attention(tensors: tuple, options: dict, backend, dropout_seed, dropout_offset):
+    described = tuple(None if x is None else (tuple(x.shape), x.dtype, x.device, x.requires_grad) for x in tensors)
+    key = _compile_time_plan(described, tuple(options.items()), backend, torch.is_grad_enabled())
+    q, k, v = tensors[:3]
+    unpacked = split_packed(options["layout"], [x for x in (q, k, v) if x is not None])
+    seed = offset = None
+    if options["dropout_p"] > 0.0:
+        seed = (torch.randint(0, 2**31 - 1, (), dtype=torch.int64, device=q.device) if dropout_seed is None
+                else torch.as_tensor(dropout_seed, dtype=torch.int64, device=q.device))
+        offset = torch.as_tensor(dropout_offset, dtype=torch.int64, device=q.device)
+    out, lse, max_logit = torch.ops.fusedattn.attention_fwd(key, *unpacked, *tensors[3:], seed, offset)
+    if not (options["return_lse"] or options["return_max_logit"]):
+        return out
+    return AttentionResult(out, lse if options["return_lse"] else None,
+                           max_logit if options["return_max_logit"] else None)

@@ -294,3 +294,25 @@ def test_pre_scale_bias(shape):
     q, k, v = make(2, 128, 128, 4, 4, 64, 64, torch.bfloat16, seed=16)
     bias = torch.randn(shape, device="cuda").to(torch.bfloat16)
     check_against_reference((q, k, v), {"bias": bias, "bias_type": "pre_scale"}, torch.bfloat16)
+
+
+def test_model_step_under_torch_compile_fullgraph():
+    from fusedattn.torch import ops
+
+    torch.manual_seed(0)
+    proj = torch.nn.Linear(256, 3 * 256, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(2, 128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    def step(x):
+        q, k, v = proj(x).view(2, 128, 3, 4, 64).unbind(2)
+        return fat.attention(q, k, v, mask="causal").float().square().mean()
+
+    torch._dynamo.reset()
+    eager = step(x)
+    eager_grads = torch.autograd.grad(eager, [x, proj.weight])
+    compiled = torch.compile(step, fullgraph=True)(x)
+    compiled_grads = torch.autograd.grad(compiled, [x, proj.weight])
+    assert any(key.startswith("cudnn:") for key in ops._CONFIGS)
+    torch.testing.assert_close(compiled, eager, atol=1e-3, rtol=1e-2)
+    for got, want in zip(compiled_grads, eager_grads):
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-3, rtol=5e-2)

@@ -39,6 +39,10 @@ def reference_forward(cfg: AttentionConfig, inputs: AttentionInputs) -> Attentio
         lse = padded_to_thd(ops.moveaxis(lse, 1, 2), inputs.cu_seqlens_q, total, inputs.cu_seqlens_q_padded)
     else:
         out = from_bhsd(out, base)
+        if ops.name == "torch":  # contiguous in q's layout, as the fused backends return it
+            out = out.contiguous()
+    if not cfg.return_max_logit:  # the same contract as every backend: empty unless asked for
+        max_logit = max_logit[:0]
     return AttentionOutputs(out, lse, ops.astype(max_logit, "float32"))
 
 

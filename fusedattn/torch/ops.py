@@ -1,0 +1,128 @@
+"""fusedattn as torch.library custom ops, so torch.compile(fullgraph=True) sees one opaque op.
+
+Ops take a config key (a string naming an AttentionConfig and the backend chosen for it)
+plus tensors. The fake implementations give output shapes from the config, so tracing
+never runs a kernel; the registered autograd calls the backward op of the same backend:
+the forward decides the backward here too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+
+import torch
+
+from fusedattn.backends import get_backend
+from fusedattn.backends.base import AttentionInputs, AttentionOutputs
+from fusedattn.config import AttentionConfig
+
+__all__ = ["register_config", "attention_fwd", "attention_bwd"]
+
+# key -> (config, backend name). Keys come from the config's contents, never from id().
+_CONFIGS: dict[str, tuple[AttentionConfig, str]] = {}
+GRAD_NAMES = ("q", "k", "v", "bias", "alibi_slopes", "sink")
+
+
+@contextlib.contextmanager
+def _autograd_enabled():
+    """Undo, for the duration, the autograd exclusion torch applies inside custom op kernels."""
+    keys = [getattr(torch._C.DispatchKey, name) for name in
+            ("AutogradFunctionality", "AutogradOther", "AutogradNestedTensor", "ADInplaceOrView")]
+    before = [torch._C._dispatch_tls_is_dispatch_key_excluded(key) for key in keys]
+    try:
+        for key in keys:
+            torch._C._dispatch_tls_set_dispatch_key_excluded(key, False)
+        with torch.enable_grad():
+            yield
+    finally:
+        for key, was in zip(keys, before):
+            torch._C._dispatch_tls_set_dispatch_key_excluded(key, was)
+
+
+def register_config(cfg: AttentionConfig, backend_name: str) -> str:
+    digest = hashlib.sha1(repr(cfg).encode()).hexdigest()[:20]
+    key = f"{backend_name}:{digest}"
+    _CONFIGS[key] = (cfg, backend_name)
+    return key
+
+
+def _inputs(q, k, v, bias, alibi_slopes, sink, cu_q, cu_kv, cu_q_padded, cu_kv_padded, seed, offset):
+    return AttentionInputs(q, k, v, bias, alibi_slopes, sink, cu_q, cu_kv, cu_q_padded, cu_kv_padded, seed, offset)
+
+
+@torch.library.custom_op("fusedattn::attention_fwd", mutates_args=())
+def attention_fwd(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+                  alibi_slopes: torch.Tensor | None, sink: torch.Tensor | None, cu_seqlens_q: torch.Tensor | None,
+                  cu_seqlens_kv: torch.Tensor | None, cu_seqlens_q_padded: torch.Tensor | None,
+                  cu_seqlens_kv_padded: torch.Tensor | None, dropout_seed: torch.Tensor | None,
+                  dropout_offset: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    cfg, name = _CONFIGS[key]
+    inputs = _inputs(q, k, v, bias, alibi_slopes, sink, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
+                     cu_seqlens_kv_padded, dropout_seed, dropout_offset)
+    with torch.no_grad():
+        outputs, _ = get_backend(name).forward(cfg, inputs)
+    return outputs.out.contiguous(), outputs.lse.contiguous(), outputs.max_logit.contiguous()
+
+
+@attention_fwd.register_fake
+def _attention_fwd_fake(key, q, k, v, *rest):
+    cfg, _ = _CONFIGS[key]
+    out = q.new_empty((*q.shape[:-1], cfg.head_dim_v))
+    if cfg.layout.is_ragged:
+        lse = q.new_empty((q.shape[0], cfg.heads_q), dtype=torch.float32)
+    else:
+        lse = q.new_empty((cfg.batch, cfg.heads_q, cfg.seqlen_q), dtype=torch.float32)
+    max_logit = q.new_empty((cfg.heads_q if cfg.return_max_logit else 0,), dtype=torch.float32)
+    return out, lse, max_logit
+
+
+@torch.library.custom_op("fusedattn::attention_bwd", mutates_args=())
+def attention_bwd(key: str, grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor,
+                  k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, alibi_slopes: torch.Tensor | None,
+                  sink: torch.Tensor | None, cu_seqlens_q: torch.Tensor | None, cu_seqlens_kv: torch.Tensor | None,
+                  cu_seqlens_q_padded: torch.Tensor | None, cu_seqlens_kv_padded: torch.Tensor | None,
+                  dropout_seed: torch.Tensor | None, dropout_offset: torch.Tensor | None) -> list[torch.Tensor]:
+    """Gradients [dq, dk, dv, dbias, dalibi_slopes, dsink]; empty (0,) tensors for absent inputs."""
+    cfg, name = _CONFIGS[key]
+    inputs = _inputs(q, k, v, bias, alibi_slopes, sink, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
+                     cu_seqlens_kv_padded, dropout_seed, dropout_offset)
+    with _autograd_enabled():  # the reference backend differentiates by autograd, even inside this op
+        grads = get_backend(name).backward(cfg, inputs, None, AttentionOutputs(out, lse), grad_out, None)
+    result = []
+    for grad_name in GRAD_NAMES:
+        source, grad = getattr(inputs, grad_name), grads.get(grad_name)
+        if source is None or grad is None:
+            result.append(q.new_empty((0,)))
+        else:
+            result.append(grad.contiguous() if grad.shape == source.shape else grad.reshape(source.shape))
+    return result
+
+
+@attention_bwd.register_fake
+def _attention_bwd_fake(key, grad_out, out, lse, q, k, v, bias, alibi_slopes, sink, *rest):
+    return [x.new_empty(x.shape) if x is not None else q.new_empty((0,)) for x in (q, k, v, bias, alibi_slopes, sink)]
+
+
+def _setup_context(ctx, inputs, output):
+    key, *arrays = inputs
+    out, lse, _ = output
+    ctx.key = key
+    ctx.save_for_backward(out, lse, *(a if isinstance(a, torch.Tensor) else None for a in arrays))
+    ctx.present = [a is not None for a in arrays]
+    # Compiled graphs always carry a tangent for every differentiable output; fused kernels
+    # have no gradient through lse or max_logit, so under compile neither has one.
+    ctx.mark_non_differentiable(lse, output[2])
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, grad_out, _grad_lse, _grad_max_logit):
+    out, lse, *arrays = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    grads = torch.ops.fusedattn.attention_bwd(ctx.key, grad_out, out, lse, *arrays)
+    wanted = [g if present and g.numel() else None for g, present in zip(grads, ctx.present[:6])]
+    return (None, *wanted, *([None] * 6))
+
+
+attention_fwd.register_autograd(_backward, setup_context=_setup_context)
