@@ -16,6 +16,7 @@ from fusedattn.config import DTYPES, AttentionConfig, BiasType, Layout, Mask, So
 from fusedattn.layout import check_cu_seqlens, layout_spec
 
 __all__ = ["TensorMeta", "CallArguments", "build_config", "check_offset_tensors", "infer_max_seqlens",
+           "bucket_max_seqlens", "ENV_THD_BUCKET",
            "check_sequence_values",
            "EAGER_SCORE_MOD"]
 
@@ -306,6 +307,31 @@ def infer_max_seqlens(args: CallArguments, host: dict[str, np.ndarray], traced: 
         if name in host:
             lengths = np.diff(np.asarray(host[name]).astype(np.int64))
             setattr(args, f"max_seqlen_{side}", int(lengths.max(initial=0)))
+
+
+ENV_THD_BUCKET = "FUSEDATTN_THD_BUCKET"
+
+
+def bucket_max_seqlens(args: CallArguments, setting: str | None) -> None:
+    """Round a THD call's max_seqlen_q/kv up to a bucket, so packed batches of varying longest
+    sequence share one config (and one built graph). setting: None/"off", "pow2", or an int
+    multiple. Correct for any bucket: positions past each sequence's length are masked."""
+    if not setting or setting == "off" or str(getattr(args.layout, "value", args.layout)) not in _RAGGED_LAYOUTS:
+        return
+    if setting == "pow2":
+        round_up = lambda n: 1 << max(n - 1, 0).bit_length() if n > 0 else 0  # noqa: E731
+    else:
+        try:
+            multiple = int(setting)
+            if multiple < 1:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"{ENV_THD_BUCKET}: expected 'off', 'pow2' or an int >= 1, got {setting!r}") from None
+        round_up = lambda n: -(-n // multiple) * multiple  # noqa: E731
+    for side in ("q", "kv"):
+        value = getattr(args, f"max_seqlen_{side}")
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            setattr(args, f"max_seqlen_{side}", round_up(value))
 
 
 def check_sequence_values(args: CallArguments, cfg: AttentionConfig, host: dict[str, np.ndarray],

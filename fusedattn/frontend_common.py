@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any, NamedTuple
 
 from fusedattn.arguments import (
+    ENV_THD_BUCKET,
     CallArguments,
+    bucket_max_seqlens,
     build_config,
     check_offset_tensors,
     check_sequence_values,
@@ -68,6 +71,7 @@ def prepare_call(api: str, framework: str, tensors: dict, *, describe, host_copy
     host = {name: host_copy(x) for name, x in offsets.items()}
     host = {name: values for name, values in host.items() if values is not None}
     infer_max_seqlens(args, host, traced=set(offsets) - set(host))
+    bucket_max_seqlens(args, os.environ.get(ENV_THD_BUCKET))
     cfg = build_config(args)
     unpacked = split_packed(cfg.layout, [tensors[n] for n in ("q", "k", "v") if tensors[n] is not None])
     if len(host) == len(offsets):

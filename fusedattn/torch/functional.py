@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-from fusedattn.arguments import TensorMeta
+from fusedattn.arguments import ENV_THD_BUCKET, TensorMeta
 from fusedattn.frontend_common import AttentionResult, pick_outputs, prepare_call
 from fusedattn.layout import split_packed
 from fusedattn.selection import ENV_BACKEND, recall_call, remember_call
@@ -167,7 +167,7 @@ def _signature(*call, offsets, score_mod):
     try:
         described = tuple((x.shape, x.dtype, x.device, x.requires_grad) if isinstance(x, torch.Tensor)
                           else (tuple(x) if isinstance(x, list) else x) for x in call)
-        signature = (described, torch.is_grad_enabled(), os.environ.get(ENV_BACKEND))
+        signature = (described, torch.is_grad_enabled(), os.environ.get(ENV_BACKEND), os.environ.get(ENV_THD_BUCKET))
         hash(signature)
     except (TypeError, AttributeError):
         return None
