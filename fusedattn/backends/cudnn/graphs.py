@@ -104,7 +104,17 @@ def _finish(graph, tensors: dict, what: str) -> BuiltGraph:
         raise GraphBuildError(f"{what} graph: {short_reason(error)}") from error
     engine = getattr(graph, "selected_engine", None)
     name = "" if engine is None else getattr(engine, "name", str(engine))
+    extras = sorted(n for n in tensors if n in _FEATURE_TENSORS)
+    if engine is not None and extras:
+        # The frontend's Python (CuTe DSL) engines are chosen by a separate analysis that
+        # does not see every attribute; only the cuDNN library is trusted with these.
+        raise GraphBuildError(f"{what} graph: served by the frontend's Python engine {name}, which is not "
+                              f"trusted with {', '.join(extras)}")
     return BuiltGraph(graph, tensors, graph.get_workspace_size(), name)
+
+
+# Inputs whose semantics a Python engine might drop silently.
+_FEATURE_TENSORS = frozenset({"bias", "sink", "dropout_seed", "seq_len_q", "ro_q"})
 
 
 def build_forward(cfg: AttentionConfig, spec: SdpaSpec, handle) -> BuiltGraph:
