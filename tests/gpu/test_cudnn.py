@@ -316,3 +316,37 @@ def test_model_step_under_torch_compile_fullgraph():
     torch.testing.assert_close(compiled, eager, atol=1e-3, rtol=1e-2)
     for got, want in zip(compiled_grads, eager_grads):
         torch.testing.assert_close(got.float(), want.float(), atol=2e-3, rtol=5e-2)
+
+
+def test_dropout_matches_the_reference_under_cudnns_own_mask():
+    """cuDNN's Philox mask differs from the reference's; read it back and hand it to the naive float64 math."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from naive import naive_attention
+
+    from fusedattn.backends.base import AttentionInputs
+    from fusedattn.backends.cudnn.torch_run import dropout_mask
+
+    p = 0.2
+    q, k, v = make(2, 128, 128, 4, 2, 64, 64, torch.bfloat16, seed=17)
+    cfg = fusedattn.AttentionConfig(dtype="bfloat16", layout="bshd", batch=2, seqlen_q=128, seqlen_kv=128,
+                                    heads_q=4, heads_kv=2, head_dim_qk=64, head_dim_v=64, mask="causal",
+                                    dropout_p=p, is_training=True, device="cuda")
+    seed = torch.tensor(3, dtype=torch.int64, device="cuda")
+    offset = torch.tensor(0, dtype=torch.int64, device="cuda")
+    dump = dropout_mask(cfg, AttentionInputs(q, k, v, dropout_seed=seed, dropout_offset=offset))
+    values = torch.unique(dump)
+    keep = dump != 0
+    assert values.numel() <= 3, f"rng_dump is not a mask: {values[:8]}"
+    assert 0.15 < 1 - keep.float().mean().item() < 0.25
+    fused, fused_grads = run("cudnn", (q, k, v), {"mask": "causal", "dropout_p": p, "dropout_seed": 3})
+    leaves = [x.double().requires_grad_(True) for x in (q, k, v)]
+    exact, _, _ = naive_attention(*leaves, mask="causal", dropout_keep=keep, dropout_p=p)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    grad = torch.randn(exact.shape, generator=gen, device="cuda", dtype=torch.float32)
+    exact_grads = torch.autograd.grad(exact, leaves, grad.double())
+    assert_close_to_exact("out", fused.out, exact.to(torch.bfloat16), exact)
+    for i, (g, e) in enumerate(zip(fused_grads, exact_grads)):
+        assert_close_to_exact(f"grad {i}", g, e.to(torch.bfloat16), e)

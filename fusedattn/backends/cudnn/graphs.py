@@ -117,7 +117,8 @@ def _finish(graph, tensors: dict, what: str) -> BuiltGraph:
 _FEATURE_TENSORS = frozenset({"bias", "sink", "dropout_seed", "seq_len_q", "ro_q"})
 
 
-def build_forward(cfg: AttentionConfig, spec: SdpaSpec, handle) -> BuiltGraph:
+def build_forward(cfg: AttentionConfig, spec: SdpaSpec, handle, dump_dropout: bool = False) -> BuiltGraph:
+    """The forward graph; dump_dropout adds cuDNN's debug output of the dropout mask (tests only)."""
     graph = cudnn.pygraph(io_data_type=_IO_TYPES[cfg.dtype], intermediate_data_type=_FLOAT,
                           compute_data_type=_FLOAT, handle=handle)
     tensors: dict = {}
@@ -128,6 +129,10 @@ def build_forward(cfg: AttentionConfig, spec: SdpaSpec, handle) -> BuiltGraph:
         for name, key in (("row_max", "score_max"), ("sum_exp", "score_sum_exp")):
             kwargs[key] = graph.tensor(name=name, dim=list(spec.stats.dim), stride=list(spec.stats.stride),
                                        data_type=_FLOAT)
+    if dump_dropout:
+        scores = (cfg.batch, cfg.heads_q, cfg.seqlen_q, cfg.seqlen_kv)
+        kwargs["rng_dump"] = graph.tensor(name="rng_dump", dim=list(scores), stride=list(_dense(scores)),
+                                          data_type=_FLOAT)
     o, stats = graph.sdpa(name="sdpa", generate_stats=not spec.max_logit, **kwargs)
     _ragged(graph, tensors, cfg, spec, "o", _output(tensors, "o", o, spec.o))
     if spec.max_logit:
@@ -135,6 +140,9 @@ def build_forward(cfg: AttentionConfig, spec: SdpaSpec, handle) -> BuiltGraph:
         _output(tensors, "sum_exp", kwargs["score_sum_exp"], spec.stats, _FLOAT)
     else:
         _ragged(graph, tensors, cfg, spec, "stats", _output(tensors, "stats", stats, spec.stats, _FLOAT))
+    if dump_dropout:
+        dims = (cfg.batch, cfg.heads_q, cfg.seqlen_q, cfg.seqlen_kv)
+        _output(tensors, "rng_dump", kwargs["rng_dump"], TensorSpec(dims, _dense(dims)), _FLOAT)
     return _finish(graph, tensors, "forward")
 
 

@@ -213,3 +213,23 @@ def _reduce_to(grad: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """Sum a full (B, H, Sq, Skv) gradient over the axes the bias broadcast along."""
     axes = tuple(i for i, (g, s) in enumerate(zip(grad.shape, shape)) if s == 1 and g != 1)
     return grad.sum(dim=axes, keepdim=True) if axes else grad
+
+
+def dropout_mask(cfg: AttentionConfig, inputs: AttentionInputs) -> torch.Tensor:
+    """cuDNN's dropout mask for this call, (B, Hq, Sq, Skv) float32, from a debug graph (tests only).
+
+    Built outside the graph cache: the debug output makes it another graph.
+    """
+    from fusedattn.backends.cudnn.graphs import build_forward
+    from fusedattn.backends.cudnn.runtime import _build_lock, _handle
+
+    device = inputs.q.device
+    plan = _plan(cfg)
+    with _build_lock(device.index):
+        built = build_forward(cfg, plan.spec, _handle(device.index), dump_dropout=True)
+    buffers = _shared_buffers(cfg, plan, inputs)
+    _, buffers["o"] = _empty_bhsd(plan.spec.o, plan, inputs.q.dtype, device)
+    buffers["stats"] = torch.empty(plan.spec.stats.dim, dtype=torch.float32, device=device)
+    buffers["rng_dump"] = torch.empty(cfg.batch, cfg.heads_q, cfg.seqlen_q, cfg.seqlen_kv, device=device)
+    execute(built, buffers, device.index)
+    return buffers["rng_dump"]
