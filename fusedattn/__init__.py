@@ -4,7 +4,7 @@
 `fusedattn.jax` for the attention functions.
 """
 
-from fusedattn.config import AttentionConfig, BiasType, Layout, Mask, SoftmaxType
+from fusedattn.config import AttentionConfig, BiasType, Layout, Mask, SoftmaxType, standard_alibi_slopes
 from fusedattn.selection import NoBackendError, Selection, explain, select_backend
 
 __version__ = "0.1.0"
@@ -18,6 +18,7 @@ __all__ = [
     "NoBackendError",
     "Selection",
     "explain",
+    "standard_alibi_slopes",
     "select_backend",
     "__version__",
 ]

@@ -74,6 +74,7 @@ class CallArguments:
     return_max_logit: bool = False
     is_training: bool = False
     score_mod: Callable | None = None
+    alibi_standard: bool = False  # set by the frontend when it has seen the slopes' values
 
     def error(self, argument: str, expected: str, got, hint: str = "") -> ValueError:
         message = f"{self.api}: {argument}: expected {expected}, got {got}"
@@ -255,6 +256,7 @@ def build_config(args: CallArguments) -> AttentionConfig:
             return_max_logit=args.return_max_logit,
             score_mod_key=EAGER_SCORE_MOD if args.score_mod is not None else None,
             padded_offsets=args.cu_seqlens_q_padded is not None,
+            alibi_standard=bool(args.alibi_standard and bias_type is BiasType.ALIBI),
             device=metas["q"].device_kind, framework=args.framework,
         )
     except ValueError as error:

@@ -12,6 +12,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, replace
 
 __all__ = [
+    "standard_alibi_slopes",
     "Layout",
     "Mask",
     "BiasType",
@@ -25,6 +26,17 @@ UNBOUNDED = -1
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 DEVICES = ("cpu", "cuda")
 FRAMEWORKS = ("torch", "jax")
+
+
+def standard_alibi_slopes(heads: int) -> list[float]:
+    """The ALiBi paper's slopes for `heads` heads: 2^(-8/n), 2^(-16/n), ... for the largest power
+    of two n <= heads, then every other slope of the 2n sequence for the remaining heads."""
+    if not isinstance(heads, int) or heads < 1:
+        raise ValueError(f"heads: expected an int >= 1, got {heads!r}")
+    n = 1 << (heads.bit_length() - 1)
+    slopes = [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
+    extra = [2.0 ** (-8.0 * (i + 1) / (2 * n)) for i in range(2 * n)][0::2]
+    return slopes + extra[: heads - n]
 
 
 class _Choice(str, enum.Enum):
@@ -140,6 +152,7 @@ class AttentionConfig:
     return_max_logit: bool = False
     score_mod_key: Hashable | None = None
     padded_offsets: bool = False
+    alibi_standard: bool = False  # the ALiBi slopes are the paper's geometric sequence for Hq heads
     device: str = "cpu"
     framework: str = "torch"
     k_dtype: str | None = None
@@ -195,8 +208,10 @@ class AttentionConfig:
             if not same:
                 raise ValueError(f"layout {self.layout.value!r} packs q, k and v together: "
                                  "Hq == Hkv, D == Dv and Sq == Skv are required")
+        if self.alibi_standard and self.bias is not BiasType.ALIBI:
+            raise ValueError("alibi_standard: only with bias='alibi'")
         for name in ("is_training", "deterministic", "return_lse", "return_max_logit",
-                     "bias_requires_grad", "padded_offsets"):
+                     "bias_requires_grad", "padded_offsets", "alibi_standard"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
 

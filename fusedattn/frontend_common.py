@@ -14,6 +14,7 @@ from fusedattn.arguments import (
     check_sequence_values,
     infer_max_seqlens,
 )
+from fusedattn.config import standard_alibi_slopes
 from fusedattn.layout import split_packed
 from fusedattn.selection import NoBackendError, select_backend
 
@@ -54,7 +55,7 @@ class PreparedCall(NamedTuple):
 
 
 def prepare_call(api: str, framework: str, tensors: dict, *, describe, host_copy, is_training: bool,
-                 bias_requires_grad: bool, backend, **options) -> PreparedCall:
+                 bias_requires_grad: bool, backend, alibi_standard: bool = False, **options) -> PreparedCall:
     """Describe, validate and select for one call; shared by the torch and JAX frontends.
 
     describe(x, name) -> TensorMeta | None; host_copy(x) -> numpy array, or None when the
@@ -64,7 +65,7 @@ def prepare_call(api: str, framework: str, tensors: dict, *, describe, host_copy
     args = CallArguments(
         api=api, framework=framework, tensors=(metas["q"], metas["k"], metas["v"]),
         **{name: metas[name] for name in TENSOR_ARGUMENTS[3:]},
-        is_training=is_training, bias_requires_grad=bias_requires_grad, **options,
+        is_training=is_training, bias_requires_grad=bias_requires_grad, alibi_standard=alibi_standard, **options,
     )
     check_offset_tensors(args)
     offsets = {name: tensors[name] for name in TENSOR_ARGUMENTS[6:] if tensors[name] is not None}
@@ -84,3 +85,13 @@ def prepare_call(api: str, framework: str, tensors: dict, *, describe, host_copy
     except ValueError as error:  # a bad backend name, from the argument or the environment
         raise ValueError(f"{api}: {error}") from None
     return PreparedCall(cfg, selection, (*unpacked, *(tensors[n] for n in TENSOR_ARGUMENTS[3:])))
+
+
+def slopes_are_standard(values) -> bool:
+    """Whether host ALiBi slopes (Hq,) equal the paper's sequence (what cuDNN's built-in ALiBi uses)."""
+    import numpy as np
+
+    values = np.asarray(values, dtype=np.float64)
+    if values.ndim != 1 or values.size == 0:
+        return False
+    return bool(np.allclose(values, standard_alibi_slopes(int(values.size)), rtol=1e-3, atol=0.0))

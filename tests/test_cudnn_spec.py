@@ -82,7 +82,8 @@ def test_bias_broadcast_axes_get_stride_zero():
 
 @pytest.mark.parametrize("changes,needle", [
     (dict(layout="thd", mask="padding", return_max_logit=True), "return_max_logit"),
-    (dict(bias="alibi", bias_shape=(4,)), "alibi"),
+    (dict(bias="alibi", bias_shape=(4,)), "paper's slopes"),
+    (dict(bias="alibi", bias_shape=(4,), alibi_standard=True), "needs mask"),
     (dict(score_mod_key=("eager-callable",)), "score_mod"),
 ])
 def test_unsupported_features_give_reasons(changes, needle):
@@ -132,3 +133,27 @@ def test_thd_tensors_use_bshd_strides_and_token_major_stats():
     assert spec.stats.stride == (5 * 4, 1, 4, 1)  # (T, Hq) floats
     packed = sdpa_spec(cfg_for("t3hd", mask="padding"))
     assert packed.token_stride("q") == 3 * 4 * 8
+
+
+def test_standard_alibi_slopes_follow_the_paper():
+    from fusedattn import standard_alibi_slopes
+
+    assert standard_alibi_slopes(8) == [2.0 ** -(i + 1) for i in range(8)]
+    twelve = standard_alibi_slopes(12)  # 8 from 2^(-8k/8), then 4 odd terms of 2^(-8k/16)
+    assert twelve[:8] == standard_alibi_slopes(8)
+    assert twelve[8:] == [2.0 ** (-0.5 * k) for k in (1, 3, 5, 7)]
+
+
+def test_frontend_marks_standard_slopes_in_the_config(monkeypatch):
+    import fusedattn
+    import fusedattn.torch as fat
+    from fusedattn import standard_alibi_slopes
+
+    seen = []
+    original = fusedattn.frontend_common.select_backend
+    monkeypatch.setattr(fusedattn.frontend_common, "select_backend",
+                        lambda cfg, *a, **k: (seen.append(cfg), original(cfg, *a, **k))[1])
+    q = torch.randn(1, 6, 4, 8)
+    fat.attention(q, q, q, mask="causal", alibi_slopes=torch.tensor(standard_alibi_slopes(4)))
+    fat.attention(q, q, q, mask="causal", alibi_slopes=torch.tensor(standard_alibi_slopes(4)) * 2)
+    assert [cfg.alibi_standard for cfg in seen] == [True, False]

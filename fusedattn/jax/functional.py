@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from fusedattn.arguments import TensorMeta
 from fusedattn.backends import get_backend
 from fusedattn.backends.base import DIFFERENTIABLE, AttentionInputs, AttentionOutputs
-from fusedattn.frontend_common import pick_outputs, prepare_call
+from fusedattn.frontend_common import pick_outputs, prepare_call, slopes_are_standard
 from fusedattn.xp.jax_ops import OPS
 
 __all__ = ["attention"]
@@ -136,6 +136,8 @@ def attention(
         dropout_p=dropout_p, scale=scale, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
         deterministic=deterministic, return_lse=return_lse, return_max_logit=return_max_logit,
         score_mod=score_mod,
+        alibi_standard=alibi_slopes is not None and _is_concrete(alibi_slopes)
+        and slopes_are_standard(OPS.to_host(alibi_slopes)),
     )
     seed = offset = None
     if call.cfg.dropout_p > 0.0:

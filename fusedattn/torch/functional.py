@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 
 from fusedattn.arguments import ENV_THD_BUCKET, TensorMeta
-from fusedattn.frontend_common import AttentionResult, pick_outputs, prepare_call
+from fusedattn.frontend_common import AttentionResult, pick_outputs, prepare_call, slopes_are_standard
 from fusedattn.layout import split_packed
 from fusedattn.selection import ENV_BACKEND, recall_call, remember_call
 from fusedattn.torch.autograd import run_attention
@@ -125,9 +125,12 @@ def attention(
     # reading their values back would stall the GPU queue on every call.
     trusted = (max_seqlen_q is not None and max_seqlen_kv is not None
                and all(x is None or (isinstance(x, torch.Tensor) and x.is_cuda) for x in offsets))
-    signature = _signature(q, k, v, bias, alibi_slopes, sink, *offsets, layout, mask, window, bias_type,
-                           softmax_type, dropout_p, scale, max_seqlen_q, max_seqlen_kv, deterministic, return_lse,
-                           return_max_logit, backend, offsets=() if trusted else offsets, score_mod=score_mod)
+    # ALiBi slopes decide the config (cuDNN's built-in ALiBi has the paper's slopes only), so
+    # calls with slopes read their values every time and take the full path.
+    signature = None if alibi_slopes is not None else _signature(
+        q, k, v, bias, alibi_slopes, sink, *offsets, layout, mask, window, bias_type, softmax_type, dropout_p,
+        scale, max_seqlen_q, max_seqlen_kv, deterministic, return_lse, return_max_logit, backend,
+        offsets=() if trusted else offsets, score_mod=score_mod)
     planned = recall_call(signature) if signature is not None else None
     if planned is not None:  # seen before: already validated, configured and selected
         cfg, selection = planned
@@ -147,6 +150,8 @@ def attention(
             dropout_p=dropout_p, scale=scale, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
             deterministic=deterministic, return_lse=return_lse, return_max_logit=return_max_logit,
             score_mod=score_mod,
+            alibi_standard=isinstance(alibi_slopes, torch.Tensor)
+            and slopes_are_standard(OPS.to_host(alibi_slopes.float())),
         )
         cfg, selection, arrays = call
         if signature is not None:

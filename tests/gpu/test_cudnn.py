@@ -350,3 +350,20 @@ def test_dropout_matches_the_reference_under_cudnns_own_mask():
     assert_close_to_exact("out", fused.out, exact.to(torch.bfloat16), exact)
     for i, (g, e) in enumerate(zip(fused_grads, exact_grads)):
         assert_close_to_exact(f"grad {i}", g, e.to(torch.bfloat16), e)
+
+
+@pytest.mark.parametrize("heads,heads_kv,mask", [(8, 8, "causal"), (8, 2, "causal"), (12, 4, "causal"),
+                                                 (8, 8, "padding_causal")])
+def test_alibi_with_the_papers_slopes(heads, heads_kv, mask):
+    q, k, v = make(3, 128, 128, heads, heads_kv, 64, 64, torch.bfloat16, seed=18)
+    slopes = torch.tensor(fusedattn.standard_alibi_slopes(heads), device="cuda")
+    options = {"mask": mask, "alibi_slopes": slopes}
+    if mask == "padding_causal":
+        options.update(cu_seqlens_q=_lengths([128, 70, 100]), cu_seqlens_kv=_lengths([128, 70, 100]))
+    check_against_reference((q, k, v), options, torch.bfloat16)
+
+
+def test_alibi_with_other_slopes_falls_back_with_a_reason():
+    q, k, v = make(1, 64, 64, 4, 4, 64, 64, torch.bfloat16, seed=19)
+    with pytest.raises(fusedattn.NoBackendError, match="paper's slopes"):
+        fat.attention(q, k, v, mask="causal", alibi_slopes=torch.ones(4, device="cuda"), backend="cudnn")

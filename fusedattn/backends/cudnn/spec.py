@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fusedattn.config import UNBOUNDED, AttentionConfig, BiasType, Layout, SoftmaxType
+from fusedattn.config import UNBOUNDED, AttentionConfig, BiasType, Layout, Mask, SoftmaxType
 
 __all__ = ["TensorSpec", "SdpaSpec", "sdpa_spec", "unsupported", "layout_strides", "gradient_spec", "short_reason",
            "graph_key"]
@@ -87,6 +87,7 @@ class SdpaSpec:
     sink: bool
     dropout: bool
     max_logit: bool
+    alibi: bool
     padding: bool  # per-sequence lengths (seq_len_q/kv tensors)
     ragged: bool  # THD: q/k/v/o/stats start each sequence at a ragged offset
 
@@ -123,6 +124,7 @@ def sdpa_spec(cfg: AttentionConfig) -> SdpaSpec:
         sink=cfg.softmax is not SoftmaxType.VANILLA,
         dropout=cfg.dropout_p > 0.0,
         max_logit=cfg.return_max_logit,
+        alibi=cfg.bias is BiasType.ALIBI,
         padding=cfg.mask.is_padding,
         ragged=ragged,
     )
@@ -134,7 +136,14 @@ def unsupported(cfg: AttentionConfig) -> list[str]:
     if cfg.layout.is_ragged and cfg.return_max_logit:
         reasons.append("return_max_logit with a THD layout is not wired to cuDNN in this version")
     if cfg.bias is BiasType.ALIBI:
-        reasons.append("alibi: cuDNN's built-in ALiBi generates its own slopes; user slopes are not supported")
+        if not cfg.alibi_standard:
+            reasons.append("alibi: cuDNN's built-in ALiBi has the paper's slopes (fusedattn.standard_alibi_slopes); "
+                           "these slopes differ, or their values were not seen (traced)")
+        if cfg.mask not in (Mask.CAUSAL, Mask.PADDING_CAUSAL) or cfg.window[0] != UNBOUNDED:
+            reasons.append(f"alibi: cuDNN's built-in ALiBi needs mask 'causal' or 'padding_causal' without a "
+                           f"left window, got mask {cfg.mask.value!r} window {cfg.window}")
+        if cfg.dropout_p > 0.0:
+            reasons.append("alibi with dropout: not combined in this version")
     if cfg.score_mod_key is not None:
         reasons.append("score_mod: Python callables on the score matrix run on the reference only")
     if cfg.seqlen_q == 0 or cfg.seqlen_kv == 0:
