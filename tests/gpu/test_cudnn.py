@@ -207,19 +207,20 @@ def test_backend_object_reports_available():
     assert get_backend("cudnn").availability() == []
 
 
-def test_forward_and_backward_run_under_cuda_graph_capture():
-    # As torch's CUDA-graph recipe asks: the leaves are made and warmed up on a side stream,
-    # never on the legacy default stream, whose autograd accumulators capture cannot join.
+def test_model_step_runs_under_cuda_graph_capture():
+    # As torch's CUDA-graph recipe asks: parameters and inputs are made and warmed up on a side
+    # stream, never on the legacy default stream, whose autograd accumulators capture cannot join.
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        q, k, v = make(2, 256, 256, 8, 2, 64, 64, torch.bfloat16, seed=11)
-        q, k, v = (x.clone().requires_grad_(True) for x in (q, k, v))
-        grad = torch.randn(2, 256, 8, 64, device="cuda").to(torch.bfloat16)
+        torch.manual_seed(1)
+        proj = torch.nn.Linear(256, 3 * 256, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(2, 256, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
 
         def step():
-            out = fat.attention(q, k, v, mask="causal", backend="cudnn")
-            return torch.autograd.grad(out, (q, k, v), grad)
+            q, k, v = proj(x).view(2, 256, 3, 4, 64).unbind(2)
+            loss = fat.attention(q, k, v, mask="causal", backend="cudnn").float().square().mean()
+            return torch.autograd.grad(loss, (x, proj.weight, proj.bias))
 
         expected = [g.clone() for g in step()]  # also builds and caches the graphs before capture
         step()
