@@ -1,0 +1,122 @@
+"""Cache keys for cuDNN-native score_mod callbacks: what the callback builds, not who it is.
+
+`structural_key(score_mod, tensors)` runs the callback once against a `RecordingGraph`, which
+records every call it makes (op names, keyword arguments, baked-in constants, the shapes,
+dtypes and strides of aux tensors) and returns placeholders. Two callbacks that build the
+same graph get the same key; anything that changes the built graph changes the key. Runtime
+scalars (Python or NumPy numbers, 0-d arrays) enter as "a scalar of this type": their value
+is passed at execute time, so changing it never rebuilds. Nothing here uses id(), names or
+addresses, and nothing imports cudnn, torch or JAX.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["RecordingGraph", "RecordedTensor", "structural_key", "describe_aux"]
+
+
+class RecordedTensor:
+    """A placeholder for a tensor the callback made, an aux tensor, or the score itself."""
+
+    def __init__(self, graph: RecordingGraph, token: tuple):
+        self._graph = graph
+        self.token = token
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        # Tensor methods (set_data_type, set_name, ...) change the built graph: record them.
+        def method(*args, **kwargs):
+            self._graph._record(("method", name, self.token), args, kwargs)
+            return self
+
+        return method
+
+    def __repr__(self) -> str:
+        return f"<recorded {self.token}>"
+
+
+class RecordingGraph:
+    """Stands in for the cuDNN callback graph; every op call is recorded and returns a placeholder."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self._count = 0
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+
+        def op(*args, **kwargs):
+            self._count += 1
+            result = RecordedTensor(self, ("op", self._count))
+            self._record(("op", name, self._count), args, kwargs)
+            return result
+
+        return op
+
+    def _record(self, head: tuple, args, kwargs) -> None:
+        normalized = tuple(_normalize(a) for a in args)
+        named = tuple(sorted((k, _normalize(v)) for k, v in kwargs.items()))
+        self.calls.append((head, normalized, named))
+
+
+def _normalize(value: Any):
+    """A hashable, content-based description of an argument of a graph call."""
+    if isinstance(value, RecordedTensor):
+        return value.token
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, numbers.Number):  # a constant baked into the graph: its value matters
+        return ("const", type(value).__name__, float(value) if not isinstance(value, int) else value)
+    if isinstance(value, (tuple, list)):
+        return tuple(_normalize(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((str(k), _normalize(v)) for k, v in value.items()))
+    text = str(value)  # enums such as cudnn.data_type.FLOAT, cudnn.pointwise_mode...
+    return ("opaque", type(value).__name__, text)
+
+
+def describe_aux(value: Any) -> tuple:
+    """What of an aux entry shapes the graph: array metadata, or the type of a runtime scalar."""
+    if isinstance(value, (bool, numbers.Number)):
+        return ("scalar", type(value).__name__)
+    shape = getattr(value, "shape", None)
+    if shape is None:
+        raise ValueError(f"score_mod_tensors: expected arrays or numbers, got {type(value).__name__}")
+    if len(shape) == 0 or (hasattr(value, "ndim") and value.ndim == 0):  # 0-d arrays are runtime scalars
+        return ("scalar", str(value.dtype))
+    stride = value.stride() if callable(getattr(value, "stride", None)) else getattr(value, "strides", None)
+    return ("array", tuple(shape), str(value.dtype), tuple(stride) if stride is not None else None)
+
+
+def structural_key(score_mod: Callable, tensors: dict | None = None, score_mod_bprop: Callable | None = None,
+                   bprop_tensors: dict | None = None) -> tuple:
+    """The recorded structure of what the callbacks build, plus the aux tensors' metadata."""
+    if not callable(score_mod):
+        raise ValueError(f"score_mod: expected a callable score_mod(graph, score, tensors), got {score_mod!r}")
+    if score_mod_bprop is not None and not callable(score_mod_bprop):
+        raise ValueError(f"score_mod_bprop: expected a callable or None, got {score_mod_bprop!r}")
+    parts = []
+    for label, callback, aux in (("fwd", score_mod, tensors), ("bprop", score_mod_bprop, bprop_tensors)):
+        if callback is None:
+            parts.append((label, None))
+            continue
+        aux = dict(aux or {})
+        graph = RecordingGraph()
+        described = tuple(sorted((str(name), describe_aux(value)) for name, value in aux.items()))
+        placeholders = {name: RecordedTensor(graph, ("aux", str(name))) for name in aux}
+        score = RecordedTensor(graph, ("score",))
+        try:
+            result = callback(graph, score, placeholders)
+        except Exception as error:
+            raise ValueError(f"{'score_mod' if label == 'fwd' else 'score_mod_bprop'}: the callback failed while "
+                             f"its graph was recorded: {type(error).__name__}: {error}") from error
+        if not isinstance(result, RecordedTensor):
+            raise ValueError(f"{'score_mod' if label == 'fwd' else 'score_mod_bprop'}: expected the callback to "
+                             f"return a graph tensor, got {type(result).__name__}")
+        parts.append((label, described, tuple(graph.calls), result.token))
+    return tuple(parts)
