@@ -157,3 +157,14 @@ def test_frontend_marks_standard_slopes_in_the_config(monkeypatch):
     fat.attention(q, q, q, mask="causal", alibi_slopes=torch.tensor(standard_alibi_slopes(4)))
     fat.attention(q, q, q, mask="causal", alibi_slopes=torch.tensor(standard_alibi_slopes(4)) * 2)
     assert [cfg.alibi_standard for cfg in seen] == [True, False]
+
+
+def test_bottom_right_rows_without_keys_run_as_the_last_skv_rows():
+    from fusedattn.backends.cudnn.spec import rows_with_keys_config, rows_without_keys
+
+    cfg = cfg_for(mask="causal_bottom_right", seqlen_q=9, seqlen_kv=5, bias="post_scale", bias_shape=(1, 4, 9, 5))
+    assert rows_without_keys(cfg) == 4
+    sub = rows_with_keys_config(cfg)
+    assert (sub.seqlen_q, sub.seqlen_kv, sub.bias_shape) == (5, 5, (1, 4, 5, 5))
+    assert rows_without_keys(cfg_for(mask="causal_bottom_right", seqlen_q=5, seqlen_kv=9)) == 0
+    assert rows_with_keys_config(cfg_for()) == cfg_for()

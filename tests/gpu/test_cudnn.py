@@ -59,11 +59,13 @@ def run(backend, tensors, options, grad_seed=7, max_logit=False):
     return result, grads
 
 
-def assert_close_to_exact(name, got, same_dtype, exact):
+def assert_close_to_exact(name, got, same_dtype, exact, reduction=False):
+    """reduction=True for dBias/dSink: sums over many score entries that cuDNN rounds to the
+    I/O dtype, so their error grows with the number of terms; allow 1% of the magnitude."""
     err = (got.double() - exact.double()).abs().max().item()
     ref_err = (same_dtype.double() - exact.double()).abs().max().item()
     scale = exact.double().abs().max().item()
-    limit = FACTOR * ref_err + ATOL[torch.bfloat16] * max(scale, 1.0)
+    limit = FACTOR * ref_err + (1e-2 if reduction else ATOL[torch.bfloat16]) * max(scale, 1.0)
     assert err <= limit, f"{name}: cuDNN error {err:.3e} > {limit:.3e} (reference's own error {ref_err:.3e})"
 
 
@@ -86,7 +88,7 @@ def check_against_reference(tensors, options, dtype, max_logit=False):
         torch.testing.assert_close(fused.max_logit, exact.max_logit.float(), atol=5e-2, rtol=1e-2)
     for i, (g, s, e) in enumerate(zip(fused_grads, same_grads, exact_grads)):
         assert g is not None, f"gradient {i} missing"
-        assert_close_to_exact(f"grad {i}", g, s, e)
+        assert_close_to_exact(f"grad {i}", g, s, e, reduction=i >= len(tensors))
 
 
 def make(b, sq, skv, hq, hkv, d, dv, dtype, seed=0):
@@ -188,7 +190,7 @@ def test_auto_selection_picks_cudnn_and_explain_shows_cudnn_reasons():
     rejected = cfg.replace(head_dim_qk=72 * 8, head_dim_v=72 * 8)  # 576 > 256: cheap rule
     assert "head_dim_qk=576 > 256" in fusedattn.explain(rejected)
     # A config cuDNN itself declines shows cuDNN's own message.
-    declined = cfg.replace(mask="causal_bottom_right", seqlen_q=96, seqlen_kv=64, dropout_p=0.1)
+    declined = cfg.replace(mask="causal", softmax="learnable", return_max_logit=True)
     text = fusedattn.explain(declined)
     assert "cudnn: rejected" in text and "cuDNN" in text, text
 
@@ -368,3 +370,20 @@ def test_alibi_with_other_slopes_falls_back_with_a_reason():
     q, k, v = make(1, 64, 64, 4, 4, 64, 64, torch.bfloat16, seed=19)
     with pytest.raises(fusedattn.NoBackendError, match="paper's slopes"):
         fat.attention(q, k, v, mask="causal", alibi_slopes=torch.ones(4, device="cuda"), backend="cudnn")
+
+
+@pytest.mark.parametrize("layout", ["bshd", "sbhd", "bhsd"])
+def test_bottom_right_with_more_queries_than_keys(layout):
+    q, k, v = make(2, 160, 96, 4, 2, 64, 64, torch.bfloat16, seed=20)
+    tensors, _ = _pack(layout, q, k, v)
+    bias = torch.randn(1, 4, 160, 96, device="cuda").to(torch.bfloat16)
+    check_against_reference(tensors, {"layout": layout, "mask": "causal_bottom_right", "bias": bias},
+                            torch.bfloat16)
+
+
+def test_non_contiguous_bias_is_read_correctly():
+    q, k, v = make(2, 128, 128, 4, 4, 64, 64, torch.bfloat16, seed=21)
+    big = torch.randn(2, 4, 160, 160, device="cuda").to(torch.bfloat16)
+    bias = big[:, :, 16:144, 8:136]  # a strided view, not a contiguous tensor
+    assert not bias.is_contiguous()
+    check_against_reference((q, k, v), {"bias": bias}, torch.bfloat16)

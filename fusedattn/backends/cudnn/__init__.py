@@ -8,7 +8,7 @@ those graphs. The cudnn and torch imports happen only once the cheap rules pass.
 from __future__ import annotations
 
 from fusedattn.backends.base import Backend
-from fusedattn.backends.cudnn.spec import unsupported
+from fusedattn.backends.cudnn.spec import rows_with_keys_config, unsupported
 
 
 class CudnnBackend(Backend):
@@ -26,7 +26,7 @@ class CudnnBackend(Backend):
             return reasons
         from fusedattn.backends.cudnn.runtime import probe
 
-        return probe(cfg)
+        return probe(rows_with_keys_config(cfg))
 
     def forward(self, cfg, inputs):
         from fusedattn.backends.cudnn.torch_run import forward

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from fusedattn.config import UNBOUNDED, AttentionConfig, BiasType, Layout, Mask, SoftmaxType
 
 __all__ = ["TensorSpec", "SdpaSpec", "sdpa_spec", "unsupported", "layout_strides", "gradient_spec", "short_reason",
-           "graph_key"]
+           "graph_key", "rows_without_keys", "rows_with_keys_config"]
 
 
 @dataclass(frozen=True)
@@ -165,3 +165,24 @@ def graph_key(cfg: AttentionConfig, direction: str, device: int) -> tuple:
     if direction not in ("forward", "backward"):
         raise ValueError(f"direction: expected 'forward' or 'backward', got {direction!r}")
     return (cfg, direction, int(device))
+
+
+def rows_without_keys(cfg: AttentionConfig) -> int:
+    """Leading query rows that see no key at all: bottom-right causal with Sq > Skv.
+
+    cuDNN refuses that mask when Sq > Skv; those rows are simply empty (output 0, lse -inf),
+    so the backend runs the last Skv rows, where bottom-right and top-left coincide.
+    """
+    if cfg.mask is Mask.CAUSAL_BOTTOM_RIGHT and cfg.seqlen_q > cfg.seqlen_kv:
+        return cfg.seqlen_q - cfg.seqlen_kv
+    return 0
+
+
+def rows_with_keys_config(cfg: AttentionConfig) -> AttentionConfig:
+    """The config of the rows that see keys (see rows_without_keys); cfg itself when all do."""
+    if not rows_without_keys(cfg):
+        return cfg
+    bias_shape = cfg.bias_shape
+    if cfg.bias in (BiasType.PRE_SCALE, BiasType.POST_SCALE) and bias_shape[2] != 1:
+        bias_shape = (bias_shape[0], bias_shape[1], cfg.seqlen_kv, bias_shape[3])
+    return cfg.replace(seqlen_q=cfg.seqlen_kv, bias_shape=bias_shape)

@@ -13,7 +13,14 @@ import torch
 
 from fusedattn.backends.base import AttentionInputs, AttentionOutputs
 from fusedattn.backends.cudnn.runtime import execute, get_graph
-from fusedattn.backends.cudnn.spec import SdpaSpec, TensorSpec, gradient_spec, sdpa_spec
+from fusedattn.backends.cudnn.spec import (
+    SdpaSpec,
+    TensorSpec,
+    gradient_spec,
+    rows_with_keys_config,
+    rows_without_keys,
+    sdpa_spec,
+)
 from fusedattn.cache import LRUCache
 from fusedattn.config import AttentionConfig, BiasType, Layout, SoftmaxType
 from fusedattn.layout import layout_spec
@@ -115,8 +122,8 @@ def _shared_buffers(cfg: AttentionConfig, plan: _Plan, inputs: AttentionInputs) 
         bias = inputs.bias.to(inputs.q.dtype)
         if cfg.bias is BiasType.PRE_SCALE:  # (qk + b) * scale == qk * scale + b * scale
             bias = bias * cfg.scale
-        bias = bias.reshape(cfg.bias_shape).expand(spec.bias.dim)
-        buffers["bias"] = bias if bias.stride()[2:] == spec.bias.stride[2:] else bias.contiguous()
+        # Dense in its own (broadcast) shape, then expanded: the strides the graph was built with.
+        buffers["bias"] = bias.reshape(cfg.bias_shape).contiguous().expand(spec.bias.dim)
     if spec.sink:
         if cfg.softmax is SoftmaxType.LEARNABLE:
             buffers["sink"] = inputs.sink.to(torch.float32).reshape(1, cfg.heads_q, 1, 1).contiguous()
@@ -129,6 +136,8 @@ def _shared_buffers(cfg: AttentionConfig, plan: _Plan, inputs: AttentionInputs) 
 
 
 def forward(cfg: AttentionConfig, inputs: AttentionInputs) -> AttentionOutputs:
+    if rows_without_keys(cfg):
+        return _forward_rows_with_keys(cfg, inputs)
     device = inputs.q.device
     plan = _plan(cfg)
     spec = plan.spec
@@ -171,6 +180,8 @@ def backward(cfg: AttentionConfig, inputs: AttentionInputs, outputs: AttentionOu
         raise NotImplementedError(
             "fusedattn: the cudnn backend has no gradient through the returned lse; "
             "use backend='reference' for losses that depend on lse")
+    if rows_without_keys(cfg):
+        return _backward_rows_with_keys(cfg, inputs, outputs, grad_out)
     device = inputs.q.device
     plan = _plan(cfg)
     spec = plan.spec
@@ -233,3 +244,47 @@ def dropout_mask(cfg: AttentionConfig, inputs: AttentionInputs) -> torch.Tensor:
     buffers["rng_dump"] = torch.empty(cfg.batch, cfg.heads_q, cfg.seqlen_q, cfg.seqlen_kv, device=device)
     execute(built, buffers, device.index)
     return buffers["rng_dump"]
+
+
+# Bottom-right causal with Sq > Skv: the first Sq - Skv query rows see no key. cuDNN refuses
+# the mask there, so the last Skv rows run on their own and the others are filled in.
+_SEQ_AXIS = {Layout.BSHD: 1, Layout.SBHD: 0, Layout.BHSD: 2}
+
+
+def _rows_with_keys(cfg: AttentionConfig, inputs: AttentionInputs):
+    skipped, axis = rows_without_keys(cfg), _SEQ_AXIS[layout_spec(cfg.layout).base]
+    sub = rows_with_keys_config(cfg)
+    bias = inputs.bias
+    if bias is not None and sub.bias_shape != cfg.bias_shape:
+        bias = bias.reshape(cfg.bias_shape)[:, :, skipped:]
+    return sub, skipped, axis, inputs.replace(q=inputs.q.narrow(axis, skipped, sub.seqlen_q), bias=bias)
+
+
+def _forward_rows_with_keys(cfg: AttentionConfig, inputs: AttentionInputs) -> AttentionOutputs:
+    sub, skipped, axis, sub_inputs = _rows_with_keys(cfg, inputs)
+    result = forward(sub, sub_inputs)
+    shape = list(result.out.shape)
+    shape[axis] = cfg.seqlen_q
+    out = result.out.new_zeros(shape)
+    out.narrow(axis, skipped, sub.seqlen_q).copy_(result.out)
+    lse = result.lse.new_full((cfg.batch, cfg.heads_q, cfg.seqlen_q), float("-inf"))
+    lse[:, :, skipped:] = result.lse
+    return AttentionOutputs(out, lse, result.max_logit)
+
+
+def _backward_rows_with_keys(cfg: AttentionConfig, inputs: AttentionInputs, outputs: AttentionOutputs,
+                             grad_out) -> dict:
+    sub, skipped, axis, sub_inputs = _rows_with_keys(cfg, inputs)
+    sub_outputs = AttentionOutputs(outputs.out.narrow(axis, skipped, sub.seqlen_q).contiguous(),
+                                   outputs.lse[:, :, skipped:].contiguous())
+    if grad_out is not None:
+        grad_out = grad_out.narrow(axis, skipped, sub.seqlen_q)
+    grads = backward(sub, sub_inputs, sub_outputs, grad_out, None)
+    dq = inputs.q.new_zeros(inputs.q.shape)
+    dq.narrow(axis, skipped, sub.seqlen_q).copy_(grads["q"])
+    grads["q"] = dq
+    if "bias" in grads and sub.bias_shape != cfg.bias_shape:
+        full = grads["bias"].new_zeros(cfg.bias_shape)
+        full[:, :, skipped:] = grads["bias"].reshape(sub.bias_shape)
+        grads["bias"] = full.reshape(inputs.bias.shape)
+    return grads
