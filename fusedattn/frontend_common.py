@@ -14,6 +14,7 @@ from fusedattn.arguments import (
     check_sequence_values,
     infer_max_seqlens,
 )
+from fusedattn.backends.base import ARRAY_NAMES
 from fusedattn.config import standard_alibi_slopes
 from fusedattn.layout import split_packed
 from fusedattn.selection import NoBackendError, select_backend
@@ -41,8 +42,8 @@ def pick_outputs(cfg, out, lse, max_logit):
     return AttentionResult(out, lse if cfg.return_lse else None, max_logit if cfg.return_max_logit else None)
 
 
-TENSOR_ARGUMENTS = ("q", "k", "v", "bias", "alibi_slopes", "sink", "cu_seqlens_q", "cu_seqlens_kv",
-                    "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
+# The tensor keywords of a call: every array but the dropout state, which frontends make.
+TENSOR_ARGUMENTS = ARRAY_NAMES[:10]
 
 
 class PreparedCall(NamedTuple):

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 from fusedattn.config import AttentionConfig
 
-__all__ = ["Backend", "AttentionInputs", "AttentionOutputs", "package_missing"]
+__all__ = ["Backend", "AttentionInputs", "AttentionOutputs", "ARRAY_NAMES", "package_missing"]
 
 DIFFERENTIABLE = ("q", "k", "v", "bias", "sink", "alibi_slopes")
 
@@ -46,6 +46,10 @@ class AttentionInputs:
 
     def replace(self, **arrays) -> AttentionInputs:
         return AttentionInputs(**{**self.arrays(), "score_mod": self.score_mod, **arrays})
+
+
+# The arrays of AttentionInputs in field order: how frontends pass them positionally.
+ARRAY_NAMES: tuple[str, ...] = tuple(f.name for f in fields(AttentionInputs) if f.name != "score_mod")
 
 
 class AttentionOutputs(NamedTuple):

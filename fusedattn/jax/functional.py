@@ -10,15 +10,13 @@ import jax.numpy as jnp
 
 from fusedattn.arguments import TensorMeta
 from fusedattn.backends import get_backend
-from fusedattn.backends.base import DIFFERENTIABLE, AttentionInputs, AttentionOutputs
+from fusedattn.backends.base import ARRAY_NAMES, DIFFERENTIABLE, AttentionInputs, AttentionOutputs
 from fusedattn.frontend_common import pick_outputs, prepare_call, slopes_are_standard
 from fusedattn.xp.jax_ops import OPS
 
 __all__ = ["attention"]
 
 API = "fusedattn.jax.attention"
-ARRAY_NAMES = ("q", "k", "v", "bias", "alibi_slopes", "sink", "cu_seqlens_q", "cu_seqlens_kv",
-               "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "dropout_seed", "dropout_offset")
 
 
 def _is_concrete(x) -> bool:

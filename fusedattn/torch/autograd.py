@@ -5,11 +5,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from fusedattn.backends.base import DIFFERENTIABLE, AttentionInputs, AttentionOutputs
-
-# Order of the arrays passed to run_attention (matches AttentionInputs' fields).
-ARRAY_NAMES = ("q", "k", "v", "bias", "alibi_slopes", "sink", "cu_seqlens_q", "cu_seqlens_kv",
-               "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "dropout_seed", "dropout_offset")
+from fusedattn.backends.base import ARRAY_NAMES, DIFFERENTIABLE, AttentionInputs, AttentionOutputs
 
 
 class _Attention(torch.autograd.Function):

@@ -8,7 +8,13 @@ from collections.abc import Callable
 import torch
 
 from fusedattn.arguments import ENV_THD_BUCKET, TensorMeta
-from fusedattn.frontend_common import AttentionResult, pick_outputs, prepare_call, slopes_are_standard
+from fusedattn.frontend_common import (
+    TENSOR_ARGUMENTS,
+    AttentionResult,
+    pick_outputs,
+    prepare_call,
+    slopes_are_standard,
+)
 from fusedattn.layout import split_packed
 from fusedattn.selection import ENV_BACKEND, recall_call, remember_call
 from fusedattn.torch.autograd import run_attention
@@ -188,21 +194,19 @@ def _compile_time_plan(described: tuple, options: tuple, backend, grad_enabled: 
     Dynamo runs this once per distinct call and bakes the key into the graph as a constant.
     """
     options = dict(options)
-    names = ("q", "k", "v", "bias", "alibi_slopes", "sink", "cu_seqlens_q", "cu_seqlens_kv",
-             "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
     stand_ins, metas = {}, {}
-    for name, entry in zip(names, described):
+    for name, entry in zip(TENSOR_ARGUMENTS, described):
         if entry is None:
             stand_ins[name] = None
             continue
         shape, dtype, device, requires_grad = entry
         stand_ins[name] = torch.empty(shape, dtype=dtype, device="meta").requires_grad_(requires_grad)
         metas[name] = TensorMeta(tuple(shape), OPS.dtype_name(stand_ins[name]), str(device), device.type)
-    offsets_given = any(stand_ins[n] is not None for n in names[6:])
+    offsets_given = any(stand_ins[n] is not None for n in TENSOR_ARGUMENTS[6:])
     if offsets_given and (options["max_seqlen_q"] is None or options["max_seqlen_kv"] is None):
         raise ValueError(f"{API}: max_seqlen_q/max_seqlen_kv: expected ints under torch.compile (the offsets' "
                          "values cannot be read while tracing), got None")
-    differentiable = [stand_ins[n] for n in names[:6] if stand_ins[n] is not None]
+    differentiable = [stand_ins[n] for n in TENSOR_ARGUMENTS[:6] if stand_ins[n] is not None]
     cfg, selection, _ = prepare_call(
         API, "torch", stand_ins, describe=lambda x, name: metas.get(name), host_copy=lambda x: None,
         is_training=grad_enabled and any(x.requires_grad for x in differentiable),

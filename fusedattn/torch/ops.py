@@ -14,14 +14,14 @@ import hashlib
 import torch
 
 from fusedattn.backends import get_backend
-from fusedattn.backends.base import AttentionInputs, AttentionOutputs
+from fusedattn.backends.base import ARRAY_NAMES, AttentionInputs, AttentionOutputs
 from fusedattn.config import AttentionConfig
 
 __all__ = ["register_config", "attention_fwd", "attention_bwd"]
 
 # key -> (config, backend name). Keys come from the config's contents, never from id().
 _CONFIGS: dict[str, tuple[AttentionConfig, str]] = {}
-GRAD_NAMES = ("q", "k", "v", "bias", "alibi_slopes", "sink")
+GRAD_NAMES = ARRAY_NAMES[:6]  # the differentiable arrays, in argument order
 
 
 @contextlib.contextmanager
