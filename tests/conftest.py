@@ -18,3 +18,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def ran(monkeypatch):
+    """Records (backend name, "forward"/"backward", cfg) for every backend call: which backend ran."""
+    from fusedattn.backends import BACKENDS
+
+    calls = []
+    for backend in BACKENDS:
+        for phase in ("forward", "backward"):
+            original = getattr(backend, phase)
+
+            def spy(cfg, *args, _original=original, _name=backend.name, _phase=phase, **kwargs):
+                calls.append((_name, _phase, cfg))
+                return _original(cfg, *args, **kwargs)
+
+            monkeypatch.setattr(backend, phase, spy)
+    return calls

@@ -100,20 +100,6 @@ def _fresh_selection(monkeypatch):
     clear_decisions()
 
 
-@pytest.fixture
-def ran(monkeypatch):
-    """Records (backend name, phase, cfg) for every backend forward/backward that runs."""
-    calls = []
-    for backend in BACKENDS:
-        for phase in ("forward", "backward"):
-            original = getattr(backend, phase)
-
-            def spy(cfg, *args, _original=original, _name=backend.name, _phase=phase, **kwargs):
-                calls.append((_name, _phase, cfg))
-                return _original(cfg, *args, **kwargs)
-
-            monkeypatch.setattr(backend, phase, spy)
-    return calls
 
 
 def assert_reference_ran(calls, phases=("forward", "backward"), framework="jax"):

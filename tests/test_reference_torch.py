@@ -39,20 +39,6 @@ def gen(request):
     return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
-@pytest.fixture
-def ran(monkeypatch):
-    """Records (backend name, 'forward'/'backward', cfg) for every backend call."""
-    calls = []
-    for backend in BACKENDS:
-        for method in ("forward", "backward"):
-            original = getattr(backend, method)
-
-            def spy(cfg, *args, _original=original, _name=backend.name, _method=method, **kwargs):
-                calls.append((_name, _method, cfg))
-                return _original(cfg, *args, **kwargs)
-
-            monkeypatch.setattr(backend, method, spy)
-    return calls
 
 
 def assert_reference_ran(ran, backward=True):
