@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 from fusedattn.config import UNBOUNDED, AttentionConfig, BiasType, Layout, Mask, SoftmaxType
 
-__all__ = ["TensorSpec", "SdpaSpec", "sdpa_spec", "unsupported", "layout_strides", "gradient_spec", "short_reason",
-           "graph_key", "rows_without_keys", "rows_with_keys_config"]
+__all__ = ["TensorSpec", "dense", "SdpaSpec", "sdpa_spec", "unsupported", "layout_strides", "gradient_spec",
+           "short_reason", "graph_key", "rows_without_keys", "rows_with_keys_config"]
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,11 @@ class TensorSpec:
 
     dim: tuple[int, ...]
     stride: tuple[int, ...]
+
+
+def dense(dim: tuple[int, ...]) -> TensorSpec:
+    """A contiguous tensor of these dims."""
+    return TensorSpec(tuple(dim), _contiguous(dim))
 
 
 def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -114,7 +119,7 @@ def sdpa_spec(cfg: AttentionConfig) -> SdpaSpec:
     if ragged:  # token-major (T, Hq) like the LSE this library returns for THD
         stats = TensorSpec(stats_dim, (cfg.seqlen_q * cfg.heads_q, 1, cfg.heads_q, 1))
     else:
-        stats = TensorSpec(stats_dim, _contiguous(stats_dim))
+        stats = dense(stats_dim)
     return SdpaSpec(
         q=layout_strides(cfg, "q"), k=layout_strides(cfg, "k"), v=layout_strides(cfg, "v"),
         o=layout_strides(cfg, "o"), stats=stats, bias=bias,
