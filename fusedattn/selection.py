@@ -121,15 +121,12 @@ def select_backend(cfg: AttentionConfig, backend: str | None = None, *,
     """
     forced, forced_by = _forced_name(backend)
     key = (cfg, forced)
-    selection = _decisions.get(key)
-    if selection is None:
-        def decide_and_announce() -> Selection:  # runs once per key, even under concurrent callers
-            decided = _decide(cfg, forced, forced_by, call_lines)
-            _announce(cfg, decided)
-            return decided
+    def decide_and_announce() -> Selection:  # runs once per key, even under concurrent callers
+        decided = _decide(cfg, forced, forced_by, call_lines)
+        _announce(cfg, decided)
+        return decided
 
-        selection = _decisions.get_or_build(key, decide_and_announce)
-    return selection
+    return _decisions.get_or_build(key, decide_and_announce)
 
 
 def _stacklevel_outside_package() -> int:

@@ -50,8 +50,7 @@ def _plan(cfg: AttentionConfig) -> _Plan:
             return _Plan(spec, (), (), grads)
         return _Plan(spec, _TO_BHSD[base], _FROM_BHSD[base], grads)
 
-    plan = _plans.get(cfg)
-    return plan if plan is not None else _plans.get_or_build(cfg, make)
+    return _plans.get_or_build(cfg, make)
 
 
 def _bhsd(x: torch.Tensor, plan: _Plan, spec: TensorSpec) -> torch.Tensor:
@@ -83,7 +82,7 @@ def _tokens(x: torch.Tensor, spec: TensorSpec, role: str) -> torch.Tensor:
                      "pass the packed tensor itself (not a copy of one slice)")
 
 
-def _offsets(cfg: AttentionConfig, inputs: AttentionInputs, side: str):
+def _offsets(inputs: AttentionInputs, side: str):
     """(start offsets (B+1,), lengths (B,)) of the sequences on one side, from cu_seqlens."""
     cu = getattr(inputs, f"cu_seqlens_{side}")
     padded = getattr(inputs, f"cu_seqlens_{side}_padded")
@@ -93,8 +92,8 @@ def _offsets(cfg: AttentionConfig, inputs: AttentionInputs, side: str):
 def _sequence_buffers(cfg: AttentionConfig, plan: _Plan, inputs: AttentionInputs, buffers: dict) -> None:
     """seq_len_q/kv for padding masks, and for THD the ragged offsets of every tensor."""
     spec = plan.spec
-    starts_q, lengths_q = _offsets(cfg, inputs, "q")
-    starts_kv, lengths_kv = _offsets(cfg, inputs, "kv")
+    starts_q, lengths_q = _offsets(inputs, "q")
+    starts_kv, lengths_kv = _offsets(inputs, "kv")
     buffers["seq_len_q"] = lengths_q.to(torch.int32).reshape(-1, 1, 1, 1)
     buffers["seq_len_kv"] = lengths_kv.to(torch.int32).reshape(-1, 1, 1, 1)
     if not spec.ragged:
