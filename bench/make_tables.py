@@ -43,6 +43,14 @@ def _versions(versions: dict) -> str:
     return ", ".join(f"{name} {value}" for name, value in versions.items() if value is not None)
 
 
+def _ratio_peers(rows: list[dict]) -> str:
+    """What the ratio compares with: the best peer, or the peers a suite names in params.ratio_peers."""
+    named = sorted({str(p) for row in rows for p in row.get("params", {}).get("ratio_peers", ())})
+    if not named:
+        return "best peer"
+    return named[0] if len(named) == 1 else f"best of {', '.join(named)}"
+
+
 def table(document: dict) -> str:
     """One suite's Markdown: a heading, the versions, the table, then notes for errors."""
     rows = document.get("rows", [])
@@ -58,8 +66,8 @@ def table(document: dict) -> str:
     lines = [f"### {suite}: {document.get('device', '?')}, {document.get('date', '?')}", ""]
     if document.get("versions"):
         lines += [_versions(document["versions"]), ""]
-    lines += [f"{unit}; ours = fusedattn ({', '.join(backends)}); ratio = best peer time / ours (> 1: ours faster).",
-              ""]
+    lines += [f"{unit}; ours = fusedattn ({', '.join(backends)}); ratio = {_ratio_peers(rows)} time / ours "
+              "(> 1: ours faster).", ""]
     header = ["workload", "mode", "ours", *peers, "ratio"]
     lines.append("| " + " | ".join(header) + " |")
     lines.append("|" + "|".join(["---", "---"] + ["--:"] * (len(header) - 2)) + "|")

@@ -7,8 +7,8 @@ devices and option combinations is checked here, once.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -18,13 +18,11 @@ from fusedattn.layout import check_cu_seqlens, layout_spec
 __all__ = ["TensorMeta", "CallArguments", "build_config", "check_offset_tensors", "infer_max_seqlens",
            "bucket_max_seqlens", "ENV_THD_BUCKET",
            "check_sequence_values",
-           "EAGER_SCORE_MOD"]
+           ]
 
 INDEX_DTYPES = ("int32", "int64")
 _RAGGED_LAYOUTS = frozenset(layout.value for layout in Layout if layout.is_ragged)
-# Key of a Python score_mod callable applied to materialised scores; only backends that
-# evaluate Python on the score matrix (the reference) accept it.
-EAGER_SCORE_MOD = ("eager-callable",)
+
 
 
 @dataclass(frozen=True)
@@ -73,7 +71,7 @@ class CallArguments:
     return_lse: bool = False
     return_max_logit: bool = False
     is_training: bool = False
-    score_mod: Callable | None = None
+    score_mod: Any = None  # a fusedattn.score_mods.ScoreMod (bound to its tensors by prepare_call)
     alibi_standard: bool = False  # set by the frontend when it has seen the slopes' values
 
     def error(self, argument: str, expected: str, got, hint: str = "") -> ValueError:
@@ -239,9 +237,6 @@ def build_config(args: CallArguments) -> AttentionConfig:
     elif args.sink is not None:
         raise args.error("sink", f"None for softmax_type {softmax.value!r}", "a tensor",
                          hint="use softmax_type='learnable' for per-head sink logits")
-    if args.score_mod is not None and not callable(args.score_mod):
-        raise args.error("score_mod", "a callable score_mod(score, b, h, q_idx, kv_idx)",
-                         type(args.score_mod).__name__)
     window = args.window if args.window is not None else (-1, -1)
     if isinstance(window, list):
         window = tuple(window)
@@ -254,7 +249,7 @@ def build_config(args: CallArguments) -> AttentionConfig:
             dropout_p=args.dropout_p, scale=args.scale, is_training=bool(args.is_training),
             deterministic=args.deterministic, return_lse=args.return_lse,
             return_max_logit=args.return_max_logit,
-            score_mod_key=EAGER_SCORE_MOD if args.score_mod is not None else None,
+            score_mod_key=None,  # set by the caller once the score_mod is bound (score_mods.bind)
             padded_offsets=args.cu_seqlens_q_padded is not None,
             alibi_standard=bool(args.alibi_standard and bias_type is BiasType.ALIBI),
             device=metas["q"].device_kind, framework=args.framework,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Hashable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 __all__ = [
     "standard_alibi_slopes",
@@ -151,6 +151,9 @@ class AttentionConfig:
     return_lse: bool = False
     return_max_logit: bool = False
     score_mod_key: Hashable | None = None
+    # How to build the score_mod's graph (fusedattn.score_mods.GraphRecipe): callbacks and aux
+    # descriptions, no values. Not compared: score_mod_key already says what it builds.
+    score_mod_recipe: object = field(default=None, compare=False, repr=False)
     padded_offsets: bool = False
     alibi_standard: bool = False  # the ALiBi slopes are the paper's geometric sequence for Hq heads
     device: str = "cpu"

@@ -17,6 +17,7 @@ from fusedattn.arguments import (
 from fusedattn.backends.base import ARRAY_NAMES
 from fusedattn.config import standard_alibi_slopes
 from fusedattn.layout import split_packed
+from fusedattn.score_mods.core import bind
 from fusedattn.selection import NoBackendError, select_backend
 
 __all__ = ["AttentionResult", "pick_outputs", "prepare_call", "PreparedCall", "TENSOR_ARGUMENTS"]
@@ -53,6 +54,7 @@ class PreparedCall(NamedTuple):
     cfg: Any
     selection: Any
     arrays: tuple
+    score_mod: Any = None  # the call's BoundScoreMod, or None
 
 
 def prepare_call(api: str, framework: str, tensors: dict, *, describe, host_copy, is_training: bool,
@@ -75,6 +77,12 @@ def prepare_call(api: str, framework: str, tensors: dict, *, describe, host_copy
     infer_max_seqlens(args, host, traced=set(offsets) - set(host))
     bucket_max_seqlens(args, os.environ.get(ENV_THD_BUCKET))
     cfg = build_config(args)
+    bound = None
+    if args.score_mod is not None:  # its key (what its callbacks build) is part of the config
+        bound = bind(api, args.score_mod, batch=cfg.batch, heads_q=cfg.heads_q, seqlen_q=cfg.seqlen_q,
+                     seqlen_kv=cfg.seqlen_kv, device=metas["q"].device if framework == "torch" else None,
+                     training=is_training)
+        cfg = cfg.replace(score_mod_key=bound.key, score_mod_recipe=bound.recipe)
     unpacked = split_packed(cfg.layout, [tensors[n] for n in ("q", "k", "v") if tensors[n] is not None])
     if len(host) == len(offsets):
         totals = (unpacked[0].shape[0], unpacked[1].shape[0]) if cfg.layout.is_ragged else (None, None)
@@ -85,7 +93,7 @@ def prepare_call(api: str, framework: str, tensors: dict, *, describe, host_copy
         raise
     except ValueError as error:  # a bad backend name, from the argument or the environment
         raise ValueError(f"{api}: {error}") from None
-    return PreparedCall(cfg, selection, (*unpacked, *(tensors[n] for n in TENSOR_ARGUMENTS[3:])))
+    return PreparedCall(cfg, selection, (*unpacked, *(tensors[n] for n in TENSOR_ARGUMENTS[3:])), bound)
 
 
 def slopes_are_standard(values) -> bool:

@@ -6,8 +6,9 @@ visible keys only. Slow and obviously correct; gradients come from torch autogra
 float64 inputs.
 
 Semantics (fusedattn's documented contract):
-  scores   s = q.k;  + bias (pre_scale);  * scale (default 1/sqrt(D));  + bias (post_scale)
-           or - slope[h] * |i + off - j| (ALiBi);  score_mod(s, b, h, q_idx, kv_idx);  then masks.
+  scores   s = q.k;  + bias (pre_scale);  * scale (default 1/sqrt(D));  score_mod(s, b, h, q_idx,
+           kv_idx) (a result <= -1e8 counts as masked);  + bias (post_scale) or
+           - slope[h] * |i + off - j| (ALiBi);  then masks.
   diagonal off = 0 for top-left masks (causal, padding_causal), len_kv - len_q otherwise
            (bottom-right masks and the non-causal 'none' / 'padding'), per sequence.
   masks    causal: j <= i + off; padding: i < len_q and j < len_kv; THD layouts always pad.
@@ -165,16 +166,17 @@ def naive_attention(q, k=None, v=None, *, layout="bshd", mask="none", window=(-1
             if bias is not None and bias_type == "pre_scale":
                 s = s + bias[b, h]
             s = s * scale
-            if bias is not None and bias_type != "pre_scale":  # post_scale, the default
-                s = s + bias[b, h]
-            if alibi_slopes is not None:
-                slope = alibi_slopes[h] if alibi_slopes.dim() == 1 else alibi_slopes[b, h]
-                s = s - slope * distance
             if score_mod is not None:
                 q_idx = torch.arange(sq).reshape(sq, 1)
                 kv_idx = torch.arange(skv).reshape(1, skv)
                 s = score_mod(s, torch.tensor(b), torch.tensor(h), q_idx, kv_idx)
                 s = torch.broadcast_to(s.to(F64), (sq, skv))
+                s = torch.where(s <= -1e8, float("-inf"), s)
+            if bias is not None and bias_type != "pre_scale":  # post_scale, the default
+                s = s + bias[b, h]
+            if alibi_slopes is not None:
+                slope = alibi_slopes[h] if alibi_slopes.dim() == 1 else alibi_slopes[b, h]
+                s = s - slope * distance
             if softmax_type == "learnable":
                 sink_logit = sink[h].reshape(1)
             elif softmax_type == "off_by_one":

@@ -24,6 +24,7 @@ import jax.numpy as jnp  # noqa: E402
 import fusedattn  # noqa: E402
 import fusedattn.jax as fj  # noqa: E402
 import fusedattn.torch as ft  # noqa: E402
+from fusedattn import score_mods  # noqa: E402
 from fusedattn.backends import BACKENDS  # noqa: E402
 from fusedattn.backends.reference.math import dropout_keep  # noqa: E402
 from fusedattn.selection import clear_decisions  # noqa: E402
@@ -460,7 +461,7 @@ def test_score_mod(ran, name, score_mod, score_mod_t, mask):
     arrays, offsets = dense_case(seed, mask=mask, sq=6, skv=8)
     if name == "relative":
         arrays["bias"] = rand(seed + 5, (1, 4, 6, 8))
-    compare_with_naive(ran, "bshd", arrays, offsets, {"mask": mask, "score_mod": score_mod}, seed,
+    compare_with_naive(ran, "bshd", arrays, offsets, {"mask": mask, "score_mod": score_mods.eager(score_mod)}, seed,
                        score_mod_t=score_mod_t)
 
 

@@ -18,6 +18,7 @@ import torch
 from naive import BASE_LAYOUT, naive_attention
 
 import fusedattn
+from fusedattn import score_mods
 from fusedattn.backends import BACKENDS
 from fusedattn.backends.reference.math import dropout_keep  # only to know the dropout mask
 from fusedattn.torch import AttentionResult, DotProductAttention, attention
@@ -121,9 +122,12 @@ class Call:
 
     def fused(self, leaves=None, **extra):
         leaves = self.leaves if leaves is None else leaves
+        options = dict(self.options)
+        if options.get("score_mod") is not None:  # the naive's FlexAttention-style functions
+            options["score_mod"] = score_mods.eager(options["score_mod"])
         return attention(*(leaves[n] for n in self.positional), layout=self.layout,
                          bias=leaves.get("bias"), alibi_slopes=leaves.get("alibi_slopes"),
-                         sink=leaves.get("sink"), **self.options, **self.fused_options, **extra)
+                         sink=leaves.get("sink"), **options, **self.fused_options, **extra)
 
     def naive(self, leaves=None, **extra):
         leaves = self.leaves if leaves is None else leaves

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from fusedattn.score_mod_key import structural_key
+from fusedattn.score_mods.key import structural_key
 
 
 def softcap(cap):

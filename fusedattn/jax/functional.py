@@ -12,6 +12,7 @@ from fusedattn.arguments import TensorMeta
 from fusedattn.backends import get_backend
 from fusedattn.backends.base import ARRAY_NAMES, DIFFERENTIABLE, AttentionInputs, AttentionOutputs
 from fusedattn.frontend_common import pick_outputs, prepare_call, slopes_are_standard
+from fusedattn.score_mods.core import as_score_mod
 from fusedattn.xp.jax_ops import OPS
 
 __all__ = ["attention"]
@@ -109,7 +110,10 @@ def attention(
     return_lse: bool = False,
     return_max_logit: bool = False,
     backend: str | None = None,
-    score_mod: Callable | None = None,
+    score_mod=None,
+    score_mod_bprop: Callable | None = None,
+    score_mod_tensors: dict | None = None,
+    score_mod_bprop_tensors: dict | None = None,
 ):
     """Scaled-dot-product attention for JAX arrays, with the keywords of fusedattn.torch.attention.
 
@@ -123,6 +127,7 @@ def attention(
         >>> out = attention(q, k, v, mask="causal")
         >>> grads = jax.grad(lambda q: attention(q, k, v).sum())(q)
     """
+    mod = as_score_mod(API, score_mod, score_mod_bprop, score_mod_tensors, score_mod_bprop_tensors)
     tensors = {"q": q, "k": k, "v": v, "bias": bias, "alibi_slopes": alibi_slopes, "sink": sink,
                "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_kv": cu_seqlens_kv,
                "cu_seqlens_q_padded": cu_seqlens_q_padded, "cu_seqlens_kv_padded": cu_seqlens_kv_padded}
@@ -133,12 +138,12 @@ def attention(
         layout=layout, mask=mask, window=window, bias_type=bias_type, softmax_type=softmax_type,
         dropout_p=dropout_p, scale=scale, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
         deterministic=deterministic, return_lse=return_lse, return_max_logit=return_max_logit,
-        score_mod=score_mod,
+        score_mod=mod,
         alibi_standard=alibi_slopes is not None and _is_concrete(alibi_slopes)
         and slopes_are_standard(OPS.to_host(alibi_slopes)),
     )
     seed = offset = None
     if call.cfg.dropout_p > 0.0:
         seed, offset = _dropout_state(dropout_rng, dropout_seed, dropout_offset)
-    out, lse, max_logit = _attention(call.cfg, call.selection.name, score_mod, (*call.arrays, seed, offset))
+    out, lse, max_logit = _attention(call.cfg, call.selection.name, call.score_mod, (*call.arrays, seed, offset))
     return pick_outputs(call.cfg, out, lse, max_logit)

@@ -16,6 +16,7 @@ from fusedattn.frontend_common import (
     slopes_are_standard,
 )
 from fusedattn.layout import split_packed
+from fusedattn.score_mods.core import ScoreMod, as_score_mod
 from fusedattn.selection import ENV_BACKEND, recall_call, remember_call
 from fusedattn.torch.autograd import run_attention
 from fusedattn.torch.ops import register_config
@@ -73,7 +74,10 @@ def attention(
     return_lse: bool = False,
     return_max_logit: bool = False,
     backend: str | None = None,
-    score_mod: Callable | None = None,
+    score_mod: Callable | ScoreMod | None = None,
+    score_mod_bprop: Callable | None = None,
+    score_mod_tensors: dict | None = None,
+    score_mod_bprop_tensors: dict | None = None,
 ):
     """Scaled-dot-product attention, forward and backward, on the best backend for the call.
 
@@ -107,8 +111,17 @@ def attention(
         deterministic: ask for a bitwise-reproducible backward.
         return_lse, return_max_logit: return an AttentionResult(out, lse, max_logit).
         backend: force one backend by name; its reasons raise if it cannot run the call.
-        score_mod: callable score_mod(score, b, h, q_idx, kv_idx) -> score on the scaled
-            scores (index tensors broadcast against score); runs on the reference backend.
+        score_mod: rewrites the scaled scores inside the kernel: a built-in from
+            fusedattn.score_mods (softcap, alibi, ...) or a callback score_mod(graph, score,
+            tensors) -> tensor that builds cuDNN graph ops on score (B, Hq, Sq, Skv). It runs
+            before a post-scale bias and ALiBi are added and before the masks. Scores it sets to
+            score_mods.MASKED are masked; a row with no visible key gives 0.
+        score_mod_bprop: callback (graph, dscore, tensors) -> tensor: the derivative of
+            score_mod applied to dLoss/d(its output). Omit it only when score_mod adds terms
+            or masks (derivative 1); anything nonlinear in score needs one.
+        score_mod_tensors, score_mod_bprop_tensors: {name: tensor | number} for the callbacks
+            (one shared dict). Tensors broadcast to (B, Hq, Sq, Skv), live on q's device and get
+            no gradient; numbers are passed by value, so changing one never rebuilds a graph.
 
     Returns:
         The output in q's layout (B, S, Hq, Dv) etc., or an AttentionResult.
@@ -117,7 +130,8 @@ def attention(
         >>> q = k = v = torch.randn(2, 128, 8, 64)
         >>> out = attention(q, k, v, mask="causal")
     """
-    if torch.compiler.is_compiling() and score_mod is None:
+    mod = as_score_mod(API, score_mod, score_mod_bprop, score_mod_tensors, score_mod_bprop_tensors)
+    if torch.compiler.is_compiling() and mod is None:
         return _compiled_attention(
             (q, k, v, bias, alibi_slopes, sink, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
              cu_seqlens_kv_padded),
@@ -136,8 +150,9 @@ def attention(
     signature = None if alibi_slopes is not None else _signature(
         q, k, v, bias, alibi_slopes, sink, *offsets, layout, mask, window, bias_type, softmax_type, dropout_p,
         scale, max_seqlen_q, max_seqlen_kv, deterministic, return_lse, return_max_logit, backend,
-        offsets=() if trusted else offsets, score_mod=score_mod)
+        offsets=() if trusted else offsets, score_mod=mod)
     planned = recall_call(signature) if signature is not None else None
+    bound = None
     if planned is not None:  # seen before: already validated, configured and selected
         cfg, selection = planned
         arrays = (*split_packed(cfg.layout, [x for x in (q, k, v) if x is not None]), bias, alibi_slopes, sink,
@@ -155,17 +170,17 @@ def attention(
             layout=layout, mask=mask, window=window, bias_type=bias_type, softmax_type=softmax_type,
             dropout_p=dropout_p, scale=scale, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
             deterministic=deterministic, return_lse=return_lse, return_max_logit=return_max_logit,
-            score_mod=score_mod,
+            score_mod=mod,
             alibi_standard=isinstance(alibi_slopes, torch.Tensor)
             and slopes_are_standard(OPS.to_host(alibi_slopes.float())),
         )
-        cfg, selection, arrays = call
+        cfg, selection, arrays, bound = call
         if signature is not None:
             remember_call(signature, (cfg, selection))
     seed = offset = None
     if cfg.dropout_p > 0.0:
         seed, offset = _dropout_state(dropout_seed, dropout_offset, q)
-    out, lse, max_logit = run_attention(cfg, selection.backend, score_mod, (*arrays, seed, offset))
+    out, lse, max_logit = run_attention(cfg, selection.backend, bound, (*arrays, seed, offset))
     return pick_outputs(cfg, out, lse, max_logit)
 
 
@@ -207,7 +222,7 @@ def _compile_time_plan(described: tuple, options: tuple, backend, grad_enabled: 
         raise ValueError(f"{API}: max_seqlen_q/max_seqlen_kv: expected ints under torch.compile (the offsets' "
                          "values cannot be read while tracing), got None")
     differentiable = [stand_ins[n] for n in TENSOR_ARGUMENTS[:6] if stand_ins[n] is not None]
-    cfg, selection, _ = prepare_call(
+    cfg, selection, _, _ = prepare_call(
         API, "torch", stand_ins, describe=lambda x, name: metas.get(name), host_copy=lambda x: None,
         is_training=grad_enabled and any(x.requires_grad for x in differentiable),
         bias_requires_grad=bool(stand_ins["bias"] is not None and stand_ins["bias"].requires_grad),

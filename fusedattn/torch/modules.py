@@ -54,7 +54,8 @@ class DotProductAttention(nn.Module):
                 cu_seqlens_kv: torch.Tensor | None = None, cu_seqlens_q_padded: torch.Tensor | None = None,
                 cu_seqlens_kv_padded: torch.Tensor | None = None, max_seqlen_q: int | None = None,
                 max_seqlen_kv: int | None = None, return_lse: bool = False, return_max_logit: bool = False,
-                score_mod: Callable | None = None):
+                score_mod=None, score_mod_bprop: Callable | None = None, score_mod_tensors: dict | None = None,
+                score_mod_bprop_tensors: dict | None = None):
         """Attention of q, k, v in the module's layout; `mask` overrides the module's for this call."""
         return attention(
             q, k, v, layout=self.layout, mask=mask or self.mask, window=self.window, bias=bias,
@@ -63,7 +64,8 @@ class DotProductAttention(nn.Module):
             cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, cu_seqlens_q_padded=cu_seqlens_q_padded,
             cu_seqlens_kv_padded=cu_seqlens_kv_padded, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
             deterministic=self.deterministic, return_lse=return_lse, return_max_logit=return_max_logit,
-            backend=self.backend, score_mod=score_mod,
+            backend=self.backend, score_mod=score_mod, score_mod_bprop=score_mod_bprop,
+            score_mod_tensors=score_mod_tensors, score_mod_bprop_tensors=score_mod_bprop_tensors,
         )
 
     def extra_repr(self) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import jax.scipy.special
 import numpy as np
 
 _DTYPES = {
@@ -22,6 +23,8 @@ def _dtype(name: str):
 
 class JaxOps:
     name = "jax"
+    module = jnp  # elementwise functions with NumPy names (tanh, trunc, ...) for score_mod graphs
+    erf = staticmethod(jax.scipy.special.erf)
 
     def dtype_name(self, x) -> str:
         return jnp.dtype(x.dtype).name

@@ -16,6 +16,8 @@ _U32 = 0xFFFFFFFF
 
 class TorchOps:
     name = "torch"
+    module = torch  # elementwise functions with NumPy names (tanh, trunc, ...) for score_mod graphs
+    erf = staticmethod(torch.erf)
 
     # dtypes and conversion
     def dtype_name(self, x) -> str:

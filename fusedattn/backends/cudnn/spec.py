@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fusedattn.config import UNBOUNDED, AttentionConfig, BiasType, Layout, Mask, SoftmaxType
+from fusedattn.score_mods.core import EAGER_ONLY_KEY
 
 __all__ = ["TensorSpec", "dense", "SdpaSpec", "sdpa_spec", "unsupported", "layout_strides", "gradient_spec",
            "short_reason", "graph_key", "rows_without_keys", "rows_with_keys_config"]
@@ -95,6 +96,7 @@ class SdpaSpec:
     alibi: bool
     padding: bool  # per-sequence lengths (seq_len_q/kv tensors)
     ragged: bool  # THD: q/k/v/o/stats start each sequence at a ragged offset
+    score_mod: bool = False  # a score_mod callback; masks are then written inside it
 
     def token_stride(self, role: str) -> int:
         """Elements between consecutive tokens of one sequence: the ragged offset's unit."""
@@ -132,6 +134,7 @@ def sdpa_spec(cfg: AttentionConfig) -> SdpaSpec:
         alibi=cfg.bias is BiasType.ALIBI,
         padding=cfg.mask.is_padding,
         ragged=ragged,
+        score_mod=cfg.score_mod_key is not None,
     )
 
 
@@ -150,9 +153,28 @@ def unsupported(cfg: AttentionConfig) -> list[str]:
         if cfg.dropout_p > 0.0:
             reasons.append("alibi with dropout: not combined in this version")
     if cfg.score_mod_key is not None:
-        reasons.append("score_mod: Python callables on the score matrix run on the reference only")
+        reasons.extend(_score_mod_reasons(cfg))
     if cfg.seqlen_q == 0 or cfg.seqlen_kv == 0:
         reasons.append(f"Sq={cfg.seqlen_q}, Skv={cfg.seqlen_kv}: empty sequences")
+    return reasons
+
+
+def _score_mod_reasons(cfg: AttentionConfig) -> list[str]:
+    if cfg.score_mod_key == EAGER_ONLY_KEY or cfg.score_mod_recipe is None:
+        return ["score_mod: an eager-only score_mod (score_mods.eager: a Python function of the score matrix) "
+                "runs on the reference only; write it as score_mod(graph, score, tensors) for cuDNN"]
+    reasons = []
+    if cfg.bias is BiasType.PRE_SCALE:
+        reasons.append("score_mod with a pre_scale bias: cuDNN adds bias after the score_mod; use bias_type "
+                       "'post_scale' or add the term inside the score_mod")
+    if cfg.bias is BiasType.ALIBI:
+        reasons.append("score_mod with alibi_slopes: cuDNN's ALiBi cannot be combined with a score_mod; "
+                       "use score_mods.compose(score_mods.alibi(slopes), ...)")
+    if cfg.return_max_logit:
+        reasons.append("score_mod with return_max_logit: not wired in this version")
+    if cfg.mask.is_padding and cfg.diagonal_bottom_right and cfg.window != (UNBOUNDED, UNBOUNDED):
+        reasons.append(f"score_mod with mask {cfg.mask.value!r} and window {cfg.window}: a diagonal that moves "
+                       "with each sequence's lengths gave wrong gradients on cuDNN 9.19 in our tests")
     return reasons
 
 
@@ -178,7 +200,7 @@ def rows_without_keys(cfg: AttentionConfig) -> int:
     cuDNN refuses that mask when Sq > Skv; those rows are simply empty (output 0, lse -inf),
     so the backend runs the last Skv rows, where bottom-right and top-left coincide.
     """
-    if cfg.mask is Mask.CAUSAL_BOTTOM_RIGHT and cfg.seqlen_q > cfg.seqlen_kv:
+    if cfg.mask is Mask.CAUSAL_BOTTOM_RIGHT and cfg.seqlen_q > cfg.seqlen_kv and cfg.score_mod_key is None:
         return cfg.seqlen_q - cfg.seqlen_kv
     return 0
 

@@ -13,6 +13,7 @@ import torch
 
 from fusedattn.backends.base import AttentionInputs, AttentionOutputs
 from fusedattn.backends.cudnn.runtime import execute, get_graph
+from fusedattn.backends.cudnn.score_mod_graph import aux_name, mask_plan
 from fusedattn.backends.cudnn.spec import (
     SdpaSpec,
     TensorSpec,
@@ -24,6 +25,7 @@ from fusedattn.backends.cudnn.spec import (
 from fusedattn.cache import LRUCache
 from fusedattn.config import AttentionConfig, BiasType, Layout, SoftmaxType
 from fusedattn.layout import layout_spec
+from fusedattn.score_mods.core import MASKED, MASKED_BELOW, RuntimeScalar
 
 # Axis permutation taking a base-layout tensor to (B, H, S, D), and back.
 _TO_BHSD = {Layout.BSHD: (0, 2, 1, 3), Layout.SBHD: (1, 2, 0, 3), Layout.BHSD: (0, 1, 2, 3)}
@@ -131,7 +133,57 @@ def _shared_buffers(cfg: AttentionConfig, plan: _Plan, inputs: AttentionInputs) 
     if spec.dropout:
         buffers["dropout_seed"] = inputs.dropout_seed.reshape(1, 1, 1, 1)
         buffers["dropout_offset"] = inputs.dropout_offset.reshape(1, 1, 1, 1)
+    if spec.score_mod:
+        _score_mod_buffers(cfg, inputs, buffers)
     return buffers
+
+
+_HOST_TYPES = {"float32": torch.float32, "int32": torch.int32}
+
+
+def _host_scalar(value, dtype: str) -> torch.Tensor:
+    """A pass-by-value graph input: a (1, 1, 1, 1) CPU tensor, bound by its host pointer."""
+    return torch.full((1, 1, 1, 1), value, dtype=_HOST_TYPES[dtype])
+
+
+def _score_mod_buffers(cfg: AttentionConfig, inputs: AttentionInputs, buffers: dict) -> None:
+    """The score_mod's aux values, and the inputs of the masks written after it."""
+    for name, value in inputs.score_mod.values.items():
+        buffers[aux_name(name)] = (_host_scalar(value.value, value.dtype) if isinstance(value, RuntimeScalar)
+                                   else value)
+    plan = mask_plan(cfg)
+    if plan.padding or plan.per_sequence_bounds:
+        rows = torch.arange(cfg.seqlen_q, device=inputs.q.device, dtype=torch.int32).reshape(1, 1, -1, 1)
+        cols = torch.arange(cfg.seqlen_kv, device=inputs.q.device, dtype=torch.int32).reshape(1, 1, 1, -1)
+        len_q, len_kv = buffers["seq_len_q"], buffers["seq_len_kv"]
+    if plan.padding:  # 0 inside each sequence, MASKED outside
+        buffers["sm_row_penalty"] = torch.where(rows < len_q, 0.0, MASKED).to(torch.float32)
+        col_penalty = torch.where(cols < len_kv, 0.0, MASKED).to(torch.float32)
+        buffers["sm_col_penalty"] = col_penalty.expand(cfg.batch, 1, cfg.seqlen_q, cfg.seqlen_kv)
+    if plan.left or plan.right:
+        buffers["sm_masked"] = _host_scalar(MASKED, "float32")
+    if plan.per_sequence_bounds:  # the diagonal of each query: row + len_kv - len_q
+        left, right = cfg.window
+        diagonal = (rows + len_kv - len_q).to(torch.float32)
+        buffers["sm_zero"] = _host_scalar(0.0, "float32")
+        buffers["sm_low"], buffers["sm_high"] = diagonal - left, diagonal + right
+    else:
+        buffers.update({name: _host_scalar(value, "int32") for name, value in plan.scalar_bounds(cfg).items()})
+
+
+def _clear_empty_rows(out_rows: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """Rows a score_mod left without a visible key: output 0 and LSE -inf (their LSE is near MASKED).
+
+    out_rows is the output viewed with lse's shape plus the head dim; returns the new LSE.
+    """
+    empty = ~(lse >= MASKED_BELOW)  # NaN counts as empty too
+    out_rows.masked_fill_(empty.unsqueeze(-1) if out_rows.dim() == lse.dim() + 1 else empty, 0)
+    return lse.masked_fill(empty, float("-inf"))
+
+
+def _backward_stats(lse: torch.Tensor) -> torch.Tensor:
+    """Stats for a score_mod backward: +inf for empty rows, so exp(score - stats) is 0 there."""
+    return lse.masked_fill(lse == float("-inf"), float("inf"))
 
 
 def forward(cfg: AttentionConfig, inputs: AttentionInputs) -> AttentionOutputs:
@@ -147,6 +199,8 @@ def forward(cfg: AttentionConfig, inputs: AttentionInputs) -> AttentionOutputs:
         buffers["o"] = out
         buffers["stats"] = lse = torch.zeros(inputs.q.shape[0], cfg.heads_q, dtype=torch.float32, device=device)
         execute(get_graph(cfg, "forward", device.index), buffers, device.index, raw=True)
+        if spec.score_mod:
+            lse = _clear_empty_rows(out, lse)
         return AttentionOutputs(out, lse, torch.empty(0, dtype=torch.float32, device=device))
     # With padding, rows past a sequence's end are not written: start from zeros.
     out, buffers["o"] = _empty_bhsd(spec.o, plan, inputs.q.dtype, device, zero=spec.padding)
@@ -154,6 +208,8 @@ def forward(cfg: AttentionConfig, inputs: AttentionInputs) -> AttentionOutputs:
     for name in stat_names:
         buffers[name] = torch.empty(spec.stats.dim, dtype=torch.float32, device=device)
     execute(get_graph(cfg, "forward", device.index), buffers, device.index)
+    if spec.score_mod:
+        buffers["stats"] = _clear_empty_rows(buffers["o"], buffers["stats"])
     if spec.max_logit:
         row_max = buffers["row_max"]
         if spec.padding:
@@ -191,6 +247,8 @@ def backward(cfg: AttentionConfig, inputs: AttentionInputs, outputs: AttentionOu
     grads = {}
     if spec.ragged:
         buffers["o"], buffers["dO"], buffers["stats"] = outputs.out, grad_out.contiguous(), outputs.lse
+        if spec.score_mod:
+            buffers["stats"] = _backward_stats(outputs.lse)
         for role in ("q", "k", "v"):  # zeros: tokens outside every sequence get no gradient
             source = getattr(inputs, role)
             heads, dim = (cfg.heads_q, cfg.head_dim_qk) if role == "q" else (
@@ -201,9 +259,13 @@ def backward(cfg: AttentionConfig, inputs: AttentionInputs, outputs: AttentionOu
         buffers["o"] = outputs.out.permute(plan.to_bhsd)
         buffers["dO"] = _bhsd(grad_out, plan, spec.o)
         lse = outputs.lse.reshape(spec.stats.dim)
-        buffers["stats"] = lse.masked_fill(~_is_query(cfg, buffers), 0.0) if spec.padding else lse
-        for role in ("q", "k", "v"):
-            grads[role], buffers["d" + role] = _empty_bhsd(plan.grads[role], plan, inputs.q.dtype, device)
+        if spec.score_mod:
+            buffers["stats"] = _backward_stats(lse)
+        else:
+            buffers["stats"] = lse.masked_fill(~_is_query(cfg, buffers), 0.0) if spec.padding else lse
+        for role in ("q", "k", "v"):  # with a score_mod cuDNN skips rows past a sequence's end: zeros
+            grads[role], buffers["d" + role] = _empty_bhsd(plan.grads[role], plan, inputs.q.dtype, device,
+                                                           zero=spec.score_mod and spec.padding)
     if "dbias" in built.tensors:
         buffers["dbias"] = torch.empty(spec.bias.dim, dtype=inputs.q.dtype, device=device)
     if "dsink" in built.tensors:

@@ -2,13 +2,14 @@
 
 Accumulates in float32 (float64 for float64 inputs). Every feature of the config
 is applied to the materialised score matrix, in this order:
-    s = q k^T;  pre_scale bias;  * scale;  post_scale bias or ALiBi;  score_mod;  masks;
+    s = q k^T;  pre_scale bias;  * scale;  score_mod;  post_scale bias or ALiBi;  masks;
     softmax (with an optional sink logit in the denominator);  dropout;  @ v.
 """
 
 from __future__ import annotations
 
 from fusedattn.config import UNBOUNDED, AttentionConfig, BiasType, SoftmaxType
+from fusedattn.score_mods.core import apply_eager
 
 NEG_INF = float("-inf")
 
@@ -102,14 +103,13 @@ def attention_bhsd(ops, cfg: AttentionConfig, q, k, v, *, bias=None, alibi_slope
     if cfg.bias is BiasType.PRE_SCALE:
         s = s + ops.astype(bias, dtype)
     s = s * cfg.scale
+    if score_mod is not None:  # a BoundScoreMod; it sees the scaled score, as in cuDNN
+        b_idx, h_idx = _index(ops, batch, 0, q), _index(ops, heads, 1, q)
+        s = apply_eager(ops, score_mod, s, b_idx, h_idx, q_idx, kv_idx, dtype)
     if cfg.bias is BiasType.POST_SCALE:
         s = s + ops.astype(bias, dtype)
     elif cfg.bias is BiasType.ALIBI:
         s = s + alibi_bias(ops, cfg, alibi_slopes, q_idx, kv_idx, len_q, len_kv, dtype)
-    if score_mod is not None:
-        b_idx, h_idx = _index(ops, batch, 0, q), _index(ops, heads, 1, q)
-        s = ops.astype(score_mod(s, b_idx, h_idx, q_idx, kv_idx), dtype)
-        s = ops.broadcast_to(s, (batch, heads, seqlen_q, seqlen_kv))
     visible = visible_keys(ops, cfg, q_idx, kv_idx, len_q, len_kv)
     if visible is not None:
         s = ops.where(visible, s, NEG_INF)

@@ -17,6 +17,10 @@ from typing import Any
 
 __all__ = ["RecordingGraph", "RecordedTensor", "structural_key", "describe_aux"]
 
+# Graph kinds our helpers recognise (see score_mods/graph_ops.py): a data type is named by
+# a string on recording and eager graphs, by a cudnn.data_type member on cuDNN's.
+
+
 
 class RecordedTensor:
     """A placeholder for a tensor the callback made, an aux tensor, or the score itself."""
@@ -45,6 +49,9 @@ class RecordingGraph:
     def __init__(self) -> None:
         self.calls: list[tuple] = []
         self._count = 0
+
+    def data_type_named(self, name: str) -> str:
+        return name
 
     def __getattr__(self, name: str):
         if name.startswith("_"):
@@ -82,6 +89,8 @@ def _normalize(value: Any):
 
 def describe_aux(value: Any) -> tuple:
     """What of an aux entry shapes the graph: array metadata, or the type of a runtime scalar."""
+    if type(value).__name__ == "RuntimeScalar":
+        return ("scalar", value.dtype)
     if isinstance(value, (bool, numbers.Number)):
         return ("scalar", type(value).__name__)
     shape = getattr(value, "shape", None)
@@ -90,33 +99,65 @@ def describe_aux(value: Any) -> tuple:
     if len(shape) == 0 or (hasattr(value, "ndim") and value.ndim == 0):  # 0-d arrays are runtime scalars
         return ("scalar", str(value.dtype))
     stride = value.stride() if callable(getattr(value, "stride", None)) else getattr(value, "strides", None)
-    return ("array", tuple(shape), str(value.dtype), tuple(stride) if stride is not None else None)
+    dtype = str(value.dtype).removeprefix("torch.")
+    return ("array", tuple(shape), dtype, tuple(stride) if stride is not None else None)
 
 
 def structural_key(score_mod: Callable, tensors: dict | None = None, score_mod_bprop: Callable | None = None,
-                   bprop_tensors: dict | None = None) -> tuple:
-    """The recorded structure of what the callbacks build, plus the aux tensors' metadata."""
+                   bprop_tensors: dict | None = None, api: str = "score_mod") -> tuple:
+    """The recorded structure of what the callbacks build, plus the aux entries' metadata.
+
+    Both callbacks run against one recording graph and share one tensors dict, as they do
+    in a real build (forward may leave intermediates there for bprop).
+    """
     if not callable(score_mod):
-        raise ValueError(f"score_mod: expected a callable score_mod(graph, score, tensors), got {score_mod!r}")
+        raise ValueError(f"{api}: score_mod: expected a callable score_mod(graph, score, tensors), got {score_mod!r}")
     if score_mod_bprop is not None and not callable(score_mod_bprop):
-        raise ValueError(f"score_mod_bprop: expected a callable or None, got {score_mod_bprop!r}")
-    parts = []
-    for label, callback, aux in (("fwd", score_mod, tensors), ("bprop", score_mod_bprop, bprop_tensors)):
+        raise ValueError(f"{api}: score_mod_bprop: expected a callable or None, got {score_mod_bprop!r}")
+    aux = {**(tensors or {}), **(bprop_tensors or {})}
+    described = tuple(sorted((str(name), describe_aux(value)) for name, value in aux.items()))
+    graph = RecordingGraph()
+    shared = {name: RecordedTensor(graph, ("aux", str(name))) for name in aux}
+    parts = [described]
+    for label, callback, start in (("score_mod", score_mod, ("score",)), ("score_mod_bprop", score_mod_bprop,
+                                                                          ("dscore",))):
         if callback is None:
             parts.append((label, None))
             continue
-        aux = dict(aux or {})
-        graph = RecordingGraph()
-        described = tuple(sorted((str(name), describe_aux(value)) for name, value in aux.items()))
-        placeholders = {name: RecordedTensor(graph, ("aux", str(name))) for name in aux}
-        score = RecordedTensor(graph, ("score",))
         try:
-            result = callback(graph, score, placeholders)
+            result = callback(graph, RecordedTensor(graph, start), shared)
         except Exception as error:
-            raise ValueError(f"{'score_mod' if label == 'fwd' else 'score_mod_bprop'}: the callback failed while "
-                             f"its graph was recorded: {type(error).__name__}: {error}") from error
+            raise ValueError(f"{api}: {label}: the callback failed while its graph was recorded: "
+                             f"{type(error).__name__}: {error}") from error
         if not isinstance(result, RecordedTensor):
-            raise ValueError(f"{'score_mod' if label == 'fwd' else 'score_mod_bprop'}: expected the callback to "
-                             f"return a graph tensor, got {type(result).__name__}")
-        parts.append((label, described, tuple(graph.calls), result.token))
+            raise ValueError(f"{api}: {label}: expected the callback to return a graph tensor, got "
+                             f"{type(result).__name__}")
+        parts.append((label, result.token))
+    parts.append(tuple(graph.calls))
     return tuple(parts)
+
+
+class _Tracking(dict):
+    """A tensors dict that notes which entries are read."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.read: set = set()
+
+    def __getitem__(self, name):
+        self.read.add(name)
+        return super().__getitem__(name)
+
+    def get(self, name, default=None):
+        self.read.add(name)
+        return super().get(name, default)
+
+
+def aux_used(score_mod: Callable, names, score_mod_bprop: Callable | None = None) -> set:
+    """The aux names the callbacks read (a graph declares only those: unused inputs are errors)."""
+    graph = RecordingGraph()
+    shared = _Tracking({name: RecordedTensor(graph, ("aux", str(name))) for name in names})
+    score_mod(graph, RecordedTensor(graph, ("score",)), shared)
+    if score_mod_bprop is not None:
+        score_mod_bprop(graph, RecordedTensor(graph, ("dscore",)), shared)
+    return shared.read & set(names)

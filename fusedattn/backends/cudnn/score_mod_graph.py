@@ -1,0 +1,147 @@
+"""A config's score_mod inside a cuDNN graph: aux tensors, the user's callbacks, and the
+masks cuDNN cannot combine with a score_mod (causal, windows, padding), composed after it.
+
+cuDNN disables its own mask options when a score_mod is present, so the masks are graph
+ops here: query and key positions (per sequence for packed layouts), comparisons, and a
+select that writes MASKED. Names of graph tensors: "mod:<name>" for the user's aux
+entries, "sm_<name>" for ours.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cudnn
+
+from fusedattn.backends.cudnn.spec import dense
+from fusedattn.config import UNBOUNDED, AttentionConfig
+from fusedattn.score_mods.graph_ops import both, col_index, compare, keep_where, row_index
+from fusedattn.score_mods.key import aux_used
+
+__all__ = ["MaskPlan", "mask_plan", "declare_score_mod", "aux_name"]
+
+_DATA_TYPES = {"float16": cudnn.data_type.HALF, "bfloat16": cudnn.data_type.BFLOAT16,
+               "float32": cudnn.data_type.FLOAT, "int32": cudnn.data_type.INT32}
+_SCALAR = dict(dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], is_pass_by_value=True)
+
+
+def aux_name(name: str) -> str:
+    return "mod:" + name
+
+
+@dataclass(frozen=True)
+class MaskPlan:
+    """Which masks the graph writes after the score_mod, and with which inputs.
+
+    Measured on cuDNN 9.19 (H200): comparisons against (B, 1, 1, 1) tensors inside a
+    score_mod give wrong masks, and so do chains of more than one logical_and; added
+    (B, 1, Sq, 1) and (B, 1, 1, Skv) tensors, comparisons with pass-by-value scalars and a
+    single logical_and are right. Hence:
+      padding   added penalties sm_row_penalty (B, 1, Sq, 1) and sm_col_penalty (B, 1, 1, Skv):
+                0 inside the sequence, MASKED outside;
+      window    with one diagonal for all sequences: key + sm_col_shift <= query + sm_right and
+                query + sm_row_shift <= key + sm_left (pass-by-value ints, all >= 0);
+                per sequence (bottom-right with padding): key - sm_low >= 0 and
+                key - sm_high <= 0 with (B, 1, Sq, 1) float bounds per query.
+    """
+
+    padding: bool
+    left: bool
+    right: bool
+    per_sequence_bounds: bool
+
+    def scalar_bounds(self, cfg: AttentionConfig) -> dict:
+        """Pass-by-value window inputs when every sequence has the diagonal at col = row + o."""
+        left, right = cfg.window
+        offset = cfg.seqlen_kv - cfg.seqlen_q if cfg.diagonal_bottom_right else 0
+        row_shift, col_shift = max(offset, 0), max(-offset, 0)
+        bounds = {}
+        if self.left:
+            bounds.update(sm_row_shift=row_shift, sm_left=col_shift + left)
+        if self.right:
+            bounds.update(sm_col_shift=col_shift, sm_right=row_shift + right)
+        return bounds
+
+
+def mask_plan(cfg: AttentionConfig) -> MaskPlan:
+    left, right = cfg.window
+    window = left != UNBOUNDED or right != UNBOUNDED
+    return MaskPlan(padding=cfg.mask.is_padding, left=left != UNBOUNDED, right=right != UNBOUNDED,
+                    per_sequence_bounds=window and cfg.mask.is_padding and cfg.diagonal_bottom_right)
+
+
+def _declare_aux(graph, name: str, description: tuple):
+    if description[0] == "scalar":
+        return graph.tensor(name=name, data_type=_DATA_TYPES[description[1]], **_SCALAR)
+    _, shape, dtype, stride = description
+    return graph.tensor(name=name, dim=list(shape), stride=list(stride), data_type=_DATA_TYPES[dtype])
+
+
+def _int_plus(graph, index, shift):
+    total = graph.add(a=index, b=shift, compute_data_type=cudnn.data_type.INT32)
+    total.set_data_type(cudnn.data_type.INT32)
+    return total
+
+
+def declare_score_mod(graph, tensors: dict, cfg: AttentionConfig, backward: bool) -> dict:
+    """Declare the score_mod's inputs on the outer graph; the sdpa keywords that run it.
+
+    Both callbacks of one build share a dict, so forward can leave intermediates for bprop.
+    """
+    recipe, plan = cfg.score_mod_recipe, mask_plan(cfg)
+    used = aux_used(recipe.forward, [name for name, _ in recipe.aux], recipe.bprop if backward else None)
+    shared = {}
+    for name, description in recipe.aux:
+        if name in used:
+            shared[name] = tensors[aux_name(name)] = _declare_aux(graph, aux_name(name), description)
+
+    def declare(name, dim, data_type=cudnn.data_type.FLOAT, stride=None):
+        if dim is None:
+            tensors[name] = graph.tensor(name=name, data_type=data_type, **_SCALAR)
+        else:
+            stride = stride or dense(dim).stride
+            tensors[name] = graph.tensor(name=name, dim=list(dim), stride=list(stride), data_type=data_type)
+        return tensors[name]
+
+    mask = {}
+    if plan.padding:  # the column penalty is one row read with a zero query stride (see core._normalize)
+        mask["row_penalty"] = declare("sm_row_penalty", (cfg.batch, 1, cfg.seqlen_q, 1))
+        mask["col_penalty"] = declare("sm_col_penalty", (cfg.batch, 1, cfg.seqlen_q, cfg.seqlen_kv),
+                                      stride=(cfg.seqlen_kv, cfg.seqlen_kv, 0, 1))
+    if plan.left or plan.right:
+        mask["masked"] = declare("sm_masked", None)
+    if plan.per_sequence_bounds:
+        mask["zero"] = declare("sm_zero", None)
+        for name, used_side in (("sm_low", plan.left), ("sm_high", plan.right)):
+            if used_side:
+                mask[name] = declare(name, (cfg.batch, 1, cfg.seqlen_q, 1))
+    else:
+        for name in plan.scalar_bounds(cfg):
+            mask[name] = declare(name, None, cudnn.data_type.INT32)
+
+    def forward(callback_graph, score):
+        g = callback_graph
+        score = recipe.forward(g, score, shared)
+        if plan.padding:
+            score = g.add(a=g.add(a=score, b=mask["row_penalty"]), b=mask["col_penalty"])
+        if not (plan.left or plan.right):
+            return score
+        row, col = row_index(g, score), col_index(g, score)
+        keep = None
+        if plan.per_sequence_bounds:
+            if plan.left:
+                keep = compare(g, "ge", g.sub(a=col, b=mask["sm_low"]), mask["zero"])
+            if plan.right:
+                keep = both(g, keep, compare(g, "le", g.sub(a=col, b=mask["sm_high"]), mask["zero"]))
+        else:
+            if plan.left:
+                keep = compare(g, "le", _int_plus(g, row, mask["sm_row_shift"]), _int_plus(g, col, mask["sm_left"]))
+            if plan.right:
+                near = compare(g, "le", _int_plus(g, col, mask["sm_col_shift"]), _int_plus(g, row, mask["sm_right"]))
+                keep = both(g, keep, near)
+        return keep_where(g, score, keep, mask["masked"])
+
+    kwargs = {"score_mod": forward}
+    if backward and recipe.bprop is not None:
+        kwargs["score_mod_bprop"] = lambda callback_graph, dscore: recipe.bprop(callback_graph, dscore, shared)
+    return kwargs

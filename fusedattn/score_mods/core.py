@@ -1,0 +1,248 @@
+"""What a score_mod is, and how one call binds it to its aux tensors.
+
+A `ScoreMod` rewrites the scaled attention scores inside the fused kernel. Its main form
+is cuDNN-native: `forward(graph, score, tensors) -> tensor` builds graph ops on the score
+(B, Hq, Sq, Skv); an optional `bprop(graph, dscore, tensors)` maps dLoss/d(output of
+forward) to dLoss/d(score). The reference backend runs the same callbacks eagerly
+(`EagerGraph`), or a built-in's `eager` twin. A mod made by `eager(fn)` has only a
+FlexAttention-style `fn(score, b, h, q_idx, kv_idx)` and runs on the reference only.
+
+Binding happens once per call: aux entries are checked and normalised (arrays to 4-D,
+scalars to `RuntimeScalar`), and the structural key (what the callbacks build, see
+`key.py`) goes into the config. The config keeps a `GraphRecipe`: the callbacks and
+the aux descriptions, never the aux values, so caches do not hold user tensors.
+"""
+
+from __future__ import annotations
+
+import inspect
+import numbers
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from fusedattn.score_mods.key import describe_aux, structural_key
+
+__all__ = ["ScoreMod", "eager", "BoundScoreMod", "GraphRecipe", "RuntimeScalar", "as_score_mod", "bind",
+           "MASKED", "MASKED_BELOW", "EAGER_ONLY_KEY"]
+
+# The score a mask writes. Finite on purpose: a tile whose every score is masked then
+# keeps a finite running max inside the kernel; rows with no visible key are found from
+# their LSE (below MASKED_BELOW) and given output 0 and LSE -inf, as the library promises.
+MASKED = -1.0e9
+MASKED_BELOW = -1.0e8
+# Config key of a mod with no graph form (reference only); see backends/cudnn/spec.py.
+EAGER_ONLY_KEY = ("eager-only score_mod",)
+
+
+@dataclass(frozen=True, eq=False)
+class ScoreMod:
+    """A score modification: graph callbacks, their aux tensors, and an eager twin.
+
+    forward(graph, score, tensors) -> tensor: cuDNN-native graph ops on the scaled score.
+    bprop(graph, dscore, tensors) -> tensor: the derivative, applied to dLoss/d(output);
+        None means derivative 1, right for added terms and masks, wrong for anything
+        nonlinear in the score (softcap, scaling by a tensor...).
+    tensors / bprop_tensors: {name: array | number}; arrays broadcast to (B, Hq, Sq, Skv).
+        The callbacks get one dict holding both; forward may store intermediates in it
+        for bprop.
+    eager(ops, score, b, h, q_idx, kv_idx, tensors) -> score: a twin in array ops that
+        the reference backend uses instead of running the callbacks.
+    prepare(tensors, seqlen_q, seqlen_kv) -> tensors: per-call derived tensors (for
+        example a relative-position table expanded to (1, H, Sq, Skv)).
+    """
+
+    forward: Callable | None
+    bprop: Callable | None = None
+    tensors: Mapping[str, Any] = field(default_factory=dict)
+    bprop_tensors: Mapping[str, Any] = field(default_factory=dict)
+    eager: Callable | None = None
+    prepare: Callable | None = None
+    name: str = "score_mod"
+
+    def __repr__(self) -> str:
+        return f"ScoreMod({self.name})"
+
+
+def eager(fn: Callable, name: str | None = None) -> ScoreMod:
+    """A FlexAttention-style fn(score, b, h, q_idx, kv_idx) -> score, for the reference backend only.
+
+    The index arguments broadcast against score (B, Hq, Sq, Skv); fn uses the framework's
+    own ops. Fused backends cannot run Python on their scores and say so in their reasons.
+    """
+    if not callable(fn):
+        raise ValueError(f"score_mods.eager: expected a callable fn(score, b, h, q_idx, kv_idx), got {fn!r}")
+    return ScoreMod(forward=None, eager=lambda ops, s, b, h, qi, ki, tensors: fn(s, b, h, qi, ki),
+                    name=name or getattr(fn, "__name__", "eager"))
+
+
+class RuntimeScalar:
+    """A number passed by value at run time: changing it never rebuilds a graph."""
+
+    __slots__ = ("value", "dtype")
+
+    def __init__(self, value, dtype: str):
+        self.value, self.dtype = value, dtype
+
+    def __repr__(self) -> str:
+        return f"RuntimeScalar({self.value!r}, {self.dtype})"
+
+
+@dataclass(frozen=True, eq=False)
+class GraphRecipe:
+    """What a graph build needs of a score_mod: the callbacks and how each aux entry looks."""
+
+    forward: Callable
+    bprop: Callable | None
+    aux: tuple  # ((name, description), ...) with descriptions from key.describe_aux
+
+
+@dataclass(frozen=True, eq=False)
+class BoundScoreMod:
+    """A score_mod with this call's aux values, its config key, and its graph recipe."""
+
+    mod: ScoreMod
+    values: dict  # name -> 4-D array or RuntimeScalar
+    key: tuple
+    recipe: GraphRecipe | None  # None for eager-only mods
+
+
+def _takes(fn: Callable, count: int) -> bool:
+    try:
+        inspect.signature(fn).bind(*([None] * count))
+    except TypeError:
+        return False
+    except ValueError:  # no signature (a builtin): let the call decide
+        return True
+    return True
+
+
+def as_score_mod(api: str, score_mod, score_mod_bprop=None, score_mod_tensors=None,
+                 score_mod_bprop_tensors=None) -> ScoreMod | None:
+    """The frontends' score_mod keywords as one ScoreMod (or None), with clear errors."""
+    extras = {"score_mod_bprop": score_mod_bprop, "score_mod_tensors": score_mod_tensors,
+              "score_mod_bprop_tensors": score_mod_bprop_tensors}
+    given = [name for name, value in extras.items() if value is not None]
+    if score_mod is None:
+        if given:
+            got = type(extras[given[0]]).__name__
+            raise ValueError(f"{api}: {given[0]}: expected None without a score_mod, got {got}")
+        return None
+    if isinstance(score_mod, ScoreMod):
+        if given:
+            raise ValueError(f"{api}: {given[0]}: expected None with a ScoreMod (it carries its own callbacks and "
+                             f"tensors), got {type(extras[given[0]]).__name__}")
+        return score_mod
+    if not callable(score_mod):
+        raise ValueError(f"{api}: score_mod: expected a callable score_mod(graph, score, tensors) or a "
+                         f"fusedattn.score_mods.ScoreMod, got {type(score_mod).__name__}")
+    if not _takes(score_mod, 3) and _takes(score_mod, 5):
+        raise ValueError(f"{api}: score_mod: expected a callable score_mod(graph, score, tensors), got a function "
+                         "of 5 arguments; for a FlexAttention-style fn(score, b, h, q_idx, kv_idx) pass "
+                         "fusedattn.score_mods.eager(fn) (reference backend only)")
+    if score_mod_bprop is not None and not callable(score_mod_bprop):
+        raise ValueError(f"{api}: score_mod_bprop: expected a callable score_mod_bprop(graph, dscore, tensors) or "
+                         f"None, got {type(score_mod_bprop).__name__}")
+    for name in ("score_mod_tensors", "score_mod_bprop_tensors"):
+        value = extras[name]
+        if value is not None and (not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value)):
+            raise ValueError(f"{api}: {name}: expected a dict of str -> tensor or number, got {value!r:.80}")
+    return ScoreMod(forward=score_mod, bprop=score_mod_bprop, tensors=dict(score_mod_tensors or {}),
+                    bprop_tensors=dict(score_mod_bprop_tensors or {}),
+                    name=getattr(score_mod, "__name__", type(score_mod).__name__))
+
+
+_ARRAY_DTYPES = {"float16": "float16", "bfloat16": "bfloat16", "float32": "float32", "float64": "float32",
+                 "int32": "int32", "int64": "int32", "bool": "int32", "uint8": "int32", "int16": "int32",
+                 "int8": "int32"}
+
+
+def _normalize(api: str, name: str, value, full: tuple, device: str | None, training: bool):
+    """One aux entry as a 4-D array in a dtype cuDNN reads, or a RuntimeScalar."""
+    label = f"{api}: score_mod_tensors[{name!r}]"
+    if isinstance(value, bool) or isinstance(value, numbers.Integral):
+        return RuntimeScalar(int(value), "int32")
+    if isinstance(value, numbers.Real):
+        return RuntimeScalar(float(value), "float32")
+    shape = getattr(value, "shape", None)
+    if shape is None:
+        raise ValueError(f"{label}: expected a tensor or a number, got {type(value).__name__}")
+    from fusedattn.xp import framework_of, namespace
+
+    if framework_of(value) is None:  # a NumPy array or scalar
+        import numpy as np
+
+        array = np.asarray(value)
+        if array.ndim:
+            raise ValueError(f"{label}: expected a framework tensor (torch or JAX) or a number, got a NumPy "
+                             f"array of shape {array.shape}; convert it on q's device once")
+        return RuntimeScalar(array.item(), "int32" if array.dtype.kind in "biu" else "float32")
+    ops = namespace(value)
+    if device is not None and ops.name == "torch" and str(value.device) != device:
+        if len(shape) == 0 and value.device.type == "cpu":
+            item = value.item()
+            return RuntimeScalar(item, "float32" if isinstance(item, float) else "int32")
+        raise ValueError(f"{label}: expected a tensor on {device} (q's device), got one on {value.device}; "
+                         "move it there once with .to(q.device)")
+    if training and getattr(value, "requires_grad", False):
+        raise ValueError(f"{label}: expected a tensor that does not require grad: score_mod tensors get no "
+                         "gradient; pass a learnable additive term as bias= (it has a gradient) or detach it")
+    dtype = ops.dtype_name(value)
+    if dtype not in _ARRAY_DTYPES:
+        raise ValueError(f"{label}: expected a float, int or bool tensor, got dtype {dtype}")
+    if len(shape) > 4 or any(s not in (1, f) for s, f in zip(tuple(shape)[::-1], full[::-1])):
+        raise ValueError(f"{label}: expected a shape broadcastable to (B, Hq, Sq, Skv) = {full}, got "
+                         f"{tuple(shape)}")
+    array = ops.reshape(value, (1,) * (4 - len(shape)) + tuple(shape))
+    if _ARRAY_DTYPES[dtype] != dtype:
+        array = ops.astype(array, _ARRAY_DTYPES[dtype])
+    if array.shape[2] == 1 and array.shape[3] > 1 and full[2] > 1:
+        # One value per key, shared by the queries: cuDNN 9.19's backward reads a (., ., 1, Skv)
+        # tensor wrongly (measured); the same memory declared (., ., Sq, Skv) with a zero query
+        # stride is read right.
+        array = ops.broadcast_to(array, tuple(array.shape[:2]) + (full[2], array.shape[3]))
+    return array
+
+
+def bind(api: str, mod: ScoreMod, *, batch: int, heads_q: int, seqlen_q: int, seqlen_kv: int,
+         device: str | None, training: bool) -> BoundScoreMod:
+    """This call's aux values (checked), the config key and the graph recipe of `mod`."""
+    tensors = dict(mod.tensors)
+    for name, value in mod.bprop_tensors.items():
+        if name in tensors and tensors[name] is not value:
+            raise ValueError(f"{api}: score_mod_bprop_tensors[{name!r}]: expected a name not used by "
+                             "score_mod_tensors (the callbacks share one dict), got a second entry")
+        tensors[name] = value
+    if mod.prepare is not None:
+        tensors = dict(mod.prepare(tensors, seqlen_q, seqlen_kv))
+    full = (batch, heads_q, seqlen_q, seqlen_kv)
+    values = {name: _normalize(api, name, value, full, device, training) for name, value in tensors.items()}
+    if mod.forward is None:
+        return BoundScoreMod(mod, values, EAGER_ONLY_KEY, None)
+    aux = tuple(sorted((name, describe_aux(value)) for name, value in values.items()))
+    key = structural_key(mod.forward, values, mod.bprop, api=api)
+    return BoundScoreMod(mod, values, key, GraphRecipe(mod.forward, mod.bprop, aux))
+
+
+def apply_eager(ops, bound: BoundScoreMod, score, b_idx, h_idx, q_idx, kv_idx, dtype: str):
+    """The reference's score_mod: the built-in's eager twin, or the callbacks run eagerly.
+
+    Scores at or below MASKED_BELOW become -inf, so a row whose every key a score_mod
+    masked is empty (output 0, LSE -inf) here as on the fused backends.
+    """
+    from fusedattn.score_mods.eager_graph import run_eager
+
+    values = {}
+    for name, value in bound.values.items():
+        if isinstance(value, RuntimeScalar):
+            values[name] = value.value
+        elif ops.dtype_name(value) in ("float16", "bfloat16", "float32", "float64"):
+            values[name] = ops.astype(value, dtype)
+        else:
+            values[name] = value
+    if bound.mod.eager is not None:
+        result = bound.mod.eager(ops, score, b_idx, h_idx, q_idx, kv_idx, values)
+    else:
+        result = run_eager(ops, bound.mod.forward, score, values, dtype)
+    result = ops.broadcast_to(ops.astype(result, dtype), tuple(score.shape))
+    return ops.where(result <= MASKED_BELOW, float("-inf"), result)
