@@ -8,6 +8,7 @@ import torch
 
 import fusedattn
 import fusedattn.torch as fat
+from fusedattn import score_mods
 
 
 def float64_attention(q, k, v, scale):
@@ -41,6 +42,16 @@ def main() -> None:
     rounding = np.abs(torch.from_numpy(exact).bfloat16().double().numpy() - exact).max()
     print(f"max |out - float64| = {error:.2e}; rounding the exact answer to bf16 alone costs {rounding:.2e}")
     print(f"lse shape {tuple(result.lse.shape)}; grad q norm {q.grad.float().norm():.3f}")
+
+    # score_mod: a built-in and a callback of cuDNN graph ops; on this CPU the reference runs them.
+    def distance_penalty(graph, score, tensors):
+        rows, cols = score_mods.row_index(graph, score), score_mods.col_index(graph, score)
+        return graph.sub(a=score, b=graph.mul(a=graph.abs(input=graph.sub(a=rows, b=cols)), b=tensors["rate"]))
+
+    capped = fat.attention(q, k, v, mask="causal", score_mod=score_mods.softcap(5.0))
+    penalised = fat.attention(q, k, v, mask="causal", score_mod=distance_penalty, score_mod_tensors={"rate": 0.1})
+    print(f"\n== score_mod: softcap(5.0) moves the output by {(capped - result.out).abs().max():.2e}, "
+          f"a distance penalty by {(penalised - result.out).abs().max():.2e} ==")
 
     try:
         import jax

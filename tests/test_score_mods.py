@@ -314,3 +314,21 @@ def test_graphs_declare_only_the_aux_entries_their_callbacks_read():
     names = list(clamp.tensors)
     assert aux_used(clamp.forward, names) == {"low", "high"}
     assert aux_used(clamp.forward, names, clamp.bprop) == {"low", "high", "zero"}
+
+
+def test_the_per_call_plan_is_not_reused_when_a_callback_changes_what_it_builds(monkeypatch):
+    import fusedattn.torch.functional as functional
+
+    seen = []
+    real = functional.run_attention
+    monkeypatch.setattr(functional, "run_attention", lambda cfg, *rest: seen.append(cfg) or real(cfg, *rest))
+    leaves = _qkv(11, requires_grad=False)
+    instance = OneOp("tanh")
+    first = fat.attention(*leaves, score_mod=instance)
+    again = fat.attention(*leaves, score_mod=instance)  # the same object: the remembered plan
+    instance.op = "sin"  # same object, another graph
+    changed = fat.attention(*leaves, score_mod=instance)
+    assert seen[0].score_mod_key == seen[1].score_mod_key != seen[2].score_mod_key
+    torch.testing.assert_close(first, again)
+    torch.testing.assert_close(changed, fat.attention(*leaves, score_mod=OneOp("sin")))
+    assert not torch.allclose(first, changed)

@@ -16,7 +16,7 @@ from fusedattn.frontend_common import (
     slopes_are_standard,
 )
 from fusedattn.layout import split_packed
-from fusedattn.score_mods.core import ScoreMod, as_score_mod
+from fusedattn.score_mods.core import ScoreMod, as_score_mod, bind
 from fusedattn.selection import ENV_BACKEND, recall_call, remember_call
 from fusedattn.torch.autograd import run_attention
 from fusedattn.torch.ops import register_config
@@ -150,9 +150,18 @@ def attention(
     signature = None if alibi_slopes is not None else _signature(
         q, k, v, bias, alibi_slopes, sink, *offsets, layout, mask, window, bias_type, softmax_type, dropout_p,
         scale, max_seqlen_q, max_seqlen_kv, deterministic, return_lse, return_max_logit, backend,
-        offsets=() if trusted else offsets, score_mod=mod)
+        offsets=() if trusted else offsets,
+        score_mod=None if mod is None else (id(score_mod), id(score_mod_bprop), tuple(score_mod_tensors or ()),
+                                            tuple(score_mod_bprop_tensors or ())))
     planned = recall_call(signature) if signature is not None else None
     bound = None
+    if planned is not None and mod is not None:
+        # The signature only names the callbacks: bind this call's values and trust the plan
+        # only if the callbacks still build what it was made for.
+        bound = bind(API, mod, batch=planned[0].batch, heads_q=planned[0].heads_q, seqlen_q=planned[0].seqlen_q,
+                     seqlen_kv=planned[0].seqlen_kv, device=str(q.device), training=planned[0].is_training)
+        if bound.key != planned[0].score_mod_key:
+            planned = bound = None
     if planned is not None:  # seen before: already validated, configured and selected
         cfg, selection = planned
         arrays = (*split_packed(cfg.layout, [x for x in (q, k, v) if x is not None]), bias, alibi_slopes, sink,
@@ -186,14 +195,16 @@ def attention(
 
 def _signature(*call, offsets, score_mod):
     """A hashable summary of a call that fixes its config and selection, or None when the call
-    must take the full path every time (offsets whose values need checking, a score_mod,
-    or arguments that are not what they should be: the full path explains those)."""
-    if score_mod is not None or any(x is not None for x in offsets):
+    must take the full path every time (offsets whose values need checking, or arguments that
+    are not what they should be: the full path explains those). score_mod: the callbacks'
+    identities and aux names; a caller using the summary checks their structural key."""
+    if any(x is not None for x in offsets):
         return None
     try:
         described = tuple((x.shape, x.dtype, x.device, x.requires_grad) if isinstance(x, torch.Tensor)
                           else (tuple(x) if isinstance(x, list) else x) for x in call)
-        signature = (described, torch.is_grad_enabled(), os.environ.get(ENV_BACKEND), os.environ.get(ENV_THD_BUCKET))
+        signature = (described, score_mod, torch.is_grad_enabled(), os.environ.get(ENV_BACKEND),
+                     os.environ.get(ENV_THD_BUCKET))
         hash(signature)
     except (TypeError, AttributeError):
         return None
