@@ -28,8 +28,6 @@ from __future__ import annotations
 import argparse
 import inspect
 import sys
-import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -393,13 +391,7 @@ def parse_args(argv=None):
     parser.add_argument("--ours-backend", default=OURS_BACKEND,
                         help="fusedattn backend forced for ours (default cudnn; e.g. reference to smoke-test on cpu); "
                              "another one names the suite cudnn-ours-<backend>")
-    args = parser.parse_args(argv)
-    args.suite = SUITE if args.ours_backend == OURS_BACKEND else f"{SUITE}-ours-{args.ours_backend}"
-    if args.out is None:
-        args.out = str(common.RESULTS / f"{args.suite}.json")
-    if args.repeats < 1 or args.warmup < 0:
-        parser.error(f"--repeats must be >= 1 and --warmup >= 0, got {args.repeats} and {args.warmup}")
-    return args
+    return common.parse_suite_args(parser, argv, SUITE, OURS_BACKEND)
 
 
 def _print_rest(rows: list[tuple[Case, str]], args) -> None:
@@ -426,47 +418,16 @@ def main(argv=None) -> int:
     head_dims = args.head_dims or ([128] if args.quick else [64, 128])
     rows = [(case, mode) for case in make_cases(seqlens, head_dims) for mode in common.MODES
             if common.workload_matches(args.only, f"{case.name}-{mode}")]
-    if args.list:
-        for case, mode in rows:
-            print(f"{case.name}-{mode}")
-        return 0
-    if not rows:
-        print(f"bench_cudnn: no workload matches --only {args.only!r} (see --list)", file=sys.stderr)
-        return 2
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("bench_cudnn: no CUDA device visible to torch; run on a GPU machine "
-              "(or --device cpu to smoke-test the script)", file=sys.stderr)
-        return 2
-
-    header = {"suite": args.suite, "device": common.device_name(device), "date": common.today(),
-              "versions": common.versions()}
-    print(f"suite {args.suite} on {header['device']}, {header['date']}", flush=True)
-    print("versions: " + ", ".join(f"{k} {v}" for k, v in header["versions"].items()), flush=True)
-    print(f"{len(rows)} rows -> {args.out}; CUDA-event median of up to {args.repeats} calls after up to "
-          f"{args.warmup} warm-up calls, L2 not flushed", flush=True)
-    results = common.ResultsFile(args.out, header, merge=args.merge)
-    peers_shown = [p for p in PEERS if p in args.peers]
-    table = common.LiveTable(peers_shown)
     flex = Flex()
-    began = time.perf_counter()
-    for index, (case, mode) in enumerate(rows):
-        if args.time_limit > 0 and time.perf_counter() - began > args.time_limit:
-            _print_rest(rows[index:], args)
-            break
-        row_began = time.perf_counter()
-        try:
-            row = run_row(case, mode, args, device, flex)
-        except Exception as error:  # a fault of this script, not of an implementation: keep going
-            traceback.print_exc()
-            row = {"workload": f"{case.name}-{mode}", "params": case.params(mode), "metric": "tflops",
-                   "ours": {"backend": args.ours_backend, **common.error_entry(f"benchmark harness: {error!r}")},
-                   "peers": {}, "ratio_vs_best_peer": None}
-            common.release_memory(device)
-        results.add(row)
-        table.row(row, seconds=time.perf_counter() - row_began)
-    print(f"wrote {len(results.rows)} rows to {args.out} in {time.perf_counter() - began:.0f} s", flush=True)
-    return 0
+    return common.run_suite(
+        "bench_cudnn", args, rows, lambda case, mode, device: run_row(case, mode, args, device, flex),
+        [p for p in PEERS if p in args.peers],
+        harness_row=lambda case, mode, error: common.harness_error_row(
+            f"{case.name}-{mode}", case.params(mode), args.ours_backend, error),
+        cpu_hint="or --device cpu to smoke-test the script",
+        notes=[f"CUDA-event median of up to {args.repeats} calls after up to {args.warmup} warm-up calls, "
+               "L2 not flushed"],
+        time_limit=args.time_limit, on_time_limit=lambda rest: _print_rest(rest, args))
 
 
 if __name__ == "__main__":

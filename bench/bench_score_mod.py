@@ -37,8 +37,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -318,20 +316,7 @@ def parse_args(argv=None):
     parser.add_argument("--ours-backend", default=OURS_BACKEND,
                         help="fusedattn backend forced for ours and cudnn_plain (default cudnn; reference to "
                              "smoke-test on cpu); another one names the suite score_mod-ours-<backend>")
-    args = parser.parse_args(argv)
-    args.suite = SUITE if args.ours_backend == OURS_BACKEND else f"{SUITE}-ours-{args.ours_backend}"
-    if args.out is None:
-        args.out = str(common.RESULTS / f"{args.suite}.json")
-    if args.repeats < 1 or args.warmup < 0:
-        parser.error(f"--repeats must be >= 1 and --warmup >= 0, got {args.repeats} and {args.warmup}")
-    return args
-
-
-def _harness_error(case: Case, mode: str, backend: str, error: Exception) -> dict:
-    """The row of a fault of this script, not of an implementation."""
-    return {"workload": f"{case.name}-{mode}", "params": case.dense().params(mode), "metric": "tflops",
-            "ours": {"backend": backend, **common.error_entry(f"benchmark harness: {error!r}")}, "peers": {},
-            "ratio_vs_best_peer": None}
+    return common.parse_suite_args(parser, argv, SUITE, OURS_BACKEND)
 
 
 def main(argv=None) -> int:
@@ -340,38 +325,18 @@ def main(argv=None) -> int:
     head_dims = args.head_dims or ([128] if args.quick else [64, 128])
     rows = [(case, mode) for case in make_cases(seqlens, head_dims, args.mods) for mode in args.modes
             if common.workload_matches(args.only, f"{case.name}-{mode}")]
-    if args.list:
-        print("\n".join(f"{case.name}-{mode}" for case, mode in rows))
-        return 0
-    if not rows:
-        print(f"bench_score_mod: no workload matches --only {args.only!r} (see --list)", file=sys.stderr)
-        return 2
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("bench_score_mod: no CUDA device visible to torch; run on a GPU machine "
-              "(or --device cpu --ours-backend reference to smoke-test the script)", file=sys.stderr)
-        return 2
+    state = {}
 
-    header = {"suite": args.suite, "device": common.device_name(device), "date": common.today(),
-              "versions": common.versions()}
-    print(f"suite {args.suite} on {header['device']}, {header['date']}; {len(rows)} rows -> {args.out}", flush=True)
-    print("versions: " + ", ".join(f"{k} {v}" for k, v in header["versions"].items()), flush=True)
-    results = common.ResultsFile(args.out, header, merge=args.merge)
-    table = common.LiveTable(PEERS)
-    mods = Modifications(device, bench_cudnn.Flex())
-    began = time.perf_counter()
-    for case, mode in rows:
-        row_began = time.perf_counter()
-        try:
-            row = run_row(case, mode, args, device, mods)
-        except Exception as error:  # keep going: the row records the fault
-            traceback.print_exc()
-            row = _harness_error(case, mode, args.ours_backend, error)
-            common.release_memory(device)
-        results.add(row)
-        table.row(row, seconds=time.perf_counter() - row_began)
-    print(f"wrote {len(results.rows)} rows to {args.out} in {time.perf_counter() - began:.0f} s", flush=True)
-    return 0
+    def run_one(case, mode, device):
+        if "mods" not in state:  # compiles nothing until a row runs
+            state["mods"] = Modifications(device, bench_cudnn.Flex())
+        return run_row(case, mode, args, device, state["mods"])
+
+    return common.run_suite(
+        "bench_score_mod", args, rows, run_one, PEERS,
+        harness_row=lambda case, mode, error: common.harness_error_row(
+            f"{case.name}-{mode}", case.dense().params(mode), args.ours_backend, error),
+        cpu_hint="or --device cpu --ours-backend reference to smoke-test the script")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -369,3 +370,66 @@ def _console_error(text: str, limit: int = 240) -> str:
     if reasons > 0 and "fusedattn" in text[:reasons]:
         text = text[: min(reasons, 90)] + " ..." + text[reasons:]
     return _one_line(text, limit)
+
+
+# --- the run loop every suite shares ------------------------------------------------------------------------------
+
+def harness_error_row(workload: str, params: dict, backend: str, error: BaseException) -> dict:
+    """The row of a fault of the benchmark script itself, not of an implementation."""
+    return {"workload": workload, "params": params, "metric": "tflops",
+            "ours": {"backend": backend, **error_entry(f"benchmark harness: {error!r}")}, "peers": {},
+            "ratio_vs_best_peer": None}
+
+
+def run_suite(name: str, args, rows: list, run_row: Callable, peers: Sequence[str], *, harness_row: Callable,
+              cpu_hint: str, notes: Sequence[str] = (), time_limit: float = 0.0,
+              on_time_limit: Callable | None = None) -> int:
+    """--list, the device check, the header, then each (case, mode) row: measured, written, shown.
+
+    run_row(case, mode, device) -> row; harness_row(case, mode, error) -> row when run_row
+    itself fails (the suite keeps going). Returns the process exit code.
+    """
+    if args.list:
+        print("\n".join(f"{case.name}-{mode}" for case, mode in rows))
+        return 0
+    if not rows:
+        print(f"{name}: no workload matches --only {args.only!r} (see --list)", file=sys.stderr)
+        return 2
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print(f"{name}: no CUDA device visible to torch; run on a GPU machine ({cpu_hint})", file=sys.stderr)
+        return 2
+    header = {"suite": args.suite, "device": device_name(device), "date": today(), "versions": versions()}
+    print(f"suite {args.suite} on {header['device']}, {header['date']}; {len(rows)} rows -> {args.out}", flush=True)
+    print("versions: " + ", ".join(f"{k} {v}" for k, v in header["versions"].items()), flush=True)
+    for note in notes:
+        print(note, flush=True)
+    results = ResultsFile(args.out, header, merge=args.merge)
+    table = LiveTable(list(peers))
+    began = time.perf_counter()
+    for index, (case, mode) in enumerate(rows):
+        if time_limit > 0 and time.perf_counter() - began > time_limit and on_time_limit is not None:
+            on_time_limit(rows[index:])
+            break
+        row_began = time.perf_counter()
+        try:
+            row = run_row(case, mode, device)
+        except Exception as error:  # a fault of the script: keep going, the row records it
+            traceback.print_exc()
+            row = harness_row(case, mode, error)
+            release_memory(device)
+        results.add(row)
+        table.row(row, seconds=time.perf_counter() - row_began)
+    print(f"wrote {len(results.rows)} rows to {args.out} in {time.perf_counter() - began:.0f} s", flush=True)
+    return 0
+
+
+def parse_suite_args(parser, argv, suite: str, default_backend: str):
+    """Parse, then name the suite (another --ours-backend gets its own results file) and check counts."""
+    args = parser.parse_args(argv)
+    args.suite = suite if args.ours_backend == default_backend else f"{suite}-ours-{args.ours_backend}"
+    if args.out is None:
+        args.out = str(RESULTS / f"{args.suite}.json")
+    if args.repeats < 1 or args.warmup < 0:
+        parser.error(f"--repeats must be >= 1 and --warmup >= 0, got {args.repeats} and {args.warmup}")
+    return args

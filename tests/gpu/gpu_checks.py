@@ -111,3 +111,26 @@ def _thd(layout, lens_q, lens_kv, hq, hkv, d, seed, gaps=0):
     return rand(total_q, hq, d), rand(total_kv, hkv, d), rand(total_kv, hkv, d)
 
 
+
+
+def assert_replay_matches(setup):
+    """setup() -> step, a callable returning tensors. Warm it up, capture it in a CUDA graph,
+    replay, and require the replayed results to equal an eager run bit for bit.
+
+    As torch's CUDA-graph recipe asks, setup and warm-up run on a side stream, never on the
+    legacy default stream, whose autograd accumulators capture cannot join.
+    """
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step = setup()
+        expected = [x.clone() for x in step()]  # also builds and caches the graphs before capture
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    cuda_graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(cuda_graph):
+        captured = step()
+    cuda_graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip(captured, expected):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)

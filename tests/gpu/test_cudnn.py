@@ -12,7 +12,16 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("cudnn")
 
-from gpu_checks import _lengths, _pack, _thd, assert_close_to_exact, check_against_reference, make, run  # noqa: E402
+from gpu_checks import (  # noqa: E402
+    _lengths,
+    _pack,
+    _thd,
+    assert_close_to_exact,
+    assert_replay_matches,
+    check_against_reference,
+    make,
+    run,
+)
 
 import fusedattn  # noqa: E402
 import fusedattn.torch as fat  # noqa: E402
@@ -131,11 +140,7 @@ def test_backend_object_reports_available():
 
 
 def test_model_step_runs_under_cuda_graph_capture():
-    # As torch's CUDA-graph recipe asks: parameters and inputs are made and warmed up on a side
-    # stream, never on the legacy default stream, whose autograd accumulators capture cannot join.
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
+    def setup():
         torch.manual_seed(1)
         proj = torch.nn.Linear(256, 3 * 256, device="cuda", dtype=torch.bfloat16)
         x = torch.randn(2, 256, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -145,16 +150,9 @@ def test_model_step_runs_under_cuda_graph_capture():
             loss = fat.attention(q, k, v, mask="causal", backend="cudnn").float().square().mean()
             return torch.autograd.grad(loss, (x, proj.weight, proj.bias))
 
-        expected = [g.clone() for g in step()]  # also builds and caches the graphs before capture
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    cuda_graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(cuda_graph):
-        captured = step()
-    cuda_graph.replay()
-    torch.cuda.synchronize()
-    for got, want in zip(captured, expected):
-        torch.testing.assert_close(got, want, atol=0, rtol=0)
+        return step
+
+    assert_replay_matches(setup)
 
 
 @pytest.mark.parametrize("mask,lens_q,lens_kv", [

@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 cudnn = pytest.importorskip("cudnn")
 
-from gpu_checks import _lengths, _thd, check_against_reference, make  # noqa: E402
+from gpu_checks import _lengths, _thd, assert_replay_matches, check_against_reference, make  # noqa: E402
 
 import fusedattn  # noqa: E402
 import fusedattn.torch as fat  # noqa: E402
@@ -287,10 +287,7 @@ def test_eager_only_mods_fall_back_with_a_reason():
 
 
 def test_model_step_with_a_score_mod_runs_under_cuda_graph_capture():
-    # Leaves made and warmed on a side stream, as torch's CUDA-graph recipe asks (see test_cudnn).
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
+    def setup():
         leaves = [x.detach().clone().requires_grad_() for x in make(2, 128, 128, H, H, 64, 64, torch.bfloat16,
                                                                      seed=39)]
         mod = sm.softcap(2.0)
@@ -299,13 +296,6 @@ def test_model_step_with_a_score_mod_runs_under_cuda_graph_capture():
             out = fat.attention(*leaves, mask="causal", score_mod=mod, backend="cudnn")
             return torch.autograd.grad(out.float().square().sum(), leaves)
 
-        expected = [g.clone() for g in step()]
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    cuda_graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(cuda_graph):
-        captured = step()
-    cuda_graph.replay()
-    torch.cuda.synchronize()
-    for got, want in zip(captured, expected):
-        torch.testing.assert_close(got, want, atol=0, rtol=0)
+        return step
+
+    assert_replay_matches(setup)
