@@ -51,6 +51,16 @@ def _ratio_peers(rows: list[dict]) -> str:
     return named[0] if len(named) == 1 else f"best of {', '.join(named)}"
 
 
+def _copy_bandwidth(rows: list[dict]) -> str:
+    """The device-to-device copy bandwidth a memory-bound suite measured (params.copy_GBps), '' when none."""
+    values = sorted({round(row["params"]["copy_GBps"]) for row in rows
+                     if isinstance(row.get("params", {}).get("copy_GBps"), (int, float))})
+    if not values:
+        return ""
+    measured = f"{values[0]}" if len(values) == 1 else f"{values[0]}-{values[-1]}"
+    return f" Measured copy bandwidth (dst.copy_(src)): {measured} GB/s."
+
+
 def table(document: dict) -> str:
     """One suite's Markdown: a heading, the versions, the table, then notes for errors."""
     rows = document.get("rows", [])
@@ -67,7 +77,7 @@ def table(document: dict) -> str:
     if document.get("versions"):
         lines += [_versions(document["versions"]), ""]
     lines += [f"{unit}; ours = fusedattn ({', '.join(backends)}); ratio = {_ratio_peers(rows)} time / ours "
-              "(> 1: ours faster).", ""]
+              f"(> 1: ours faster).{_copy_bandwidth(rows)}", ""]
     header = ["workload", "mode", "ours", *peers, "ratio"]
     lines.append("| " + " | ".join(header) + " |")
     lines.append("|" + "|".join(["---", "---"] + ["--:"] * (len(header) - 2)) + "|")

@@ -1,4 +1,7 @@
-"""Shared pytest setup: tests marked `gpu` are skipped on machines without a CUDA device."""
+"""Shared pytest setup: tests marked `gpu` are skipped on machines without a CUDA device, and
+on such machines Triton kernels run in Triton's interpreter (set before triton is imported)."""
+
+import os
 
 import pytest
 
@@ -9,6 +12,10 @@ def _has_cuda() -> bool:
     except ImportError:
         return False
     return torch.cuda.is_available()
+
+
+if not _has_cuda():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

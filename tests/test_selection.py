@@ -179,7 +179,6 @@ def test_no_backend_at_all_lists_every_backend_with_its_reasons(monkeypatch):
           attributes: {attributes}
         backends:
           small_seq:
-            - the small_seq backend is not implemented in this version of fusedattn
             - device cpu not supported (needs cuda)
             - dtype float32 not supported (supports float16, bfloat16)
           cudnn:
@@ -233,7 +232,8 @@ def test_explain_output_is_pinned():
         selected: reference
         backends (in selection order):
           small_seq: rejected
-            - the small_seq backend is not implemented in this version of fusedattn
+            - Sq=128: needs at most one query per sequence
+            - Skv=128 > 16 (longer key sequences are faster elsewhere)
           cudnn: rejected
             - package nvidia-cudnn-frontend not installed (import cudnn)
           triton: rejected

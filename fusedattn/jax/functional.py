@@ -147,3 +147,14 @@ def attention(
         seed, offset = _dropout_state(dropout_rng, dropout_seed, dropout_offset)
     out, lse, max_logit = _attention(call.cfg, call.selection.name, call.score_mod, (*call.arrays, seed, offset))
     return pick_outputs(call.cfg, out, lse, max_logit)
+
+
+def small_seq_attention(q, k=None, v=None, **kwargs):
+    """`attention(...)` on the small_seq backend only (see fusedattn.torch.small_seq_attention).
+
+    The JAX path of the small_seq kernels comes with the JAX GPU primitives; until then the
+    error lists the reason.
+    """
+    if kwargs.get("backend") not in (None, "small_seq"):
+        raise ValueError(f"small_seq_attention: backend: expected None or 'small_seq', got {kwargs['backend']!r}")
+    return attention(q, k, v, **{**kwargs, "backend": "small_seq"})

@@ -1,7 +1,7 @@
 """PyTorch frontend: `attention(...)` and the `DotProductAttention` module."""
 
 from fusedattn.frontend_common import AttentionResult
-from fusedattn.torch.functional import attention
+from fusedattn.torch.functional import attention, small_seq_attention
 from fusedattn.torch.modules import DotProductAttention
 
-__all__ = ["attention", "DotProductAttention", "AttentionResult"]
+__all__ = ["attention", "small_seq_attention", "DotProductAttention", "AttentionResult"]

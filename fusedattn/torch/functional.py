@@ -257,3 +257,15 @@ def _compiled_attention(tensors: tuple, options: dict, backend, dropout_seed, dr
         return out
     return AttentionResult(out, lse if options["return_lse"] else None,
                            max_logit if options["return_max_logit"] else None)
+
+
+def small_seq_attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | None = None, **kwargs):
+    """`attention(...)` on the small_seq backend only: one query per sequence, a few keys.
+
+    The same keywords as `attention`. Use it to insist on the kernel (for example in a
+    benchmark); when the call is outside what it runs, the error lists its reasons.
+    Plain `attention` already picks small_seq for these shapes.
+    """
+    if kwargs.get("backend") not in (None, "small_seq"):
+        raise ValueError(f"small_seq_attention: backend: expected None or 'small_seq', got {kwargs['backend']!r}")
+    return attention(q, k, v, **{**kwargs, "backend": "small_seq"})

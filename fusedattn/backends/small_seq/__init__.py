@@ -1,28 +1,76 @@
-"""Cross attention of one query against a few keys at huge batch (Triton).
+"""Cross attention of one query against a few keys, at huge batch (Triton).
 
-Declares its capabilities now; the kernel comes in a later release.
+Recommendation and retrieval models attend from one query token to 2-16 keys per
+sequence, for tens of thousands to millions of sequences. General flash kernels tile for
+long sequences and waste most of their work here; these kernels read each key and value
+once and run near memory bandwidth. The forward saves only the LSE: the backward
+recomputes the few scores from q and k, which it reads anyway for dq and dk, so saving
+the probabilities would only add traffic (MAX_SEQLEN_KV floats per query head instead of 1).
 """
 
-from fusedattn.backends.base import Backend
+from __future__ import annotations
 
+import os
+
+from fusedattn.backends.base import Backend
+from fusedattn.config import UNBOUNDED, BiasType, SoftmaxType
+
+# The longest key sequence this backend takes: up to here it beat every other backend on
+# an H200 (see the README's small_seq benchmarks); the kernels themselves handle up to 128.
 MAX_SEQLEN_KV = 16
+MAX_HEAD_DIM = 512
+_LAYOUTS = ("thd", "bshd", "thd_t2hd", "bshd_bs2hd")
+ENV_ON_CPU = "FUSEDATTN_SMALL_SEQ_ON_CPU"
 
 
 class SmallSeqBackend(Backend):
     name = "small_seq"
-    frameworks = ("torch", "jax")
-    devices = ("cuda",)
+    frameworks = ("torch",)
     dtypes = ("float16", "bfloat16")
-    implemented = False
+    max_head_dim = MAX_HEAD_DIM
+    head_dim_multiple = 8
     packages = (("triton", "triton"),)
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        # On request, Triton's interpreter runs the kernels on the CPU (tests, debugging); it
+        # must have been on (TRITON_INTERPRET=1) before triton was imported.
+        on_cpu = os.environ.get(ENV_ON_CPU) == "1" and os.environ.get("TRITON_INTERPRET") == "1"
+        return ("cuda", "cpu") if on_cpu else ("cuda",)
 
     def _reasons(self, cfg):
         reasons = []
+        if cfg.layout.value not in _LAYOUTS:
+            reasons.append(f"layout {cfg.layout.value!r}: reads {', '.join(_LAYOUTS)}")
         if cfg.seqlen_q != 1:
-            reasons.append(f"Sq={cfg.seqlen_q}: needs exactly one query per sequence")
+            reasons.append(f"Sq={cfg.seqlen_q}: needs at most one query per sequence")
         if cfg.seqlen_kv > MAX_SEQLEN_KV:
-            reasons.append(f"Skv={cfg.seqlen_kv} > {MAX_SEQLEN_KV}")
+            reasons.append(f"Skv={cfg.seqlen_kv} > {MAX_SEQLEN_KV} (longer key sequences are faster elsewhere)")
+        if cfg.head_dim_qk != cfg.head_dim_v:
+            reasons.append(f"head_dim_qk={cfg.head_dim_qk} != head_dim_v={cfg.head_dim_v}")
+        if cfg.window[0] != UNBOUNDED:
+            reasons.append(f"window {cfg.window}: a left window bound is not supported")
+        if cfg.bias is not BiasType.NONE:
+            reasons.append(f"bias {cfg.bias.value}: not supported")
+        if cfg.dropout_p > 0.0:
+            reasons.append(f"dropout_p={cfg.dropout_p}: not supported")
+        if cfg.softmax is not SoftmaxType.VANILLA:
+            reasons.append(f"softmax_type {cfg.softmax.value}: not supported")
+        if cfg.return_max_logit:
+            reasons.append("return_max_logit: not supported")
+        if cfg.score_mod_key is not None:
+            reasons.append("score_mod: not supported")
         return reasons
 
+    def forward(self, cfg, inputs):
+        from fusedattn.backends.small_seq.torch_run import forward
 
-__all__ = ["SmallSeqBackend"]
+        return forward(cfg, inputs), None
+
+    def backward(self, cfg, inputs, saved, outputs, grad_out, grad_lse=None):
+        from fusedattn.backends.small_seq.torch_run import backward
+
+        return backward(cfg, inputs, outputs, grad_out, grad_lse)
+
+
+__all__ = ["SmallSeqBackend", "MAX_SEQLEN_KV", "ENV_ON_CPU"]
