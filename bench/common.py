@@ -290,11 +290,22 @@ def _json_safe(value):
     return value
 
 
+def merge_rows(earlier: dict, later: dict) -> dict:
+    """One workload measured twice: the later ours and peers, plus the earlier peers it did not run."""
+    peers = {**earlier.get("peers", {}), **later.get("peers", {})}
+    params = {**earlier.get("params", {}), **later.get("params", {})}
+    ranked = params.get("ratio_peers")
+    ratio = best_peer_ratio(later["ours"], {n: e for n, e in peers.items() if ranked is None or n in ranked})
+    return {**later, "params": params, "peers": peers, "ratio_vs_best_peer": ratio}
+
+
 @dataclass
 class ResultsFile:
     """bench/results/<suite>.json, rewritten (atomically) after every row.
 
-    With merge, rows of an earlier file whose workload this run does not measure are kept.
+    With merge, rows of an earlier file whose workload this run does not measure are kept,
+    and a workload measured again keeps the earlier file's peers that this run did not run
+    (so peers can be measured in separate processes: one that crashes takes no others down).
     """
 
     path: Path
@@ -317,7 +328,9 @@ class ResultsFile:
 
     def write(self) -> None:
         measured = {row["workload"] for row in self.rows}
-        rows = [row for row in self.kept if row.get("workload") not in measured] + self.rows
+        earlier = {row.get("workload"): row for row in self.kept}
+        rows = [row for row in self.kept if row.get("workload") not in measured]
+        rows += [merge_rows(earlier[row["workload"]], row) if row["workload"] in earlier else row for row in self.rows]
         document = _json_safe({**self.header, "rows": rows})
         self.path.parent.mkdir(parents=True, exist_ok=True)
         partial = self.path.with_name(self.path.name + ".partial")

@@ -85,6 +85,7 @@ def test_bias_broadcast_axes_get_stride_zero():
     (dict(bias="alibi", bias_shape=(4,)), "paper's slopes"),
     (dict(bias="alibi", bias_shape=(4,), alibi_standard=True), "needs mask"),
     (dict(score_mod_key=("eager-callable",)), "score_mod"),
+    (dict(batch=65536), "B=65536 > 65535"),
 ])
 def test_unsupported_features_give_reasons(changes, needle):
     reasons = unsupported(cfg_for(**changes))

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from fusedattn.config import UNBOUNDED, AttentionConfig, BiasType, Layout, Mask, SoftmaxType
 from fusedattn.score_mods.core import EAGER_ONLY_KEY
 
+MAX_BATCH = 65535  # one grid dimension per sequence in cuDNN 9.19's attention kernels
+
 __all__ = ["TensorSpec", "dense", "SdpaSpec", "sdpa_spec", "unsupported", "layout_strides", "gradient_spec",
            "short_reason", "graph_key", "rows_without_keys", "rows_with_keys_config"]
 
@@ -156,6 +158,8 @@ def unsupported(cfg: AttentionConfig) -> list[str]:
         reasons.extend(_score_mod_reasons(cfg))
     if cfg.seqlen_q == 0 or cfg.seqlen_kv == 0:
         reasons.append(f"Sq={cfg.seqlen_q}, Skv={cfg.seqlen_kv}: empty sequences")
+    if cfg.batch > MAX_BATCH:  # graphs build, then the kernel launch fails (measured at B=65536, H200)
+        reasons.append(f"B={cfg.batch} > {MAX_BATCH}: cuDNN 9.19's kernels cannot launch that many sequences")
     return reasons
 
 
