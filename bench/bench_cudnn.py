@@ -363,13 +363,7 @@ def parse_args(argv=None):
                "  python bench/bench_cudnn.py --device cpu --seqlens 128 --head-dims 64 --out /tmp/smoke.json"
                "   # smoke test")
     parser.add_argument("--quick", action="store_true", help="only S in {1024, 4096} and D = 128")
-    parser.add_argument("--out", default=None,
-                        help="results file (default: bench/results/cudnn.json in this checkout; "
-                             "cudnn-ours-<backend>.json with --ours-backend)")
-    parser.add_argument("--repeats", type=int, default=20, help="timed calls per entry (default 20)")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed calls before timing (default 5)")
-    parser.add_argument("--only", metavar="REGEX", default=None,
-                        help="run workloads whose name matches (re.search, or a plain substring; see --list)")
+    common.add_run_arguments(parser, SUITE)
     parser.add_argument("--peers", type=_peer_list, default=list(PEERS),
                         help=f"comma-separated peers to run (default all: {','.join(PEERS)})")
     parser.add_argument("--max-ms-per-entry", type=float, default=1000.0,
@@ -381,9 +375,6 @@ def parse_args(argv=None):
     parser.add_argument("--time-limit", type=float, default=0.0, metavar="SECONDS",
                         help="start no new row after this many seconds; print the --only/--merge command that "
                              "runs the rest (default 0 = no limit)")
-    parser.add_argument("--merge", action="store_true",
-                        help="keep rows of an existing --out file that this run does not measure")
-    parser.add_argument("--list", action="store_true", help="print the workload names and exit")
     parser.add_argument("--seqlens", type=_int_list, default=None, help="override S (comma-separated)")
     parser.add_argument("--head-dims", type=_int_list, default=None, help="override D (comma-separated)")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),

@@ -298,16 +298,7 @@ def parse_args(argv=None):
                         help=f"modifications, comma-separated (default all: {','.join(MODS)})")
     parser.add_argument("--modes", type=_names(common.MODES), default=list(common.MODES),
                         help=f"modes, comma-separated (default {','.join(common.MODES)})")
-    parser.add_argument("--only", metavar="REGEX", default=None,
-                        help="run workloads whose name matches (re.search, or a plain substring; see --list)")
-    parser.add_argument("--list", action="store_true", help="print the workload names and exit")
-    parser.add_argument("--out", default=None,
-                        help="results file (default: bench/results/score_mod.json in this checkout; "
-                             "score_mod-ours-<backend>.json with --ours-backend)")
-    parser.add_argument("--merge", action="store_true",
-                        help="keep rows of an existing --out file that this run does not measure")
-    parser.add_argument("--repeats", type=int, default=20, help="timed calls per entry (default 20)")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed calls before timing (default 5)")
+    common.add_run_arguments(parser, SUITE)
     parser.add_argument("--max-ms-per-entry", type=float, default=1000.0,
                         help="cap repeats/warm-up of big rows so an entry's timed calls take about this long "
                              "(estimated at 250 TFLOP/s; 0 = no cap; default 1000)")

@@ -452,16 +452,7 @@ def parse_args(argv=None):
                         help=f"modes, comma-separated (default {','.join(common.MODES)})")
     parser.add_argument("--peers", type=bench_score_mod._names(PEERS), default=list(PEERS),
                         help=f"comma-separated peers to run (default all: {','.join(PEERS)})")
-    parser.add_argument("--only", metavar="REGEX", default=None,
-                        help="run workloads whose name matches (re.search, or a plain substring; see --list)")
-    parser.add_argument("--list", action="store_true", help="print the workload names and exit")
-    parser.add_argument("--out", default=None,
-                        help="results file (default: bench/results/small_seq.json in this checkout; "
-                             "small_seq-ours-<backend>.json with --ours-backend)")
-    parser.add_argument("--merge", action="store_true",
-                        help="keep rows of an existing --out file that this run does not measure")
-    parser.add_argument("--repeats", type=int, default=20, help="timed calls per entry (default 20)")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed calls before timing (default 5)")
+    common.add_run_arguments(parser, SUITE)
     parser.add_argument("--fwd-no-grad", action="store_true",
                         help="time 'fwd' under torch.no_grad() (inference) instead of the training forward; "
                              "compiles flex once more per shape")

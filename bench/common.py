@@ -437,6 +437,20 @@ def run_suite(name: str, args, rows: list, run_row: Callable, peers: Sequence[st
     return 0
 
 
+def add_run_arguments(parser, suite: str) -> None:
+    """The options every suite shares: which rows, where the results go, how long to time."""
+    parser.add_argument("--only", metavar="REGEX", default=None,
+                        help="run workloads whose name matches (re.search, or a plain substring; see --list)")
+    parser.add_argument("--list", action="store_true", help="print the workload names and exit")
+    parser.add_argument("--out", default=None,
+                        help=f"results file (default: bench/results/{suite}.json in this checkout; "
+                             f"{suite}-ours-<backend>.json with --ours-backend)")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the rows (and peers) of an existing --out file that this run does not measure")
+    parser.add_argument("--repeats", type=int, default=20, help="timed calls per entry (default 20)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed calls before timing (default 5)")
+
+
 def parse_suite_args(parser, argv, suite: str, default_backend: str):
     """Parse, then name the suite (another --ours-backend gets its own results file) and check counts."""
     args = parser.parse_args(argv)
