@@ -332,3 +332,23 @@ def test_the_per_call_plan_is_not_reused_when_a_callback_changes_what_it_builds(
     torch.testing.assert_close(first, again)
     torch.testing.assert_close(changed, fat.attention(*leaves, score_mod=OneOp("sin")))
     assert not torch.allclose(first, changed)
+
+
+def test_jax_aux_arrays_work_under_jit_and_grad():
+    jax = pytest.importorskip("jax")
+    import fusedattn.jax as fj
+
+    q, k, v = (jax.numpy.asarray(x.detach().numpy()) for x in _qkv(12, requires_grad=False))
+    table = jax.numpy.asarray(np.linspace(-1, 1, H, dtype=np.float64).reshape(1, H, 1, 1))
+
+    def loss(q, table):
+        out = fj.attention(q, k, v, score_mod=lambda g, s, t: g.add(a=s, b=t["table"]),
+                           score_mod_tensors={"table": table})
+        return (out ** 2).sum()
+
+    eager = jax.grad(loss)(q, table)
+    jitted = jax.jit(jax.grad(loss))(q, table)
+    np.testing.assert_allclose(np.asarray(jitted), np.asarray(eager), rtol=1e-4, atol=1e-6)
+    reference = sm.eager(lambda s, b, h, qi, ki: s + table.reshape(-1)[h])
+    want = jax.grad(lambda q: (fj.attention(q, k, v, score_mod=reference) ** 2).sum())(q)
+    np.testing.assert_allclose(np.asarray(eager), np.asarray(want), rtol=1e-4, atol=1e-6)

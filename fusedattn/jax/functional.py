@@ -33,6 +33,36 @@ def _meta(x, name: str) -> TensorMeta | None:
     return TensorMeta(tuple(x.shape), OPS.dtype_name(x), OPS.device_label(x), OPS.device_kind(x))
 
 
+def _partition_spec(x):
+    """The PartitionSpec of x's sharding when it is known here (a concrete array, or a traced one
+    whose type carries its sharding), else None."""
+    try:
+        sharding = x.sharding if _is_concrete(x) else getattr(jax.typeof(x), "sharding", None)
+    except Exception:  # tracers without a sharding in their type
+        return None
+    return getattr(sharding, "spec", None)
+
+
+def check_shard_axes(layout: str, tensors: dict) -> None:
+    """Attention runs shard-local over batch (B) and heads (H); any other sharded axis is an error.
+
+    Under jit with automatic sharding the shardings are not visible at trace time: there XLA's
+    partitioner keeps batch and head sharding local and gathers other axes (correct, slower).
+    """
+    from fusedattn.layout import layout_spec
+
+    for (name, axes), x in zip(layout_spec(layout).tensors, (tensors["q"], tensors["k"], tensors["v"])):
+        spec = _partition_spec(x) if x is not None else None
+        if spec is None:
+            continue
+        for letter, entry in zip(axes, tuple(spec)):
+            if entry is not None and letter not in "BH":
+                what = {"S": "sequence", "T": "token", "D": "head dim"}.get(letter, "packing")
+                raise ValueError(f"{API}: {name}: expected sharding over batch (B) or heads (H) only, got its "
+                                 f"{what} axis ({letter} of {axes}) sharded over mesh axis {entry!r}; context "
+                                 "parallelism (a sharded sequence) is not supported yet: replicate that axis")
+
+
 def _inputs(arrays, score_mod) -> AttentionInputs:
     return AttentionInputs(**dict(zip(ARRAY_NAMES, arrays)), score_mod=score_mod)
 
@@ -128,6 +158,7 @@ def attention(
         >>> grads = jax.grad(lambda q: attention(q, k, v).sum())(q)
     """
     mod = as_score_mod(API, score_mod, score_mod_bprop, score_mod_tensors, score_mod_bprop_tensors)
+    check_shard_axes(layout, {"q": q, "k": k, "v": v})
     tensors = {"q": q, "k": k, "v": v, "bias": bias, "alibi_slopes": alibi_slopes, "sink": sink,
                "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_kv": cu_seqlens_kv,
                "cu_seqlens_q_padded": cu_seqlens_q_padded, "cu_seqlens_kv_padded": cu_seqlens_kv_padded}
