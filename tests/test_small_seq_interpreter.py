@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -157,3 +158,35 @@ def test_each_kernel_form_matches_the_reference_in_float16(heads_q, heads_kv, ke
     tensors = (rand(3, heads_q, head_dim, dtype=f16, seed=30), rand(total, heads_kv, head_dim, dtype=f16, seed=31),
                rand(total, heads_kv, head_dim, dtype=f16, seed=32))
     check(tensors, layout="thd", mask="padding", cu_seqlens_q=cu([1, 1, 1]), cu_seqlens_kv=cu(lens_kv))
+
+
+def test_jax_calls_run_the_kernels_through_buffer_callbacks(ran):
+    """JAX -> buffer_callback -> torch views of XLA's buffers -> the kernels, under jit, grad and vmap."""
+    jax = pytest.importorskip("jax")
+    import fusedattn.jax as fj
+
+    jnp = jax.numpy
+    lens = [3, 16, 1, 0, 7]
+    cu_kv = jnp.asarray(cu(lens).numpy())
+    cu_q = jnp.arange(len(lens) + 1, dtype=jnp.int32)
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (5, 4, 64), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (27, 2, 64), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (27, 2, 64), jnp.bfloat16)
+    options = dict(layout="thd", mask="padding", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, max_seqlen_q=1,
+                   max_seqlen_kv=16)
+
+    def loss(q, k, v, backend):
+        return (fj.attention(q, k, v, backend=backend, **options).astype(jnp.float32) ** 2).sum()
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=3)
+    got, want = grad(q, k, v, "small_seq"), grad(q, k, v, "reference")
+    for g, w in zip(got, want):
+        scale = float(jnp.abs(w.astype(jnp.float32)).max())
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), atol=2e-2 * scale, rtol=2e-2)
+    fj.attention(q, k, v, **options)
+    assert ran[-1][0] == "small_seq", "selected for JAX calls too"
+    stacked = jnp.stack([q, q * 0.5])
+    batched = jax.vmap(lambda q: fj.attention(q, k, v, backend="small_seq", **options))(stacked)
+    np.testing.assert_allclose(np.asarray(batched[1], np.float32),
+                               np.asarray(fj.attention(q * 0.5, k, v, **options), np.float32), atol=1e-6)

@@ -82,6 +82,9 @@ class Backend:
     packages: tuple[tuple[str, str], ...] = ()
     # False for a backend whose kernels this version does not have yet: it says so.
     implemented: bool = True
+    # "any": forward/backward work on the arrays of any framework (written with fusedattn.xp);
+    # "torch": they take torch tensors, and JAX calls reach them through buffer callbacks.
+    array_framework: str = "any"
 
     def availability(self) -> list[str]:
         """Reasons this backend cannot run anything here, whatever the call."""

@@ -12,6 +12,7 @@ from fusedattn.arguments import TensorMeta
 from fusedattn.backends import get_backend
 from fusedattn.backends.base import ARRAY_NAMES, DIFFERENTIABLE, AttentionInputs, AttentionOutputs
 from fusedattn.frontend_common import pick_outputs, prepare_call, slopes_are_standard
+from fusedattn.jax import torch_bridge
 from fusedattn.score_mods.core import as_score_mod
 from fusedattn.xp.jax_ops import OPS
 
@@ -67,23 +68,35 @@ def _inputs(arrays, score_mod) -> AttentionInputs:
     return AttentionInputs(**dict(zip(ARRAY_NAMES, arrays)), score_mod=score_mod)
 
 
+def _run_forward(cfg, backend_name, score_mod, arrays):
+    """(outputs, saved): in jax.numpy, or through torch for backends whose kernels are torch's."""
+    backend = get_backend(backend_name)
+    if backend.array_framework == "torch":
+        return AttentionOutputs(*torch_bridge.forward(cfg, backend, score_mod, arrays)), None
+    return backend.forward(cfg, _inputs(arrays, score_mod))
+
+
 # The backend chosen at trace time is a static argument: forward decides backward.
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _attention(cfg, backend_name, score_mod, arrays):
-    outputs, _ = get_backend(backend_name).forward(cfg, _inputs(arrays, score_mod))
+    outputs, _ = _run_forward(cfg, backend_name, score_mod, arrays)
     return tuple(outputs)
 
 
 def _attention_fwd(cfg, backend_name, score_mod, arrays):
-    outputs, saved = get_backend(backend_name).forward(cfg, _inputs(arrays, score_mod))
+    outputs, saved = _run_forward(cfg, backend_name, score_mod, arrays)
     return tuple(outputs), (arrays, saved, outputs.out, outputs.lse)
 
 
 def _attention_bwd(cfg, backend_name, score_mod, residuals, cotangents):
     arrays, saved, out, lse = residuals
     grad_out, grad_lse, _ = cotangents
-    grads = get_backend(backend_name).backward(cfg, _inputs(arrays, score_mod), saved,
-                                               AttentionOutputs(out, lse), grad_out, grad_lse)
+    backend = get_backend(backend_name)
+    if backend.array_framework == "torch":
+        grads = torch_bridge.backward(cfg, backend, score_mod, arrays, out, lse, grad_out, grad_lse)
+    else:
+        grads = backend.backward(cfg, _inputs(arrays, score_mod), saved, AttentionOutputs(out, lse), grad_out,
+                                 grad_lse)
     return (tuple(grads.get(name) if name in DIFFERENTIABLE and x is not None else None
                   for name, x in zip(ARRAY_NAMES, arrays)),)
 

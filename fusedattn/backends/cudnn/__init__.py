@@ -19,6 +19,7 @@ class CudnnBackend(Backend):
     max_head_dim = 256
     head_dim_multiple = 8
     packages = (("cudnn", "nvidia-cudnn-frontend"),)
+    array_framework = "torch"
 
     def _reasons(self, cfg):
         reasons = unsupported(cfg)

@@ -25,11 +25,12 @@ ENV_ON_CPU = "FUSEDATTN_SMALL_SEQ_ON_CPU"
 
 class SmallSeqBackend(Backend):
     name = "small_seq"
-    frameworks = ("torch",)
+    frameworks = ("torch", "jax")  # JAX through buffer callbacks (fusedattn/jax/torch_bridge.py)
     dtypes = ("float16", "bfloat16")
     max_head_dim = MAX_HEAD_DIM
     head_dim_multiple = 8
     packages = (("triton", "triton"),)
+    array_framework = "torch"
 
     @property
     def devices(self) -> tuple[str, ...]:
