@@ -924,3 +924,19 @@ def test_torch_and_jax_agree(ran, case):
     assert_close(result.lse.detach().numpy(), lse_j, "lse (torch vs jax)")
     for (name, _), grad_t in zip(tensors.items(), grads_t):
         assert_close(grad_t.numpy(), grads_j[name], f"d{name} (torch vs jax)")
+
+
+def test_segment_ids_are_another_way_to_give_thd_sequences():
+    lens = [3, 0, 5]
+    ids = jnp.asarray(np.repeat(np.arange(3), lens).tolist() + [3, 3], jnp.int32)  # two trailing padding tokens
+    cu = jnp.asarray([0, 3, 3, 8], jnp.int32)
+    q, k, v = (jax.random.normal(jax.random.key(i), (10, 2, 8)) for i in range(3))
+    by_ids = jax.jit(lambda q: fj.attention(q, k, v, layout="thd", mask="padding_causal", segment_ids_q=ids,
+                                            segment_ids_kv=ids, num_sequences=3, max_seqlen_q=5,
+                                            max_seqlen_kv=5))(q)
+    by_offsets = fj.attention(q, k, v, layout="thd", mask="padding_causal", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    np.testing.assert_allclose(np.asarray(by_ids), np.asarray(by_offsets), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="num_sequences: expected a static int"):
+        fj.attention(q, k, v, layout="thd", mask="padding", segment_ids_q=ids, segment_ids_kv=ids)
+    with pytest.raises(ValueError, match="segment_ids_kv: expected a"):
+        fj.attention(q, k, v, layout="thd", mask="padding", segment_ids_q=ids, num_sequences=3)

@@ -157,13 +157,19 @@ def attention(
     score_mod_bprop: Callable | None = None,
     score_mod_tensors: dict | None = None,
     score_mod_bprop_tensors: dict | None = None,
+    segment_ids_q=None,
+    segment_ids_kv=None,
+    num_sequences: int | None = None,
 ):
     """Scaled-dot-product attention for JAX arrays, with the keywords of fusedattn.torch.attention.
 
     Differences from the torch frontend: dropout takes `dropout_rng` (a PRNG key turned
     into the (seed, offset) pair; or pass dropout_seed/dropout_offset); under `jax.jit`
     THD calls need static `max_seqlen_q/kv` (offsets are traced, so their values are not
-    checked). Shapes, layouts, masks and outputs are as documented there.
+    checked). THD sequences may be given as packed segment ids instead of cu_seqlens:
+    `segment_ids_q/kv` (T,) non-decreasing ids in [0, num_sequences) (larger ids mark
+    trailing padding) with a static `num_sequences`. Shapes, layouts, masks and outputs are
+    as documented there.
 
     Example:
         >>> q = k = v = jax.random.normal(jax.random.key(0), (2, 128, 8, 64))
@@ -172,6 +178,9 @@ def attention(
     """
     mod = as_score_mod(API, score_mod, score_mod_bprop, score_mod_tensors, score_mod_bprop_tensors)
     check_shard_axes(layout, {"q": q, "k": k, "v": v})
+    if segment_ids_q is not None or segment_ids_kv is not None:
+        cu_seqlens_q, cu_seqlens_kv = _from_segment_ids(segment_ids_q, segment_ids_kv, num_sequences,
+                                                        cu_seqlens_q, cu_seqlens_kv)
     tensors = {"q": q, "k": k, "v": v, "bias": bias, "alibi_slopes": alibi_slopes, "sink": sink,
                "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_kv": cu_seqlens_kv,
                "cu_seqlens_q_padded": cu_seqlens_q_padded, "cu_seqlens_kv_padded": cu_seqlens_kv_padded}
@@ -193,11 +202,28 @@ def attention(
     return pick_outputs(call.cfg, out, lse, max_logit)
 
 
+def _from_segment_ids(ids_q, ids_kv, num_sequences, cu_q, cu_kv):
+    """cu_seqlens_q/kv from packed segment ids (both sides), with clear errors."""
+    from fusedattn.layout import segment_ids_to_cu_seqlens
+
+    if ids_q is None or ids_kv is None:
+        missing = "segment_ids_kv" if ids_kv is None else "segment_ids_q"
+        raise ValueError(f"{API}: {missing}: expected a (T,) array with the other segment ids, got None")
+    if cu_q is not None or cu_kv is not None:
+        raise ValueError(f"{API}: cu_seqlens_q/kv: expected None with segment ids, got arrays (pass one or the other)")
+    if not isinstance(num_sequences, int) or isinstance(num_sequences, bool) or num_sequences < 1:
+        raise ValueError(f"{API}: num_sequences: expected a static int >= 1 with segment ids, got {num_sequences!r}")
+    for name, ids in (("segment_ids_q", ids_q), ("segment_ids_kv", ids_kv)):
+        if len(getattr(ids, "shape", ())) != 1:
+            raise ValueError(f"{API}: {name}: expected a (T,) integer array, got shape "
+                             f"{getattr(ids, 'shape', type(ids).__name__)}")
+    return segment_ids_to_cu_seqlens(ids_q, num_sequences), segment_ids_to_cu_seqlens(ids_kv, num_sequences)
+
+
 def small_seq_attention(q, k=None, v=None, **kwargs):
     """`attention(...)` on the small_seq backend only (see fusedattn.torch.small_seq_attention).
 
-    The JAX path of the small_seq kernels comes with the JAX GPU primitives; until then the
-    error lists the reason.
+    The kernels run inside the JAX program through buffer callbacks (fusedattn/jax/torch_bridge.py).
     """
     if kwargs.get("backend") not in (None, "small_seq"):
         raise ValueError(f"small_seq_attention: backend: expected None or 'small_seq', got {kwargs['backend']!r}")
