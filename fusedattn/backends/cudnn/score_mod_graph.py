@@ -39,16 +39,14 @@ class MaskPlan:
     single logical_and are right. Hence:
       padding   added penalties sm_row_penalty (B, 1, Sq, 1) and sm_col_penalty (B, 1, 1, Skv):
                 0 inside the sequence, MASKED outside;
-      window    with one diagonal for all sequences: key + sm_col_shift <= query + sm_right and
-                query + sm_row_shift <= key + sm_left (pass-by-value ints, all >= 0);
-                per sequence (bottom-right with padding): key - sm_low >= 0 and
-                key - sm_high <= 0 with (B, 1, Sq, 1) float bounds per query.
+      window    key + sm_col_shift <= query + sm_right and query + sm_row_shift <= key + sm_left
+                (pass-by-value ints, all >= 0). The diagonal must be the same for every
+                sequence: spec.py declines padding masks with a bottom-right window.
     """
 
     padding: bool
     left: bool
     right: bool
-    per_sequence_bounds: bool
 
     def scalar_bounds(self, cfg: AttentionConfig) -> dict:
         """Pass-by-value window inputs when every sequence has the diagonal at col = row + o."""
@@ -65,9 +63,7 @@ class MaskPlan:
 
 def mask_plan(cfg: AttentionConfig) -> MaskPlan:
     left, right = cfg.window
-    window = left != UNBOUNDED or right != UNBOUNDED
-    return MaskPlan(padding=cfg.mask.is_padding, left=left != UNBOUNDED, right=right != UNBOUNDED,
-                    per_sequence_bounds=window and cfg.mask.is_padding and cfg.diagonal_bottom_right)
+    return MaskPlan(padding=cfg.mask.is_padding, left=left != UNBOUNDED, right=right != UNBOUNDED)
 
 
 def _declare_aux(graph, name: str, description: tuple):
@@ -110,14 +106,8 @@ def declare_score_mod(graph, tensors: dict, cfg: AttentionConfig, backward: bool
                                       stride=(cfg.seqlen_kv, cfg.seqlen_kv, 0, 1))
     if plan.left or plan.right:
         mask["masked"] = declare("sm_masked", None)
-    if plan.per_sequence_bounds:
-        mask["zero"] = declare("sm_zero", None)
-        for name, used_side in (("sm_low", plan.left), ("sm_high", plan.right)):
-            if used_side:
-                mask[name] = declare(name, (cfg.batch, 1, cfg.seqlen_q, 1))
-    else:
-        for name in plan.scalar_bounds(cfg):
-            mask[name] = declare(name, None, cudnn.data_type.INT32)
+    for name in plan.scalar_bounds(cfg):
+        mask[name] = declare(name, None, cudnn.data_type.INT32)
 
     def forward(callback_graph, score):
         g = callback_graph
@@ -128,17 +118,11 @@ def declare_score_mod(graph, tensors: dict, cfg: AttentionConfig, backward: bool
             return score
         row, col = row_index(g, score), col_index(g, score)
         keep = None
-        if plan.per_sequence_bounds:
-            if plan.left:
-                keep = compare(g, "ge", g.sub(a=col, b=mask["sm_low"]), mask["zero"])
-            if plan.right:
-                keep = both(g, keep, compare(g, "le", g.sub(a=col, b=mask["sm_high"]), mask["zero"]))
-        else:
-            if plan.left:
-                keep = compare(g, "le", _int_plus(g, row, mask["sm_row_shift"]), _int_plus(g, col, mask["sm_left"]))
-            if plan.right:
-                near = compare(g, "le", _int_plus(g, col, mask["sm_col_shift"]), _int_plus(g, row, mask["sm_right"]))
-                keep = both(g, keep, near)
+        if plan.left:
+            keep = compare(g, "le", _int_plus(g, row, mask["sm_row_shift"]), _int_plus(g, col, mask["sm_left"]))
+        if plan.right:
+            near = compare(g, "le", _int_plus(g, col, mask["sm_col_shift"]), _int_plus(g, row, mask["sm_right"]))
+            keep = both(g, keep, near)
         return keep_where(g, score, keep, mask["masked"])
 
     kwargs = {"score_mod": forward}

@@ -152,23 +152,15 @@ def _score_mod_buffers(cfg: AttentionConfig, inputs: AttentionInputs, buffers: d
         buffers[aux_name(name)] = (_host_scalar(value.value, value.dtype) if isinstance(value, RuntimeScalar)
                                    else value)
     plan = mask_plan(cfg)
-    if plan.padding or plan.per_sequence_bounds:
+    if plan.padding:  # 0 inside each sequence, MASKED outside
         rows = torch.arange(cfg.seqlen_q, device=inputs.q.device, dtype=torch.int32).reshape(1, 1, -1, 1)
         cols = torch.arange(cfg.seqlen_kv, device=inputs.q.device, dtype=torch.int32).reshape(1, 1, 1, -1)
-        len_q, len_kv = buffers["seq_len_q"], buffers["seq_len_kv"]
-    if plan.padding:  # 0 inside each sequence, MASKED outside
-        buffers["sm_row_penalty"] = torch.where(rows < len_q, 0.0, MASKED).to(torch.float32)
-        col_penalty = torch.where(cols < len_kv, 0.0, MASKED).to(torch.float32)
+        buffers["sm_row_penalty"] = torch.where(rows < buffers["seq_len_q"], 0.0, MASKED).to(torch.float32)
+        col_penalty = torch.where(cols < buffers["seq_len_kv"], 0.0, MASKED).to(torch.float32)
         buffers["sm_col_penalty"] = col_penalty.expand(cfg.batch, 1, cfg.seqlen_q, cfg.seqlen_kv)
     if plan.left or plan.right:
         buffers["sm_masked"] = _host_scalar(MASKED, "float32")
-    if plan.per_sequence_bounds:  # the diagonal of each query: row + len_kv - len_q
-        left, right = cfg.window
-        diagonal = (rows + len_kv - len_q).to(torch.float32)
-        buffers["sm_zero"] = _host_scalar(0.0, "float32")
-        buffers["sm_low"], buffers["sm_high"] = diagonal - left, diagonal + right
-    else:
-        buffers.update({name: _host_scalar(value, "int32") for name, value in plan.scalar_bounds(cfg).items()})
+    buffers.update({name: _host_scalar(value, "int32") for name, value in plan.scalar_bounds(cfg).items()})
 
 
 def _clear_empty_rows(out_rows: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
