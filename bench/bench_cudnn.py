@@ -343,14 +343,6 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
-def _peer_list(text: str) -> list[str]:
-    names = [part.strip() for part in text.split(",") if part.strip()]
-    unknown = [n for n in names if n not in PEERS]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown peer(s) {', '.join(unknown)}; choose from {', '.join(PEERS)}")
-    return names
-
-
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         prog="bench_cudnn.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -364,7 +356,7 @@ def parse_args(argv=None):
                "   # smoke test")
     parser.add_argument("--quick", action="store_true", help="only S in {1024, 4096} and D = 128")
     common.add_run_arguments(parser, SUITE)
-    parser.add_argument("--peers", type=_peer_list, default=list(PEERS),
+    parser.add_argument("--peers", type=common.choice_list(PEERS), default=list(PEERS),
                         help=f"comma-separated peers to run (default all: {','.join(PEERS)})")
     parser.add_argument("--max-ms-per-entry", type=float, default=1000.0,
                         help="cap repeats/warm-up of big rows so an entry's timed calls take about this long "

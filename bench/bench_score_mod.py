@@ -269,17 +269,6 @@ def run_row(case: Case, mode: str, args, device: torch.device, mods: Modificatio
 
 # --- command line ------------------------------------------------------------------------------------------------
 
-def _names(choices: tuple[str, ...]) -> Callable[[str], list[str]]:
-    """An argparse type: comma-separated names out of `choices`."""
-    def parse(text: str) -> list[str]:
-        names = [part.strip() for part in text.split(",") if part.strip()]
-        unknown = [n for n in names if n not in choices]
-        if unknown or not names:
-            raise argparse.ArgumentTypeError(f"expected some of {','.join(choices)}, got {text!r}")
-        return names
-    return parse
-
-
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         prog="bench_score_mod.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -294,9 +283,9 @@ def parse_args(argv=None):
                         help="S, comma-separated (default 1024,4096,16384)")
     parser.add_argument("--head-dims", type=bench_cudnn._int_list, default=None,
                         help="D, comma-separated (default 64,128)")
-    parser.add_argument("--mods", type=_names(MODS), default=list(MODS),
+    parser.add_argument("--mods", type=common.choice_list(MODS), default=list(MODS),
                         help=f"modifications, comma-separated (default all: {','.join(MODS)})")
-    parser.add_argument("--modes", type=_names(common.MODES), default=list(common.MODES),
+    parser.add_argument("--modes", type=common.choice_list(common.MODES), default=list(common.MODES),
                         help=f"modes, comma-separated (default {','.join(common.MODES)})")
     common.add_run_arguments(parser, SUITE)
     parser.add_argument("--max-ms-per-entry", type=float, default=1000.0,

@@ -448,9 +448,9 @@ def parse_args(argv=None):
     parser.add_argument("--seqlens-kv", type=bench_cudnn._int_list, default=None,
                         help="override Skv (comma-separated; above 16 ours declines unless --sweep)")
     parser.add_argument("--head-dims", type=bench_cudnn._int_list, default=None, help="override D (comma-separated)")
-    parser.add_argument("--modes", type=bench_score_mod._names(common.MODES), default=list(common.MODES),
+    parser.add_argument("--modes", type=common.choice_list(common.MODES), default=list(common.MODES),
                         help=f"modes, comma-separated (default {','.join(common.MODES)})")
-    parser.add_argument("--peers", type=bench_score_mod._names(PEERS), default=list(PEERS),
+    parser.add_argument("--peers", type=common.choice_list(PEERS), default=list(PEERS),
                         help=f"comma-separated peers to run (default all: {','.join(PEERS)})")
     common.add_run_arguments(parser, SUITE)
     parser.add_argument("--fwd-no-grad", action="store_true",
