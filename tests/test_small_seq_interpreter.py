@@ -190,3 +190,27 @@ def test_jax_calls_run_the_kernels_through_buffer_callbacks(ran):
     batched = jax.vmap(lambda q: fj.attention(q, k, v, backend="small_seq", **options))(stacked)
     np.testing.assert_allclose(np.asarray(batched[1], np.float32),
                                np.asarray(fj.attention(q * 0.5, k, v, **options), np.float32), atol=1e-6)
+
+
+def test_jax_padded_bshd_and_a_gradient_through_the_lse():
+    jax = pytest.importorskip("jax")
+    import fusedattn.jax as fj
+
+    jnp = jax.numpy
+    keys = jax.random.split(jax.random.key(1), 3)
+    q = jax.random.normal(keys[0], (3, 1, 4, 64), jnp.float16)
+    k = jax.random.normal(keys[1], (3, 9, 2, 64), jnp.float16)
+    v = jax.random.normal(keys[2], (3, 9, 2, 64), jnp.float16)
+    options = dict(mask="padding", cu_seqlens_q=jnp.asarray([0, 1, 2, 2], jnp.int32),
+                   cu_seqlens_kv=jnp.asarray([0, 9, 9, 13], jnp.int32), return_lse=True)
+
+    def loss(q, k, v, backend):
+        result = fj.attention(q, k, v, backend=backend, **options)
+        lse = jnp.where(jnp.isfinite(result.lse), result.lse, 0.0)
+        return (result.out.astype(jnp.float32) ** 2).sum() + 0.5 * lse.sum()
+
+    for backend_grads in zip(*(jax.grad(loss, argnums=(0, 1, 2))(q, k, v, b) for b in ("small_seq", "reference"))):
+        got, want = (np.asarray(x, np.float32) for x in backend_grads)
+        np.testing.assert_allclose(got, want, atol=4e-3 * max(np.abs(want).max(), 1.0), rtol=4e-3)
+    result = fj.small_seq_attention(q, k, v, **options)
+    assert (np.asarray(result.out[1:], np.float32) == 0).all(), "empty sequences give 0"
