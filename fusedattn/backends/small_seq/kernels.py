@@ -31,18 +31,6 @@ def _sequence(pid, HKV, STARTS_Q, LENS_Q, STARTS_KV, LENS_KV):
 
 
 @triton.jit
-def _key_tile(X, first_token, n, stride_t, head, stride_h, d, mask):
-    """X[first_token + n, head, d]: a (BLOCK_N, BLOCK_D) tile of one sequence's keys or values."""
-    return tl.load(X + (first_token + n)[:, None] * stride_t + head * stride_h + d[None, :], mask=mask, other=0.0)
-
-
-@triton.jit
-def _head_tile(X, token, stride_t, heads, stride_h, d, mask):
-    """X[token, heads, d]: a (BLOCK_G, BLOCK_D) tile of one token's query heads."""
-    return tl.load(X + token * stride_t + heads[:, None] * stride_h + d[None, :], mask=mask, other=0.0)
-
-
-@triton.jit
 def small_seq_forward(
     Q, K, V, OUT, LSE, STARTS_Q, LENS_Q, STARTS_KV, LENS_KV,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
@@ -58,8 +46,10 @@ def small_seq_forward(
         n_ok = (n < kv_len) & (q_len > 0)  # a padded row without a query sees nothing
         d_ok = d < HEAD_DIM
         tile_ok = n_ok[:, None] & d_ok[None, :]
-        k = _key_tile(K, kv_tok, n, stride_kt, head_kv, stride_kh, d, tile_ok).to(tl.float32)
-        v = _key_tile(V, kv_tok, n, stride_vt, head_kv, stride_vh, d, tile_ok).to(tl.float32)
+        k = tl.load(K + (kv_tok + n)[:, None] * stride_kt + head_kv * stride_kh + d[None, :], mask=tile_ok,
+                    other=0.0).to(tl.float32)
+        v = tl.load(V + (kv_tok + n)[:, None] * stride_vt + head_kv * stride_vh + d[None, :], mask=tile_ok,
+                    other=0.0).to(tl.float32)
         for g in range(GROUP):
             head = head_kv * GROUP + g
             q = tl.load(Q + q_tok * stride_qt + head * stride_qh + d, mask=d_ok, other=0.0).to(tl.float32)
@@ -92,8 +82,10 @@ def small_seq_backward(
     n_ok = (n < kv_len) & has_query
     d_ok = d < HEAD_DIM
     tile_ok = n_ok[:, None] & d_ok[None, :]
-    k = _key_tile(K, kv_tok, n, stride_kt, head_kv, stride_kh, d, tile_ok).to(tl.float32)
-    v = _key_tile(V, kv_tok, n, stride_vt, head_kv, stride_vh, d, tile_ok).to(tl.float32)
+    k = tl.load(K + (kv_tok + n)[:, None] * stride_kt + head_kv * stride_kh + d[None, :], mask=tile_ok,
+                other=0.0).to(tl.float32)
+    v = tl.load(V + (kv_tok + n)[:, None] * stride_vt + head_kv * stride_vh + d[None, :], mask=tile_ok,
+                other=0.0).to(tl.float32)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     # Rows written: those read, plus in padded layouts the empty query row and padding keys (zeros).
@@ -163,10 +155,12 @@ def small_seq_forward_dot(
         g_ok = g < GROUP
         n_ok = (n < kv_len) & (q_len > 0)
         d_ok = d < HEAD_DIM
-        nd = n_ok[:, None] & d_ok[None, :]
-        q = _head_tile(Q, q_tok, stride_qt, heads, stride_qh, d, g_ok[:, None] & d_ok[None, :])
-        k = _key_tile(K, kv_tok, n, stride_kt, head_kv, stride_kh, d, nd)
-        v = _key_tile(V, kv_tok, n, stride_vt, head_kv, stride_vh, d, nd)
+        q = tl.load(Q + q_tok * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                    mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+        k = tl.load(K + (kv_tok + n)[:, None] * stride_kt + head_kv * stride_kh + d[None, :],
+                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(V + (kv_tok + n)[:, None] * stride_vt + head_kv * stride_vh + d[None, :],
+                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         if INTERPRET:
             q, k, v = q.to(tl.float32), k.to(tl.float32), v.to(tl.float32)
         scores = tl.dot(q, tl.trans(k)) * scale
@@ -205,10 +199,10 @@ def small_seq_backward_dot(
     d_ok = d < HEAD_DIM
     gd = g_ok[:, None] & d_ok[None, :]
     nd = n_ok[:, None] & d_ok[None, :]
-    q = _head_tile(Q, q_tok, stride_qt, heads, stride_qh, d, gd)
-    do = _head_tile(DO, q_tok, stride_dot, heads, stride_doh, d, gd)
-    k = _key_tile(K, kv_tok, n, stride_kt, head_kv, stride_kh, d, nd)
-    v = _key_tile(V, kv_tok, n, stride_vt, head_kv, stride_vh, d, nd)
+    q = tl.load(Q + q_tok * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=gd, other=0.0)
+    do = tl.load(DO + q_tok * stride_dot + heads[:, None] * stride_doh + d[None, :], mask=gd, other=0.0)
+    k = tl.load(K + (kv_tok + n)[:, None] * stride_kt + head_kv * stride_kh + d[None, :], mask=nd, other=0.0)
+    v = tl.load(V + (kv_tok + n)[:, None] * stride_vt + head_kv * stride_vh + d[None, :], mask=nd, other=0.0)
     if INTERPRET:
         q, do, k, v = q.to(tl.float32), do.to(tl.float32), k.to(tl.float32), v.to(tl.float32)
     lse = tl.load(LSE + q_tok * (HKV * GROUP) + heads, mask=g_ok, other=float("inf"))
