@@ -214,3 +214,22 @@ def test_jax_padded_bshd_and_a_gradient_through_the_lse():
         np.testing.assert_allclose(got, want, atol=4e-3 * max(np.abs(want).max(), 1.0), rtol=4e-3)
     result = fj.small_seq_attention(q, k, v, **options)
     assert (np.asarray(result.out[1:], np.float32) == 0).all(), "empty sequences give 0"
+
+
+def test_torch_compile_fullgraph_runs_the_kernels_through_the_custom_ops(ran):
+    tensors = (rand(6, 1, 4, 64, dtype=torch.float16, seed=40), rand(6, 9, 2, 64, dtype=torch.float16, seed=41),
+               rand(6, 9, 2, 64, dtype=torch.float16, seed=42))
+    leaves = [t.detach().clone().requires_grad_() for t in tensors]
+
+    def step(q, k, v):
+        return fat.attention(q, k, v, backend="small_seq").float().square().sum()
+
+    loss = torch.compile(step, backend="aot_eager", fullgraph=True)(*leaves)
+    grads = torch.autograd.grad(loss, leaves)
+    assert {name for name, _, _ in ran} == {"small_seq"}
+    wide = [t.detach().double().requires_grad_() for t in tensors]
+    want = fat.attention(*wide, backend="reference").square().sum()
+    want_grads = torch.autograd.grad(want, wide)
+    torch.testing.assert_close(loss.double(), want, rtol=2e-3, atol=2e-3)
+    for got, expected in zip(grads, want_grads):
+        torch.testing.assert_close(got.double(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
