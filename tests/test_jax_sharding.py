@@ -1,6 +1,6 @@
 """JAX sharding on 4 forced host devices (a subprocess: the device count is fixed when JAX starts):
 batch- and head-sharded inputs run shard-local (no collective in the compiled program, forward
-and gradients), and a sequence-sharded input gets a clear error."""
+and gradients), and a sequence-sharded input gets a clear error, eagerly and under jit."""
 
 from __future__ import annotations
 
@@ -58,6 +58,15 @@ SCRIPT = textwrap.dedent("""
         print("sequence-sharded: clear error")
     else:
         raise AssertionError("a sequence-sharded input ran without an error")
+
+    # Inside jit the sharding is seen when XLA partitions the program.
+    try:
+        jax.jit(f, in_shardings=(seq, seq, seq))(q, k, v)
+    except Exception as error:  # XLA wraps the ValueError of the partitioning callback
+        assert "sequence axis (S of BSHD) sharded over mesh axis 'data'" in str(error), error
+        print("jit-sequence-sharded: clear error")
+    else:
+        raise AssertionError("a sequence-sharded input ran under jit without an error")
 """)
 
 
@@ -67,4 +76,5 @@ def test_batch_and_head_sharding_run_shard_local_and_sequence_sharding_is_refuse
     result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.split() == ["batch", "shard-local", "heads", "shard-local", "both", "shard-local",
-                                     "sequence-sharded:", "clear", "error"], result.stdout
+                                     "sequence-sharded:", "clear", "error",
+                                     "jit-sequence-sharded:", "clear", "error"], result.stdout

@@ -64,6 +64,20 @@ def check_shard_axes(layout: str, tensors: dict) -> None:
                                  "parallelism (a sharded sequence) is not supported yet: replicate that axis")
 
 
+def _guard_traced(layout: str, q, k, v):
+    """Inside jit, check at partitioning time that only batch and heads are sharded."""
+    from fusedattn.jax.shard_guard import guard_shard_axes
+    from fusedattn.layout import layout_spec
+
+    try:
+        spec = layout_spec(layout)
+    except ValueError:
+        return q, k, v  # a bad layout: build_config says so
+    named = [(name, axes, x) for (name, axes), x in zip(spec.tensors, (q, k, v))]
+    guarded = guard_shard_axes(API, named)
+    return tuple(guarded) + (None,) * (3 - len(guarded))
+
+
 def _inputs(arrays, score_mod) -> AttentionInputs:
     return AttentionInputs(**dict(zip(ARRAY_NAMES, arrays)), score_mod=score_mod)
 
@@ -178,6 +192,7 @@ def attention(
     """
     mod = as_score_mod(API, score_mod, score_mod_bprop, score_mod_tensors, score_mod_bprop_tensors)
     check_shard_axes(layout, {"q": q, "k": k, "v": v})
+    q, k, v = _guard_traced(layout, q, k, v)
     if segment_ids_q is not None or segment_ids_kv is not None:
         cu_seqlens_q, cu_seqlens_kv = _from_segment_ids(segment_ids_q, segment_ids_kv, num_sequences,
                                                         cu_seqlens_q, cu_seqlens_kv)
