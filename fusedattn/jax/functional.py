@@ -75,7 +75,7 @@ def _guard_traced(layout: str, q, k, v):
         return q, k, v  # a bad layout: build_config says so
     named = [(name, axes, x) for (name, axes), x in zip(spec.tensors, (q, k, v))]
     guarded = guard_shard_axes(API, named)
-    return tuple(guarded) + (None,) * (3 - len(guarded))
+    return tuple(guarded) + (q, k, v)[len(guarded):]  # extra arrays stay, so the checks can refuse them
 
 
 def _inputs(arrays, score_mod) -> AttentionInputs:
