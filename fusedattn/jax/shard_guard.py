@@ -8,7 +8,7 @@ does not have yet; without this check XLA would silently gather the axis.
 
 from __future__ import annotations
 
-from functools import partial
+from functools import cache, partial
 
 import jax
 from jax.experimental.custom_partitioning import custom_partitioning
@@ -30,6 +30,7 @@ def _check(api: str, name: str, axes: str, spec) -> None:
                              "context parallelism (a sharded sequence) is not supported yet: replicate that axis")
 
 
+@cache  # a handful of (api, name, axes): one op each
 def _identity_op(api: str, name: str, axes: str):
     @custom_partitioning
     def identity(x):
