@@ -352,3 +352,20 @@ def test_jax_aux_arrays_work_under_jit_and_grad():
     reference = sm.eager(lambda s, b, h, qi, ki: s + table.reshape(-1)[h])
     want = jax.grad(lambda q: (fj.attention(q, k, v, score_mod=reference) ** 2).sum())(q)
     np.testing.assert_allclose(np.asarray(eager), np.asarray(want), rtol=1e-4, atol=1e-6)
+
+
+def test_jax_aux_array_under_differentiation_is_refused_clearly():
+    jax = pytest.importorskip("jax")
+    import fusedattn.jax as fj
+
+    q, k, v = (jax.numpy.asarray(x.detach().numpy()) for x in _qkv(13, requires_grad=False))
+    table = jax.numpy.zeros((1, H, 1, 1))
+
+    def loss(table):
+        return fj.attention(q, k, v, score_mod=lambda g, s, t: g.add(a=s, b=t["t"]),
+                            score_mod_tensors={"t": table}).sum()
+
+    with pytest.raises(ValueError, match=r"score_mod_tensors\['t'\].*jax.lax.stop_gradient"):
+        jax.grad(loss)(table)
+    stopped = jax.grad(lambda table: loss(jax.lax.stop_gradient(table)))(table)  # asked for explicitly: zero
+    assert float(np.abs(np.asarray(stopped)).sum()) == 0.0

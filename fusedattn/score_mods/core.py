@@ -157,6 +157,15 @@ _ARRAY_DTYPES = {"float16": "float16", "bfloat16": "bfloat16", "float32": "float
                  "int8": "int32"}
 
 
+def _differentiated(value) -> bool:
+    """A JAX array being differentiated (under jax.grad/jvp): its gradient would be asked for."""
+    while value is not None and type(value).__module__.startswith("jax"):
+        if type(value).__name__ in ("JVPTracer", "LinearizeTracer"):
+            return True
+        value = getattr(value, "primal", None)
+    return False
+
+
 def _normalize(api: str, name: str, value, full: tuple, device: str | None, training: bool):
     """One aux entry as a 4-D array in a dtype cuDNN reads, or a RuntimeScalar."""
     label = f"{api}: score_mod_tensors[{name!r}]"
@@ -184,9 +193,10 @@ def _normalize(api: str, name: str, value, full: tuple, device: str | None, trai
             return RuntimeScalar(item, "float32" if isinstance(item, float) else "int32")
         raise ValueError(f"{label}: expected a tensor on {device} (q's device), got one on {value.device}; "
                          "move it there once with .to(q.device)")
-    if training and getattr(value, "requires_grad", False):
+    if training and (getattr(value, "requires_grad", False) or _differentiated(value)):
         raise ValueError(f"{label}: expected a tensor that does not require grad: score_mod tensors get no "
-                         "gradient; pass a learnable additive term as bias= (it has a gradient) or detach it")
+                         "gradient; pass a learnable additive term as bias= (it has a gradient), or detach it "
+                         "(torch) / wrap it in jax.lax.stop_gradient (JAX)")
     dtype = ops.dtype_name(value)
     if dtype not in _ARRAY_DTYPES:
         raise ValueError(f"{label}: expected a float, int or bool tensor, got dtype {dtype}")
