@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any, NamedTuple
 
@@ -17,7 +18,7 @@ from fusedattn.arguments import (
 from fusedattn.backends.base import ARRAY_NAMES
 from fusedattn.config import standard_alibi_slopes
 from fusedattn.layout import split_packed
-from fusedattn.score_mods.core import bind
+from fusedattn.score_mods.core import bind, needs_gradient
 from fusedattn.selection import NoBackendError, select_backend
 
 __all__ = ["AttentionResult", "pick_outputs", "prepare_call", "PreparedCall", "TENSOR_ARGUMENTS"]
@@ -77,6 +78,15 @@ def prepare_call(api: str, framework: str, tensors: dict, *, describe, host_copy
     infer_max_seqlens(args, host, traced=set(offsets) - set(host))
     bucket_max_seqlens(args, os.environ.get(ENV_THD_BUCKET))
     cfg = build_config(args)
+    mod = args.score_mod
+    if (mod is not None and mod.as_bias is not None and tensors.get("bias") is None and is_training
+            and needs_gradient(mod)):
+        # An added term that must learn: the same sum as a post-scale bias, which has a gradient.
+        tensors = {**tensors, "bias": mod.as_bias(dict(mod.tensors), cfg.seqlen_q, cfg.seqlen_kv)}
+        metas["bias"] = describe(tensors["bias"], "bias")
+        args = dataclasses.replace(args, bias=metas["bias"], bias_type="post_scale", bias_requires_grad=True,
+                                   score_mod=None)
+        cfg = build_config(args)
     bound = None
     if args.score_mod is not None:  # its key (what its callbacks build) is part of the config
         bound = bind(api, args.score_mod, batch=cfg.batch, heads_q=cfg.heads_q, seqlen_q=cfg.seqlen_q,

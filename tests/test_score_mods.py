@@ -369,3 +369,34 @@ def test_jax_aux_array_under_differentiation_is_refused_clearly():
         jax.grad(loss)(table)
     stopped = jax.grad(lambda table: loss(jax.lax.stop_gradient(table)))(table)  # asked for explicitly: zero
     assert float(np.abs(np.asarray(stopped)).sum()) == 0.0
+
+
+@pytest.mark.parametrize("requires_grad_qkv", [True, False])
+def test_a_learnable_relative_position_table_trains_through_bias(requires_grad_qkv):
+    gen = torch.Generator().manual_seed(20)
+    q, k, v = (torch.randn(B, SQ if i == 0 else SKV, H, 4, generator=gen, dtype=torch.float64,
+                           requires_grad=requires_grad_qkv) for i in range(3))
+    table = torch.randn(H, 7, generator=gen, dtype=torch.float64, requires_grad=True)
+    out = fat.attention(q, k, v, mask="causal", score_mod=sm.relative_position_bias(table))
+    weights = torch.linspace(-1, 1, out.numel(), dtype=torch.float64).reshape(out.shape)
+    (table_grad,) = torch.autograd.grad((out * weights).sum(), table)
+    # The same attention written out in float64, with the table gathered by hand.
+    same_table = table.detach().clone().requires_grad_()
+    distance = (torch.arange(SKV)[None, :] - torch.arange(SQ)[:, None]).clamp(-3, 3) + 3
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * 4**-0.5 + same_table[:, distance][None]
+    scores = scores.masked_fill(torch.arange(SKV)[None, :] > torch.arange(SQ)[:, None], float("-inf"))
+    expected = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)
+    (want,) = torch.autograd.grad((expected * weights).sum(), same_table)
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(table_grad, want)
+    assert table_grad.abs().sum() > 0
+
+
+def test_a_learnable_table_trains_in_jax_too():
+    jax = pytest.importorskip("jax")
+    import fusedattn.jax as fj
+
+    q, k, v = (jax.numpy.asarray(x.detach().numpy()) for x in _qkv(21, requires_grad=False))
+    table = jax.numpy.asarray(np.linspace(-1, 1, H * 7).reshape(H, 7))
+    grad = jax.grad(lambda t: fj.attention(q, k, v, score_mod=sm.relative_position_bias(t)).sum())(table)
+    assert float(np.abs(np.asarray(grad)).sum()) > 0

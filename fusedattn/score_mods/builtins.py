@@ -209,17 +209,32 @@ def _add_bias_eager(ops, s, b, h, qi, ki, t):
 
 
 def additive_bias(bias) -> ScoreMod:
-    """score + bias, a tensor broadcastable to (B, Hq, Sq, Skv) (no gradient: use bias= for that)."""
+    """score + bias, a tensor broadcastable to (B, Hq, Sq, Skv); a bias that needs a gradient
+    is passed as `bias=` instead (the same sum, with dBias)."""
     if getattr(bias, "shape", None) is None:
         raise ValueError(f"score_mods.additive_bias: bias: expected a tensor, got {type(bias).__name__}")
-    return ScoreMod(_add_bias_forward, None, {"bias": bias}, eager=_add_bias_eager, name="additive_bias()")
+    return ScoreMod(_add_bias_forward, None, {"bias": bias}, eager=_add_bias_eager, name="additive_bias()",
+                    as_bias=lambda tensors, seqlen_q, seqlen_kv: tensors["bias"])
+
+
+def _expand_table(values, reach: int, heads: int, seqlen_q: int, seqlen_kv: int):
+    """table[h, clip(kv - q, -reach, reach) + reach] as a (1, H, Sq, Skv) array (differentiable)."""
+    from fusedattn.xp import namespace
+
+    ops = namespace(values)
+    distance = (ops.reshape(ops.arange(seqlen_kv, like=values, dtype="int64"), (1, seqlen_kv))
+                - ops.reshape(ops.arange(seqlen_q, like=values, dtype="int64"), (seqlen_q, 1)))
+    index = ops.clip(distance, -reach, reach) + reach
+    return ops.reshape(ops.take(values, ops.reshape(index, (-1,)), axis=1), (1, heads, seqlen_q, seqlen_kv))
 
 
 def relative_position_bias(table) -> ScoreMod:
     """score + table[h, clip(kv_idx - q_idx, -M, M) + M] for a (Hq, 2M + 1) table.
 
     cuDNN graphs cannot gather, so each call expands the table to a (1, Hq, Sq, Skv)
-    bias in the table's dtype (kept while the table and the lengths stay the same).
+    bias in the table's dtype (kept while the table and the lengths stay the same). A table
+    that needs a gradient is learnable: the call then passes the expanded table as `bias=`
+    (which has a gradient), and the table gets it through the expansion.
     """
     shape = tuple(getattr(table, "shape", ()))
     if len(shape) != 2 or shape[1] % 2 != 1:
@@ -229,21 +244,17 @@ def relative_position_bias(table) -> ScoreMod:
     expanded: dict = {}
 
     def prepare(tensors, seqlen_q, seqlen_kv):
-        from fusedattn.xp import namespace
-
         values = tensors.pop("table")
         version = (seqlen_q, seqlen_kv, getattr(values, "_version", None), getattr(values, "requires_grad", None))
         if expanded.get("version") != version or version[2] is None:
-            ops = namespace(values)
-            distance = (ops.reshape(ops.arange(seqlen_kv, like=values, dtype="int64"), (1, seqlen_kv))
-                        - ops.reshape(ops.arange(seqlen_q, like=values, dtype="int64"), (seqlen_q, 1)))
-            index = ops.clip(distance, -reach, reach) + reach
-            bias = ops.take(values, ops.reshape(index, (-1,)), axis=1)
-            expanded.update(version=version, bias=ops.reshape(bias, (1, shape[0], seqlen_q, seqlen_kv)))
+            expanded.update(version=version, bias=_expand_table(values, reach, shape[0], seqlen_q, seqlen_kv))
         return {**tensors, "bias": expanded["bias"]}
 
+    def as_bias(tensors, seqlen_q, seqlen_kv):  # fresh each call: it carries the gradient's graph
+        return _expand_table(tensors["table"], reach, shape[0], seqlen_q, seqlen_kv)
+
     return ScoreMod(_add_bias_forward, None, {"table": table}, eager=_add_bias_eager, prepare=prepare,
-                    name="relative_position_bias()")
+                    as_bias=as_bias, name="relative_position_bias()")
 
 
 # ----------------------------------------------------------------------------- composition

@@ -24,7 +24,7 @@ from typing import Any
 from fusedattn.score_mods.key import describe_aux, structural_key
 
 __all__ = ["ScoreMod", "eager", "BoundScoreMod", "GraphRecipe", "RuntimeScalar", "as_score_mod", "bind",
-           "MASKED", "MASKED_BELOW", "EAGER_ONLY_KEY"]
+           "needs_gradient", "MASKED", "MASKED_BELOW", "EAGER_ONLY_KEY"]
 
 # The score a mask writes. Finite on purpose: a tile whose every score is masked then
 # keeps a finite running max inside the kernel; rows with no visible key are found from
@@ -50,6 +50,9 @@ class ScoreMod:
         the reference backend uses instead of running the callbacks.
     prepare(tensors, seqlen_q, seqlen_kv) -> tensors: per-call derived tensors (for
         example a relative-position table expanded to (1, H, Sq, Skv)).
+    as_bias(tensors, seqlen_q, seqlen_kv) -> array: for a mod that only adds a term, that term
+        as a post-scale bias. A call whose tensors need a gradient runs it as `bias=` (which
+        has one) instead of a score_mod (whose tensors have none).
     """
 
     forward: Callable | None
@@ -58,6 +61,7 @@ class ScoreMod:
     bprop_tensors: Mapping[str, Any] = field(default_factory=dict)
     eager: Callable | None = None
     prepare: Callable | None = None
+    as_bias: Callable | None = None
     name: str = "score_mod"
 
     def __repr__(self) -> str:
@@ -164,6 +168,12 @@ def _differentiated(value) -> bool:
             return True
         value = getattr(value, "primal", None)
     return False
+
+
+def needs_gradient(mod: ScoreMod) -> bool:
+    """Whether any tensor of `mod` asks for a gradient (torch requires_grad, or JAX differentiation)."""
+    values = [*mod.tensors.values(), *mod.bprop_tensors.values()]
+    return any(getattr(v, "requires_grad", False) or _differentiated(v) for v in values)
 
 
 def _normalize(api: str, name: str, value, full: tuple, device: str | None, training: bool):

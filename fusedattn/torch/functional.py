@@ -16,7 +16,7 @@ from fusedattn.frontend_common import (
     slopes_are_standard,
 )
 from fusedattn.layout import split_packed
-from fusedattn.score_mods.core import ScoreMod, as_score_mod, bind
+from fusedattn.score_mods.core import ScoreMod, as_score_mod, bind, needs_gradient
 from fusedattn.selection import ENV_BACKEND, recall_call, remember_call
 from fusedattn.torch.autograd import run_attention
 from fusedattn.torch.ops import register_config
@@ -156,12 +156,16 @@ def attention(
     planned = recall_call(signature) if signature is not None else None
     bound = None
     if planned is not None and mod is not None:
-        # The signature only names the callbacks: bind this call's values and trust the plan
-        # only if the callbacks still build what it was made for.
-        bound = bind(API, mod, batch=planned[0].batch, heads_q=planned[0].heads_q, seqlen_q=planned[0].seqlen_q,
-                     seqlen_kv=planned[0].seqlen_kv, device=str(q.device), training=planned[0].is_training)
-        if bound.key != planned[0].score_mod_key:
-            planned = bound = None
+        if needs_gradient(mod):  # tensors that learn take the full path (see prepare_call)
+            planned = None
+        else:
+            # The signature only names the callbacks: bind this call's values and trust the
+            # plan only if the callbacks still build what it was made for.
+            bound = bind(API, mod, batch=planned[0].batch, heads_q=planned[0].heads_q,
+                         seqlen_q=planned[0].seqlen_q, seqlen_kv=planned[0].seqlen_kv, device=str(q.device),
+                         training=planned[0].is_training)
+            if bound.key != planned[0].score_mod_key:
+                planned = bound = None
     if planned is not None:  # seen before: already validated, configured and selected
         cfg, selection = planned
         arrays = (*split_packed(cfg.layout, [x for x in (q, k, v) if x is not None]), bias, alibi_slopes, sink,
@@ -174,7 +178,8 @@ def attention(
         # One host read of the offsets checks their values and fills missing max lengths.
         call = prepare_call(
             API, "torch", tensors, describe=_meta, host_copy=(lambda x: None) if trusted else OPS.to_host,
-            is_training=torch.is_grad_enabled() and any(x.requires_grad for x in differentiable),
+            is_training=torch.is_grad_enabled() and (any(x.requires_grad for x in differentiable)
+                                                     or (mod is not None and needs_gradient(mod))),
             bias_requires_grad=isinstance(bias, torch.Tensor) and bias.requires_grad, backend=backend,
             layout=layout, mask=mask, window=window, bias_type=bias_type, softmax_type=softmax_type,
             dropout_p=dropout_p, scale=scale, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
