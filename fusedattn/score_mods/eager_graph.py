@@ -88,31 +88,26 @@ class EagerGraph:
             value = self.cast(value, "INT32")
         return self._wrap(value)
 
-    # -- ops in cuDNN's vocabulary (keywords as in the frontend's bindings; positional too)
-    def __getattr__(self, name: str):
-        if name in _BINARY:
-            def binary(a=None, b=None, *, compute_data_type=None, name=None):
-                return self._result(_BINARY[op](self._float(a), self._float(b)), compute_data_type)
-            op = name
-            return binary
-        if name in _BINARY_INPUTS:
-            def binary_inputs(input0=None, input1=None, *, compute_data_type=None, name=None):
-                fn = getattr(self._math, _BINARY_INPUTS[op])
-                a, b = self._as_array(self._float(input0)), self._as_array(self._float(input1))
-                return self._result(fn(a, b), compute_data_type)
-            op = name
-            return binary_inputs
-        if name in _COMPARE:
-            def compare(input=None, comparison=None, *, compute_data_type=None, name=None):
-                return self._wrap(_COMPARE[op](self._float(input), self._float(comparison)))
-            op = name
-            return compare
-        if name in _UNARY_SAME_NAME:
-            def unary(input=None, *, compute_data_type=None, name=None):
-                return self._result(getattr(self._math, op)(self._as_array(self._float(input))), compute_data_type)
-            op = name
-            return unary
-        raise AttributeError(f"score_mod graph: op {name!r} has no eager form in fusedattn (EagerGraph); the "
+    # -- ops in cuDNN's vocabulary (keywords as in the frontend's bindings; positional too).
+    # Each op also takes compute_data_type= and name=; name has no meaning here.
+    def __getattr__(self, op: str):
+        if op in _BINARY:
+            combine = _BINARY[op]
+            return lambda a=None, b=None, *, compute_data_type=None, name=None: self._result(
+                combine(self._float(a), self._float(b)), compute_data_type)
+        if op in _BINARY_INPUTS:
+            combine = getattr(self._math, _BINARY_INPUTS[op])
+            return lambda input0=None, input1=None, *, compute_data_type=None, name=None: self._result(
+                combine(self._as_array(self._float(input0)), self._as_array(self._float(input1))), compute_data_type)
+        if op in _COMPARE:
+            test = _COMPARE[op]
+            return lambda input=None, comparison=None, *, compute_data_type=None, name=None: self._wrap(
+                test(self._float(input), self._float(comparison)))
+        if op in _UNARY_SAME_NAME:
+            apply = getattr(self._math, op)
+            return lambda input=None, *, compute_data_type=None, name=None: self._result(
+                apply(self._as_array(self._float(input))), compute_data_type)
+        raise AttributeError(f"score_mod graph: op {op!r} has no eager form in fusedattn (EagerGraph); the "
                              "reference backend cannot run this callback")
 
     def _as_array(self, x):
