@@ -8,7 +8,7 @@ gives output 0 and LSE -inf.
 from __future__ import annotations
 
 from fusedattn.score_mods.core import MASKED, ScoreMod
-from fusedattn.score_mods.graph_ops import both, col_index, compare, data_type, keep_where, row_index
+from fusedattn.score_mods.graph_ops import both, col_index, compare, data_type, index_plus, keep_where, row_index
 
 __all__ = ["softcap", "clamp", "causal", "sliding_window", "alibi", "relative_position_bias", "additive_bias",
            "document_mask", "compose"]
@@ -86,21 +86,14 @@ def causal() -> ScoreMod:
                     eager=lambda ops, s, b, h, qi, ki, t: ops.where(ki <= qi, s, MASKED), name="causal()")
 
 
-def _shifted(graph, index, shift):
-    """index + shift in int32 (both non-negative: no signed arithmetic in the graph)."""
-    total = graph.add(a=index, b=shift, compute_data_type=data_type(graph, "INT32"))
-    total.set_data_type(data_type(graph, "INT32"))
-    return total
-
-
 def _window_forward(left: bool, right: bool):
     def forward(graph, score, tensors):
         row, col = row_index(graph, score), col_index(graph, score)
         keep = None
         if left:  # key >= query - left
-            keep = compare(graph, "le", row, _shifted(graph, col, tensors["left"]))
+            keep = compare(graph, "le", row, index_plus(graph, col, tensors["left"]))
         if right:  # key <= query + right
-            keep = both(graph, keep, compare(graph, "le", col, _shifted(graph, row, tensors["right"])))
+            keep = both(graph, keep, compare(graph, "le", col, index_plus(graph, row, tensors["right"])))
         return keep_where(graph, score, keep, tensors["masked"])
 
     return forward

@@ -6,7 +6,7 @@ They work on cuDNN's callback graph, on the `EagerGraph` the reference runs, and
 
 from __future__ import annotations
 
-__all__ = ["data_type", "row_index", "col_index", "compare", "both", "keep_where"]
+__all__ = ["data_type", "row_index", "col_index", "index_plus", "compare", "both", "keep_where"]
 
 _COMPARE = {"lt": "cmp_lt", "le": "cmp_le", "gt": "cmp_gt", "ge": "cmp_ge", "eq": "cmp_eq", "ne": "cmp_neq"}
 
@@ -35,6 +35,13 @@ def row_index(graph, score):
 def col_index(graph, score):
     """The key position of each score (per sequence for packed layouts)."""
     return _index(graph, score, 3)
+
+
+def index_plus(graph, index, shift):
+    """index + shift in int32; keep both >= 0 (cuDNN 9.19 gave wrong masks for signed distances)."""
+    total = graph.add(a=index, b=shift, compute_data_type=data_type(graph, "INT32"))
+    total.set_data_type(data_type(graph, "INT32"))
+    return total
 
 
 def compare(graph, how: str, a, b):

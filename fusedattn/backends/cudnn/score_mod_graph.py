@@ -15,7 +15,7 @@ import cudnn
 
 from fusedattn.backends.cudnn.spec import dense
 from fusedattn.config import UNBOUNDED, AttentionConfig
-from fusedattn.score_mods.graph_ops import both, col_index, compare, keep_where, row_index
+from fusedattn.score_mods.graph_ops import both, col_index, compare, index_plus, keep_where, row_index
 from fusedattn.score_mods.key import aux_used
 
 __all__ = ["MaskPlan", "mask_plan", "declare_score_mod", "aux_name"]
@@ -73,12 +73,6 @@ def _declare_aux(graph, name: str, description: tuple):
     return graph.tensor(name=name, dim=list(shape), stride=list(stride), data_type=_DATA_TYPES[dtype])
 
 
-def _int_plus(graph, index, shift):
-    total = graph.add(a=index, b=shift, compute_data_type=cudnn.data_type.INT32)
-    total.set_data_type(cudnn.data_type.INT32)
-    return total
-
-
 def declare_score_mod(graph, tensors: dict, cfg: AttentionConfig, backward: bool) -> dict:
     """Declare the score_mod's inputs on the outer graph; the sdpa keywords that run it.
 
@@ -119,9 +113,9 @@ def declare_score_mod(graph, tensors: dict, cfg: AttentionConfig, backward: bool
         row, col = row_index(g, score), col_index(g, score)
         keep = None
         if plan.left:
-            keep = compare(g, "le", _int_plus(g, row, mask["sm_row_shift"]), _int_plus(g, col, mask["sm_left"]))
+            keep = compare(g, "le", index_plus(g, row, mask["sm_row_shift"]), index_plus(g, col, mask["sm_left"]))
         if plan.right:
-            near = compare(g, "le", _int_plus(g, col, mask["sm_col_shift"]), _int_plus(g, row, mask["sm_right"]))
+            near = compare(g, "le", index_plus(g, col, mask["sm_col_shift"]), index_plus(g, row, mask["sm_right"]))
             keep = both(g, keep, near)
         return keep_where(g, score, keep, mask["masked"])
 
