@@ -13,6 +13,7 @@ from fusedattn.backends import get_backend
 from fusedattn.backends.base import ARRAY_NAMES, DIFFERENTIABLE, AttentionInputs, AttentionOutputs
 from fusedattn.frontend_common import pick_outputs, prepare_call, slopes_are_standard
 from fusedattn.jax import torch_bridge
+from fusedattn.jax.shard_guard import check_shard_axes
 from fusedattn.score_mods.core import as_score_mod
 from fusedattn.xp.jax_ops import OPS
 
@@ -32,50 +33,6 @@ def _meta(x, name: str) -> TensorMeta | None:
         raise ValueError(f"{API}: {name}: expected a JAX array, got {type(x).__name__}")
     x = x if isinstance(x, jax.Array) else jnp.asarray(x)
     return TensorMeta(tuple(x.shape), OPS.dtype_name(x), OPS.device_label(x), OPS.device_kind(x))
-
-
-def _partition_spec(x):
-    """The PartitionSpec of x's sharding when it is known here (a concrete array, or a traced one
-    whose type carries its sharding), else None."""
-    try:
-        sharding = x.sharding if _is_concrete(x) else getattr(jax.typeof(x), "sharding", None)
-    except Exception:  # tracers without a sharding in their type
-        return None
-    return getattr(sharding, "spec", None)
-
-
-def check_shard_axes(layout: str, tensors: dict) -> None:
-    """Attention runs shard-local over batch (B) and heads (H); any other sharded axis is an error.
-
-    Under jit with automatic sharding the shardings are not visible at trace time: there XLA's
-    partitioner keeps batch and head sharding local and gathers other axes (correct, slower).
-    """
-    from fusedattn.layout import layout_spec
-
-    for (name, axes), x in zip(layout_spec(layout).tensors, (tensors["q"], tensors["k"], tensors["v"])):
-        spec = _partition_spec(x) if x is not None else None
-        if spec is None:
-            continue
-        for letter, entry in zip(axes, tuple(spec)):
-            if entry is not None and letter not in "BH":
-                what = {"S": "sequence", "T": "token", "D": "head dim"}.get(letter, "packing")
-                raise ValueError(f"{API}: {name}: expected sharding over batch (B) or heads (H) only, got its "
-                                 f"{what} axis ({letter} of {axes}) sharded over mesh axis {entry!r}; context "
-                                 "parallelism (a sharded sequence) is not supported yet: replicate that axis")
-
-
-def _guard_traced(layout: str, q, k, v):
-    """Inside jit, check at partitioning time that only batch and heads are sharded."""
-    from fusedattn.jax.shard_guard import guard_shard_axes
-    from fusedattn.layout import layout_spec
-
-    try:
-        spec = layout_spec(layout)
-    except ValueError:
-        return q, k, v  # a bad layout: build_config says so
-    named = [(name, axes, x) for (name, axes), x in zip(spec.tensors, (q, k, v))]
-    guarded = guard_shard_axes(API, named)
-    return tuple(guarded) + (q, k, v)[len(guarded):]  # extra arrays stay, so the checks can refuse them
 
 
 def _inputs(arrays, score_mod) -> AttentionInputs:
@@ -191,8 +148,7 @@ def attention(
         >>> grads = jax.grad(lambda q: attention(q, k, v).sum())(q)
     """
     mod = as_score_mod(API, score_mod, score_mod_bprop, score_mod_tensors, score_mod_bprop_tensors)
-    check_shard_axes(layout, {"q": q, "k": k, "v": v})
-    q, k, v = _guard_traced(layout, q, k, v)
+    q, k, v = check_shard_axes(API, layout, q, k, v)
     if segment_ids_q is not None or segment_ids_kv is not None:
         cu_seqlens_q, cu_seqlens_kv = _from_segment_ids(segment_ids_q, segment_ids_kv, num_sequences,
                                                         cu_seqlens_q, cu_seqlens_kv)

@@ -1,9 +1,9 @@
-"""A sharding check that also works inside jit: an identity op that reads its operand's sharding
-when XLA partitions the program, and refuses axes other than batch and heads.
+"""The sharding check of JAX calls: attention runs shard-local over batch (B) and heads (H).
 
-Attention runs shard-local over batch (B) and heads (H). Any other sharded axis (the
-sequence, the head dim, the packing of q/k/v) would need context parallelism, which fusedattn
-does not have yet; without this check XLA would silently gather the axis.
+Any other sharded axis (the sequence, the head dim, the packing of q/k/v) would need context
+parallelism, which fusedattn does not have yet; without this check XLA would silently gather
+the axis. A concrete array is checked from its sharding at once; inside jit, an identity op
+reads its operand's sharding when XLA partitions the program.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from functools import cache, partial
 import jax
 from jax.experimental.custom_partitioning import custom_partitioning
 
-__all__ = ["guard_shard_axes"]
+__all__ = ["check_shard_axes"]
 
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
@@ -74,13 +74,32 @@ def _batched(x) -> bool:
     return False
 
 
-def guard_shard_axes(api: str, tensors: list[tuple[str, str, object]]) -> list:
-    """Each (name, axes, array) passed through the check; arrays under vmap pass unchecked
-    (XLA's partitioner has no batching rule for the check)."""
-    out = []
-    for name, axes, x in tensors:
-        if x is None or not isinstance(x, jax.core.Tracer) or _batched(x) or len(x.shape) != len(axes):
-            out.append(x)
-        else:
-            out.append(_guarded(api, name, axes, x))
-    return out
+def _partition_spec(x):
+    """The PartitionSpec of x's sharding when it is known now (a concrete array, or a traced one
+    whose type carries its sharding), else None."""
+    try:
+        sharding = x.sharding if not isinstance(x, jax.core.Tracer) else getattr(jax.typeof(x), "sharding", None)
+    except Exception:  # tracers without a sharding in their type
+        return None
+    return getattr(sharding, "spec", None)
+
+
+def check_shard_axes(api: str, layout: str, q, k, v) -> tuple:
+    """(q, k, v) after the check: arrays whose sharding is known are checked now; traced ones
+    (outside vmap, which has no batching rule for the op) pass through the identity op.
+    Arrays a packed layout does not take stay as they are, so the argument checks refuse them."""
+    from fusedattn.layout import layout_spec
+
+    try:
+        tensors = layout_spec(layout).tensors
+    except ValueError:
+        return q, k, v  # a bad layout: build_config says so
+    checked = []
+    for (name, axes), x in zip(tensors, (q, k, v)):
+        spec = _partition_spec(x) if x is not None else None
+        if spec is not None:
+            _check(api, name, axes, spec)
+        if isinstance(x, jax.core.Tracer) and not _batched(x) and len(x.shape) == len(axes):
+            x = _guarded(api, name, axes, x)
+        checked.append(x)
+    return tuple(checked) + (q, k, v)[len(checked):]
