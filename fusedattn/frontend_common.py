@@ -21,7 +21,7 @@ from fusedattn.layout import split_packed
 from fusedattn.score_mods.core import bind, needs_gradient
 from fusedattn.selection import NoBackendError, select_backend
 
-__all__ = ["AttentionResult", "pick_outputs", "prepare_call", "PreparedCall", "TENSOR_ARGUMENTS"]
+__all__ = ["AttentionResult", "pick_outputs", "prepare_call", "PreparedCall", "TENSOR_ARGUMENTS", "on_backend_only"]
 
 
 class AttentionResult(NamedTuple):
@@ -104,6 +104,13 @@ def prepare_call(api: str, framework: str, tensors: dict, *, describe, host_copy
     except ValueError as error:  # a bad backend name, from the argument or the environment
         raise ValueError(f"{api}: {error}") from None
     return PreparedCall(cfg, selection, (*unpacked, *(tensors[n] for n in TENSOR_ARGUMENTS[3:])), bound)
+
+
+def on_backend_only(api: str, attention, backend: str, q, k, v, kwargs: dict):
+    """`attention(q, k, v, **kwargs)` forced onto one backend (its reasons raise if it cannot run)."""
+    if kwargs.get("backend") not in (None, backend):
+        raise ValueError(f"{api}: backend: expected None or {backend!r}, got {kwargs['backend']!r}")
+    return attention(q, k, v, **{**kwargs, "backend": backend})
 
 
 def slopes_are_standard(values) -> bool:

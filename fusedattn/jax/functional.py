@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from fusedattn.arguments import TensorMeta
 from fusedattn.backends import get_backend
 from fusedattn.backends.base import ARRAY_NAMES, DIFFERENTIABLE, AttentionInputs, AttentionOutputs
-from fusedattn.frontend_common import pick_outputs, prepare_call, slopes_are_standard
+from fusedattn.frontend_common import on_backend_only, pick_outputs, prepare_call, slopes_are_standard
 from fusedattn.jax import torch_bridge
 from fusedattn.jax.shard_guard import check_shard_axes
 from fusedattn.score_mods.core import as_score_mod
@@ -196,6 +196,4 @@ def small_seq_attention(q, k=None, v=None, **kwargs):
 
     The kernels run inside the JAX program through buffer callbacks (fusedattn/jax/torch_bridge.py).
     """
-    if kwargs.get("backend") not in (None, "small_seq"):
-        raise ValueError(f"small_seq_attention: backend: expected None or 'small_seq', got {kwargs['backend']!r}")
-    return attention(q, k, v, **{**kwargs, "backend": "small_seq"})
+    return on_backend_only("small_seq_attention", attention, "small_seq", q, k, v, kwargs)

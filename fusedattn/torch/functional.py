@@ -11,6 +11,7 @@ from fusedattn.arguments import ENV_THD_BUCKET, TensorMeta
 from fusedattn.frontend_common import (
     TENSOR_ARGUMENTS,
     AttentionResult,
+    on_backend_only,
     pick_outputs,
     prepare_call,
     slopes_are_standard,
@@ -271,6 +272,4 @@ def small_seq_attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch
     benchmark); when the call is outside what it runs, the error lists its reasons.
     Plain `attention` already picks small_seq for these shapes.
     """
-    if kwargs.get("backend") not in (None, "small_seq"):
-        raise ValueError(f"small_seq_attention: backend: expected None or 'small_seq', got {kwargs['backend']!r}")
-    return attention(q, k, v, **{**kwargs, "backend": "small_seq"})
+    return on_backend_only("small_seq_attention", attention, "small_seq", q, k, v, kwargs)
