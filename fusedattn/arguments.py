@@ -16,13 +16,10 @@ from fusedattn.config import DTYPES, AttentionConfig, BiasType, Layout, Mask, So
 from fusedattn.layout import check_cu_seqlens, layout_spec
 
 __all__ = ["TensorMeta", "CallArguments", "build_config", "check_offset_tensors", "infer_max_seqlens",
-           "bucket_max_seqlens", "ENV_THD_BUCKET",
-           "check_sequence_values",
-           ]
+           "bucket_max_seqlens", "ENV_THD_BUCKET", "check_sequence_values"]
 
 INDEX_DTYPES = ("int32", "int64")
 _RAGGED_LAYOUTS = frozenset(layout.value for layout in Layout if layout.is_ragged)
-
 
 
 @dataclass(frozen=True)

@@ -170,10 +170,14 @@ def _differentiated(value) -> bool:
     return False
 
 
+def _wants_gradient(value) -> bool:
+    """A tensor that asks for a gradient: torch requires_grad, or a JAX array being differentiated."""
+    return getattr(value, "requires_grad", False) or _differentiated(value)
+
+
 def needs_gradient(mod: ScoreMod) -> bool:
-    """Whether any tensor of `mod` asks for a gradient (torch requires_grad, or JAX differentiation)."""
-    values = [*mod.tensors.values(), *mod.bprop_tensors.values()]
-    return any(getattr(v, "requires_grad", False) or _differentiated(v) for v in values)
+    """Whether any tensor of `mod` asks for a gradient."""
+    return any(_wants_gradient(v) for v in [*mod.tensors.values(), *mod.bprop_tensors.values()])
 
 
 def _normalize(api: str, name: str, value, full: tuple, device: str | None, training: bool):
@@ -203,7 +207,7 @@ def _normalize(api: str, name: str, value, full: tuple, device: str | None, trai
             return RuntimeScalar(item, "float32" if isinstance(item, float) else "int32")
         raise ValueError(f"{label}: expected a tensor on {device} (q's device), got one on {value.device}; "
                          "move it there once with .to(q.device)")
-    if training and (getattr(value, "requires_grad", False) or _differentiated(value)):
+    if training and _wants_gradient(value):
         raise ValueError(f"{label}: expected a tensor that does not require grad: score_mod tensors get no "
                          "gradient; pass a learnable additive term as bias= (it has a gradient), or detach it "
                          "(torch) / wrap it in jax.lax.stop_gradient (JAX)")

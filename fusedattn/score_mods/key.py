@@ -15,11 +15,7 @@ import numbers
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["RecordingGraph", "RecordedTensor", "structural_key", "describe_aux"]
-
-# Graph kinds our helpers recognise (see score_mods/graph_ops.py): a data type is named by
-# a string on recording and eager graphs, by a cudnn.data_type member on cuDNN's.
-
+__all__ = ["RecordingGraph", "RecordedTensor", "structural_key", "describe_aux", "aux_used"]
 
 
 class RecordedTensor:
@@ -51,6 +47,7 @@ class RecordingGraph:
         self._count = 0
 
     def data_type_named(self, name: str) -> str:
+        # graph_ops.data_type: recording and eager graphs name data types by string.
         return name
 
     def __getattr__(self, name: str):
