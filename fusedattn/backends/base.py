@@ -85,6 +85,8 @@ class Backend:
     # "any": forward/backward work on the arrays of any framework (written with fusedattn.xp);
     # "torch": they take torch tensors, and JAX calls reach them through buffer callbacks.
     array_framework: str = "any"
+    # Whether backward takes a gradient of the returned lse (grad_lse).
+    lse_gradient: bool = True
 
     def availability(self) -> list[str]:
         """Reasons this backend cannot run anything here, whatever the call."""
@@ -132,6 +134,17 @@ class Backend:
                  grad_out, grad_lse=None) -> dict:
         """Gradients {name: array} for the differentiable inputs (see DIFFERENTIABLE)."""
         raise NotImplementedError(f"backend {self.name} has no backward")
+
+    def forward_into(self, cfg: AttentionConfig, inputs: AttentionInputs, into: AttentionOutputs
+                     ) -> AttentionOutputs:
+        """The forward, writing into the preallocated `into` where the backend can (the JAX bridge
+        hands over XLA's output buffers); the caller copies any output that is not `into`'s."""
+        return self.forward(cfg, inputs)[0]
+
+    def backward_into(self, cfg: AttentionConfig, inputs: AttentionInputs, outputs: AttentionOutputs,
+                      grad_out, grad_lse, into: dict) -> dict:
+        """The backward without saved state, writing gradients into `into` ({name: buffer}) where it can."""
+        return self.backward(cfg, inputs, None, outputs, grad_out, grad_lse)
 
     def __repr__(self) -> str:
         return f"<fusedattn backend {self.name}>"

@@ -7,13 +7,16 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
 
 from fusedattn.arguments import TensorMeta
 from fusedattn.backends import get_backend
 from fusedattn.backends.base import ARRAY_NAMES, DIFFERENTIABLE, AttentionInputs, AttentionOutputs
 from fusedattn.frontend_common import on_backend_only, pick_outputs, prepare_call, slopes_are_standard
 from fusedattn.jax import torch_bridge
-from fusedattn.jax.shard_guard import check_shard_axes
+from fusedattn.jax.partition import find_split
+from fusedattn.jax.shard_guard import batched, check_shard_axes, guard_whole
+from fusedattn.layout import layout_spec
 from fusedattn.score_mods.core import as_score_mod
 from fusedattn.xp.jax_ops import OPS
 
@@ -39,32 +42,38 @@ def _inputs(arrays, score_mod) -> AttentionInputs:
     return AttentionInputs(**dict(zip(ARRAY_NAMES, arrays)), score_mod=score_mod)
 
 
-def _run_forward(cfg, backend_name, score_mod, arrays):
+def _run_forward(cfg, backend_name, score_mod, split, arrays):
     """(outputs, saved): in jax.numpy, or through torch for backends whose kernels are torch's."""
     backend = get_backend(backend_name)
     if backend.array_framework == "torch":
-        return AttentionOutputs(*torch_bridge.forward(cfg, backend, score_mod, arrays)), None
+        return AttentionOutputs(*torch_bridge.forward(cfg, backend, score_mod, arrays, split)), None
     return backend.forward(cfg, _inputs(arrays, score_mod))
 
 
-# The backend chosen at trace time is a static argument: forward decides backward.
-@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _attention(cfg, backend_name, score_mod, arrays):
-    outputs, _ = _run_forward(cfg, backend_name, score_mod, arrays)
+# The backend chosen at trace time is a static argument: forward decides backward. So is `split`:
+# how a bridge call (torch-implemented backend) is split over devices, or None.
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _attention(cfg, backend_name, score_mod, split, arrays):
+    outputs, _ = _run_forward(cfg, backend_name, score_mod, split, arrays)
     return tuple(outputs)
 
 
-def _attention_fwd(cfg, backend_name, score_mod, arrays):
-    outputs, saved = _run_forward(cfg, backend_name, score_mod, arrays)
+def _attention_fwd(cfg, backend_name, score_mod, split, arrays):
+    # symbolic_zeros: primals arrive wrapped; cotangents of unused outputs arrive as SymbolicZero.
+    arrays = tuple(None if x is None else x.value for x in arrays)
+    outputs, saved = _run_forward(cfg, backend_name, score_mod, split, arrays)
     return tuple(outputs), (arrays, saved, outputs.out, outputs.lse)
 
 
-def _attention_bwd(cfg, backend_name, score_mod, residuals, cotangents):
+def _attention_bwd(cfg, backend_name, score_mod, split, residuals, cotangents):
     arrays, saved, out, lse = residuals
-    grad_out, grad_lse, _ = cotangents
+    grad_out, grad_lse, _ = (None if isinstance(c, SymbolicZero) else c for c in cotangents)
     backend = get_backend(backend_name)
+    if grad_lse is not None and not backend.lse_gradient:
+        raise NotImplementedError(f"{API}: the {backend.name} backend has no gradient through the returned lse; "
+                                  "use backend='reference' for losses that depend on lse")
     if backend.array_framework == "torch":
-        grads = torch_bridge.backward(cfg, backend, score_mod, arrays, out, lse, grad_out, grad_lse)
+        grads = torch_bridge.backward(cfg, backend, score_mod, arrays, out, lse, grad_out, grad_lse, split)
     else:
         grads = backend.backward(cfg, _inputs(arrays, score_mod), saved, AttentionOutputs(out, lse), grad_out,
                                  grad_lse)
@@ -72,7 +81,7 @@ def _attention_bwd(cfg, backend_name, score_mod, residuals, cotangents):
                   for name, x in zip(ARRAY_NAMES, arrays)),)
 
 
-_attention.defvjp(_attention_fwd, _attention_bwd)
+_attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
 
 
 def _dropout_state(rng, seed, offset):
@@ -131,6 +140,7 @@ def attention(
     segment_ids_q=None,
     segment_ids_kv=None,
     num_sequences: int | None = None,
+    shard_axes: dict | None = None,
 ):
     """Scaled-dot-product attention for JAX arrays, with the keywords of fusedattn.torch.attention.
 
@@ -141,6 +151,12 @@ def attention(
     `segment_ids_q/kv` (T,) non-decreasing ids in [0, num_sequences) (larger ids mark
     trailing padding) with a static `num_sequences`. Shapes, layouts, masks and outputs are
     as documented there.
+
+    Sharding: inputs sharded over batch and/or heads run shard-local. Backends whose kernels
+    run through callbacks (cudnn, small_seq) need the split when the call is traced: it is read
+    from concrete arrays and explicit shardings; under jit with in_shardings pass
+    `shard_axes={"batch": "data", "heads": "model"}` (mesh axis names) inside
+    `jax.set_mesh(mesh)`. Sharded sequence or head-dim axes are refused.
 
     Example:
         >>> q = k = v = jax.random.normal(jax.random.key(0), (2, 128, 8, 64))
@@ -169,7 +185,14 @@ def attention(
     seed = offset = None
     if call.cfg.dropout_p > 0.0:
         seed, offset = _dropout_state(dropout_rng, dropout_seed, dropout_offset)
-    out, lse, max_logit = _attention(call.cfg, call.selection.name, call.score_mod, (*call.arrays, seed, offset))
+    split = None
+    if get_backend(call.selection.name).array_framework == "torch" and not any(map(batched, (q, k, v))):
+        split = find_split(API, call.cfg, q, layout_spec(call.cfg.layout).tensors[0][1], shard_axes)
+        if split is None:  # sharded inputs would be gathered: refused when XLA partitions the program
+            call = call._replace(arrays=(*guard_whole(API, layout_spec(call.cfg.layout).base.value, call.arrays[:3],
+                                                      call.selection.name), *call.arrays[3:]))
+    out, lse, max_logit = _attention(call.cfg, call.selection.name, call.score_mod, split,
+                                     (*call.arrays, seed, offset))
     return pick_outputs(call.cfg, out, lse, max_logit)
 
 

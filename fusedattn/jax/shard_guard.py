@@ -13,7 +13,7 @@ from functools import cache, partial
 import jax
 from jax.experimental.custom_partitioning import custom_partitioning
 
-__all__ = ["check_shard_axes"]
+__all__ = ["batched", "check_shard_axes", "guard_whole"]
 
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
@@ -30,8 +30,19 @@ def _check(api: str, name: str, axes: str, spec) -> None:
                              "context parallelism (a sharded sequence) is not supported yet: replicate that axis")
 
 
-@cache  # a handful of (api, name, axes): one op each
-def _identity_op(api: str, name: str, axes: str):
+def _check_whole(api: str, name: str, axes: str, spec, backend: str) -> None:
+    for letter, entry in zip(axes, tuple(spec)):
+        if entry is not None:
+            raise ValueError(f"{api}: {name}: sharded over mesh axis {entry!r} (axis {letter} of {axes}), but the "
+                             f"{backend} backend runs as one callback that XLA would gather; declare the split "
+                             "with shard_axes={'batch': ..., 'heads': ...} (mesh axis names) and jax.set_mesh(mesh) "
+                             "around the call, or give the inputs explicit shardings")
+
+
+@cache  # a handful of (api, name, axes, backend): one op each
+def _identity_op(api: str, name: str, axes: str, whole_for: str = ""):
+    """An identity that checks its operand's sharding when XLA partitions the program;
+    whole_for names a backend that needs the operand unsharded."""
     @custom_partitioning
     def identity(x):
         return x
@@ -41,7 +52,10 @@ def _identity_op(api: str, name: str, axes: str):
 
     def partition(mesh, arg_shapes, result_shape):
         sharding = arg_shapes[0].sharding
-        _check(api, name, axes, getattr(sharding, "spec", ()))
+        spec = getattr(sharding, "spec", ())
+        _check(api, name, axes, spec)
+        if whole_for:
+            _check_whole(api, name, axes, spec, whole_for)
         return mesh, (lambda x: x), sharding, (sharding,)
 
     rule = " ".join(_LETTERS[:len(axes)])
@@ -49,23 +63,23 @@ def _identity_op(api: str, name: str, axes: str):
     return identity
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _guarded(api: str, name: str, axes: str, x):
-    return _identity_op(api, name, axes)(x)
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _guarded(api: str, name: str, axes: str, whole_for: str, x):
+    return _identity_op(api, name, axes, whole_for)(x)
 
 
-def _guarded_fwd(api, name, axes, x):
-    return _guarded(api, name, axes, x), None
+def _guarded_fwd(api, name, axes, whole_for, x):
+    return _guarded(api, name, axes, whole_for, x), None
 
 
-def _guarded_bwd(api, name, axes, _, cotangent):
+def _guarded_bwd(api, name, axes, whole_for, _, cotangent):
     return (cotangent,)
 
 
 _guarded.defvjp(_guarded_fwd, _guarded_bwd)
 
 
-def _batched(x) -> bool:
+def batched(x) -> bool:
     """Whether x is (or, under differentiation, wraps) a vmap tracer."""
     while isinstance(x, jax.core.Tracer):
         if type(x).__name__ == "BatchTracer":
@@ -99,7 +113,20 @@ def check_shard_axes(api: str, layout: str, q, k, v) -> tuple:
         spec = _partition_spec(x) if x is not None else None
         if spec is not None:
             _check(api, name, axes, spec)
-        if isinstance(x, jax.core.Tracer) and not _batched(x) and len(x.shape) == len(axes):
-            x = _guarded(api, name, axes, x)
+        if isinstance(x, jax.core.Tracer) and not batched(x) and len(x.shape) == len(axes):
+            x = _guarded(api, name, axes, "", x)
         checked.append(x)
     return tuple(checked) + (q, k, v)[len(checked):]
+
+
+def guard_whole(api: str, base_layout: str, arrays, backend: str) -> tuple:
+    """Unpacked (q, k, v) of a call that runs as one callback with no known split: traced ones
+    pass through an identity that refuses any sharding when XLA partitions the program."""
+    from fusedattn.layout import layout_spec
+
+    guarded = []
+    for (name, axes), x in zip(layout_spec(base_layout).tensors, arrays):
+        if isinstance(x, jax.core.Tracer) and len(x.shape) == len(axes):
+            x = _guarded(api, name, axes, backend, x)
+        guarded.append(x)
+    return tuple(guarded)

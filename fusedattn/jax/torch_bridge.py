@@ -1,15 +1,18 @@
-"""Running a torch-implemented backend (Triton kernels) inside a JAX program.
+"""Running a torch-implemented backend (cuDNN graphs, Triton kernels) inside a JAX program.
 
 Each pass is one `jax.experimental.buffer_callback`: XLA hands over its input and output
-buffers, torch views them through DLPack (no copies of the inputs), the backend runs on
-XLA's stream, and its results are copied into XLA's output buffers. Output shapes come
-from the config alone, so tracing never runs a kernel. On the CPU the same path runs
-(Triton's interpreter), which is how the CPU tests cover it.
+buffers, torch views them through DLPack (no copies), the backend runs on XLA's stream and
+writes into XLA's output buffers where it can (`Backend.forward_into`; anything else is
+copied in). Output shapes come from the config alone, so tracing never runs a kernel.
+score_mod aux arrays travel as operands. Sharded inputs run once per shard
+(fusedattn/jax/partition.py). On the CPU the same path runs (Triton's interpreter), which is
+how the CPU tests cover it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -17,8 +20,13 @@ from jax.experimental.buffer_callback import buffer_callback
 
 from fusedattn.backends.base import ARRAY_NAMES, DIFFERENTIABLE, AttentionInputs, AttentionOutputs
 from fusedattn.config import AttentionConfig
+from fusedattn.jax.partition import ShardedCall, Split, shard_local
+from fusedattn.layout import layout_spec
+from fusedattn.score_mods.core import RuntimeScalar
 
-__all__ = ["forward", "backward"]
+__all__ = ["forward", "backward", "output_shapes"]
+
+API = "fusedattn.jax.attention"
 
 
 def _torch_stream(ctx):
@@ -41,8 +49,9 @@ def _views(buffers):
 
 
 def _fill(targets, results) -> None:
-    for target, result in zip(_views(targets), results):
-        if target.numel():
+    """Copy each result into its output buffer, unless the backend already wrote it there."""
+    for target, result in zip(targets, results):
+        if target.numel() and not (result.data_ptr() == target.data_ptr() and result.stride() == target.stride()):
             target.copy_(result.reshape(target.shape))
 
 
@@ -51,11 +60,28 @@ def _present(arrays) -> tuple[list[int], list]:
     return index, [arrays[i] for i in index]
 
 
-def _inputs(index, tensors, score_mod) -> AttentionInputs:
-    values = [None] * len(ARRAY_NAMES)
+def _aux(score_mod) -> tuple[list[str], list]:
+    """The score_mod's aux arrays (names, arrays): operands of the callback, like q/k/v."""
+    if score_mod is None:
+        return [], []
+    names = [name for name, value in score_mod.values.items() if not isinstance(value, RuntimeScalar)]
+    return names, [score_mod.values[name] for name in names]
+
+
+def _inputs(index, tensors, score_mod, aux_names) -> AttentionInputs:
+    """AttentionInputs of torch views: arrays by position, then the aux arrays by name."""
+    import torch
+
+    values = dict.fromkeys(ARRAY_NAMES)
     for i, tensor in zip(index, tensors):
-        values[i] = tensor
-    return AttentionInputs(**dict(zip(ARRAY_NAMES, values)), score_mod=score_mod)
+        values[ARRAY_NAMES[i]] = tensor
+    for name in ("dropout_seed", "dropout_offset"):  # JAX's uint32 bits; the graphs take int64
+        if values[name] is not None:
+            values[name] = values[name].to(torch.int64)
+    if aux_names:
+        aux = dict(zip(aux_names, tensors[len(index):]))
+        score_mod = dataclasses.replace(score_mod, values={**score_mod.values, **aux})
+    return AttentionInputs(**values, score_mod=score_mod)
 
 
 def output_shapes(cfg: AttentionConfig, q) -> tuple[jax.ShapeDtypeStruct, ...]:
@@ -66,30 +92,89 @@ def output_shapes(cfg: AttentionConfig, q) -> tuple[jax.ShapeDtypeStruct, ...]:
     return (out, jax.ShapeDtypeStruct(lse_shape, jnp.float32), jax.ShapeDtypeStruct(max_logit, jnp.float32))
 
 
-def forward(cfg: AttentionConfig, backend, score_mod, arrays) -> tuple:
+def _unpacked(cfg: AttentionConfig) -> AttentionConfig:
+    """The config for separate q, k, v: JAX slices packed layouts into new arrays before the call."""
+    return cfg.replace(layout=layout_spec(cfg.layout).base)
+
+
+def _roles(cfg: AttentionConfig, index) -> list[str]:
+    """Each operand's axes for sharding (see partition.py), right-aligned."""
+    q_axes = layout_spec(cfg.layout).tensors[0][1]
+    kv_axes = q_axes.replace("H", "G")
+    roles = {"q": q_axes, "k": kv_axes, "v": kv_axes, "bias": "BHQK", "alibi_slopes": "BH", "sink": "H",
+             "dropout_seed": "", "dropout_offset": ""}
+    return [roles.get(ARRAY_NAMES[i], "N") for i in index]
+
+
+def _lse_role(cfg: AttentionConfig) -> str:
+    return "TH" if cfg.layout.is_ragged else "BHQ"
+
+
+def _call(cfg, run, operands, roles, out_roles, summed, index, aux_count, split) -> tuple:
+    """run over operands: whole, or once per shard of `split`."""
+    if split is None:
+        return run(cfg, tuple(operands))
+    seed_position = ARRAY_NAMES.index("dropout_seed")
+    seed = index.index(seed_position) if seed_position in index else None
+    pinned = tuple(range(len(index), len(index) + aux_count))
+    call = ShardedCall(API, cfg, run, tuple(roles), tuple(out_roles), tuple(summed), seed, pinned)
+    return shard_local(call, split, operands)
+
+
+def forward(cfg: AttentionConfig, backend, score_mod, arrays, split: Split | None = None) -> tuple:
+    """(out, lse, max_logit) of backend's forward, as JAX arrays."""
+    cfg = _unpacked(cfg)
     index, present = _present(arrays)
+    aux_names, aux = _aux(score_mod)
 
-    def run(ctx, outs, *buffers):
-        with _torch_stream(ctx):
-            result, _ = backend.forward(cfg, _inputs(index, _views(buffers), score_mod))
-            _fill(outs, result)
+    def run(local_cfg, operands):
+        def callback(ctx, outs, *buffers):
+            with _torch_stream(ctx):
+                tensors, targets = _views(buffers), _views(outs)
+                inputs = _inputs(index, tensors, score_mod, aux_names)
+                _fill(targets, backend.forward_into(local_cfg, inputs, AttentionOutputs(*targets)))
 
-    shapes = output_shapes(cfg, arrays[0])
-    return tuple(buffer_callback(run, shapes, vmap_method="sequential")(*present))
+        shapes = output_shapes(local_cfg, operands[0])
+        return tuple(buffer_callback(callback, shapes, vmap_method="sequential")(*operands))
+
+    q_role = _roles(cfg, index)[0]
+    return _call(cfg, run, present + aux, _roles(cfg, index) + ["BHQK"] * len(aux),
+                 (q_role, _lse_role(cfg), "H"), (False, False, False), index, len(aux), split)
 
 
-def backward(cfg: AttentionConfig, backend, score_mod, arrays, out, lse, grad_out, grad_lse) -> dict:
+def backward(cfg: AttentionConfig, backend, score_mod, arrays, out, lse, grad_out, grad_lse,
+             split: Split | None = None) -> dict:
+    """{name: gradient} for the differentiable arrays; grad_out/grad_lse None mean zero."""
+    cfg = _unpacked(cfg)
     index, present = _present(arrays)
+    aux_names, aux = _aux(score_mod)
     wanted = [i for i in index if ARRAY_NAMES[i] in DIFFERENTIABLE]
+    extra = [out, lse, jnp.zeros_like(out) if grad_out is None else grad_out]
+    if grad_lse is not None:
+        extra.append(grad_lse)
 
-    def run(ctx, outs, *buffers):
-        with _torch_stream(ctx):
-            tensors = _views(buffers)
-            inputs = _inputs(index, tensors[:len(index)], score_mod)
-            out_t, lse_t, grad_out_t, grad_lse_t = tensors[len(index):]
-            grads = backend.backward(cfg, inputs, None, AttentionOutputs(out_t, lse_t), grad_out_t, grad_lse_t)
-            _fill(outs, [grads[ARRAY_NAMES[i]] for i in wanted])
+    def run(local_cfg, operands):
+        def callback(ctx, outs, *buffers):
+            with _torch_stream(ctx):
+                tensors, targets = _views(buffers), _views(outs)
+                count = len(index) + len(aux)
+                inputs = _inputs(index, tensors[:count], score_mod, aux_names)
+                out_t, lse_t, grad_out_t, *grad_lse_t = tensors[count:]
+                into = {ARRAY_NAMES[i]: t for i, t in zip(wanted, targets)}
+                grads = backend.backward_into(local_cfg, inputs, AttentionOutputs(out_t, lse_t), grad_out_t,
+                                              grad_lse_t[0] if grad_lse_t else None, into)
+                _fill(targets, [grads[ARRAY_NAMES[i]] for i in wanted])
 
-    shapes = tuple(jax.ShapeDtypeStruct(arrays[i].shape, arrays[i].dtype) for i in wanted)
-    grads = buffer_callback(run, shapes, vmap_method="sequential")(*present, out, lse, grad_out, grad_lse)
+        local = {ARRAY_NAMES[i]: x for i, x in zip(index, operands)}
+        shapes = tuple(jax.ShapeDtypeStruct(local[ARRAY_NAMES[i]].shape, local[ARRAY_NAMES[i]].dtype)
+                       for i in wanted)
+        return tuple(buffer_callback(callback, shapes, vmap_method="sequential")(*operands))
+
+    roles = _roles(cfg, index)
+    q_role, lse_role = roles[0], _lse_role(cfg)
+    extra_roles = [q_role, lse_role, q_role, lse_role][:len(extra)]
+    out_roles = [roles[index.index(i)] for i in wanted]
+    summed = [ARRAY_NAMES[i] not in ("q", "k", "v") for i in wanted]
+    grads = _call(cfg, run, present + aux + extra, roles + ["BHQK"] * len(aux) + extra_roles, out_roles, summed,
+                  index, len(aux), split)
     return {ARRAY_NAMES[i]: g for i, g in zip(wanted, grads)}

@@ -13,13 +13,14 @@ from fusedattn.backends.cudnn.spec import rows_with_keys_config, unsupported
 
 class CudnnBackend(Backend):
     name = "cudnn"
-    frameworks = ("torch",)
+    frameworks = ("torch", "jax")  # JAX through buffer callbacks (fusedattn/jax/torch_bridge.py)
     devices = ("cuda",)
     dtypes = ("float16", "bfloat16")
     max_head_dim = 256
     head_dim_multiple = 8
     packages = (("cudnn", "nvidia-cudnn-frontend"),)
     array_framework = "torch"
+    lse_gradient = False
 
     def _reasons(self, cfg):
         reasons = unsupported(cfg)
@@ -38,6 +39,16 @@ class CudnnBackend(Backend):
         from fusedattn.backends.cudnn.torch_run import backward
 
         return backward(cfg, inputs, outputs, grad_out, grad_lse)
+
+    def forward_into(self, cfg, inputs, into):
+        from fusedattn.backends.cudnn.torch_run import forward
+
+        return forward(cfg, inputs, into)
+
+    def backward_into(self, cfg, inputs, outputs, grad_out, grad_lse, into):
+        from fusedattn.backends.cudnn.torch_run import backward
+
+        return backward(cfg, inputs, outputs, grad_out, grad_lse, into)
 
 
 __all__ = ["CudnnBackend"]

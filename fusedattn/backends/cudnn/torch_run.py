@@ -65,12 +65,31 @@ def _bhsd(x: torch.Tensor, plan: _Plan, spec: TensorSpec) -> torch.Tensor:
     return out
 
 
-def _empty_bhsd(spec: TensorSpec, plan: _Plan, dtype, device, zero=False) -> tuple[torch.Tensor, torch.Tensor]:
-    """A new tensor with spec's strides, as (base-layout view, BHSD view)."""
+def _fits(x: torch.Tensor, dim, stride, dtype) -> bool:
+    """Whether x has the shape, dtype and strides (where a stride matters) the graph was built for."""
+    return (x.dtype == dtype and tuple(x.shape) == tuple(dim)
+            and all(n == 1 or a == b for n, a, b in zip(dim, x.stride(), stride)))
+
+
+def _empty_bhsd(spec: TensorSpec, plan: _Plan, dtype, device, zero=False, into=None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A tensor with spec's strides, as (base-layout view, BHSD view): the caller's buffer `into`
+    when it has them (the JAX bridge's output buffers), else a new one."""
+    if into is not None and _fits(into.permute(plan.to_bhsd), spec.dim, spec.stride, dtype):
+        if zero:
+            into.zero_()
+        return into, into.permute(plan.to_bhsd)
     bhsd = torch.empty_strided(spec.dim, spec.stride, dtype=dtype, device=device)
     if zero:
         bhsd.zero_()
     return bhsd.permute(plan.from_bhsd), bhsd
+
+
+def _zeros_like_target(shape, dtype, device, into=None, zero=True) -> torch.Tensor:
+    """A contiguous tensor, zeroed unless zero=False: the caller's buffer `into` when it fits, else a new one."""
+    if into is not None and into.is_contiguous() and _fits(into, shape, into.stride(), dtype):
+        return into.zero_() if zero else into
+    return (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=device)
 
 
 def _tokens(x: torch.Tensor, spec: TensorSpec, role: str) -> torch.Tensor:
@@ -178,27 +197,34 @@ def _backward_stats(lse: torch.Tensor) -> torch.Tensor:
     return lse.masked_fill(lse == float("-inf"), float("inf"))
 
 
-def forward(cfg: AttentionConfig, inputs: AttentionInputs) -> AttentionOutputs:
+def forward(cfg: AttentionConfig, inputs: AttentionInputs, into: AttentionOutputs | None = None
+            ) -> AttentionOutputs:
+    """into: preallocated (out, lse, max_logit) the outputs are written into where they fit."""
     if rows_without_keys(cfg):
         return _forward_rows_with_keys(cfg, inputs)
+    into = into or AttentionOutputs(None, None, None)
     device = inputs.q.device
     plan = _plan(cfg)
     spec = plan.spec
     buffers = _shared_buffers(cfg, plan, inputs)
     if spec.ragged:
         # cuDNN writes only each sequence's tokens: gaps and trailing tokens stay 0.
-        out = torch.zeros(inputs.q.shape[0], cfg.heads_q, cfg.head_dim_v, dtype=inputs.q.dtype, device=device)
-        buffers["o"] = out
-        buffers["stats"] = lse = torch.zeros(inputs.q.shape[0], cfg.heads_q, dtype=torch.float32, device=device)
+        tokens = inputs.q.shape[0]
+        buffers["o"] = out = _zeros_like_target((tokens, cfg.heads_q, cfg.head_dim_v), inputs.q.dtype, device,
+                                                into.out)
+        buffers["stats"] = lse = _zeros_like_target((tokens, cfg.heads_q), torch.float32, device, into.lse)
         execute(get_graph(cfg, "forward", device.index), buffers, device.index, raw=True)
         if spec.score_mod:
             lse = _clear_empty_rows(out, lse)
         return AttentionOutputs(out, lse, torch.empty(0, dtype=torch.float32, device=device))
     # With padding, rows past a sequence's end are not written: start from zeros.
-    out, buffers["o"] = _empty_bhsd(spec.o, plan, inputs.q.dtype, device, zero=spec.padding)
-    stat_names = ("row_max", "sum_exp") if spec.max_logit else ("stats",)
-    for name in stat_names:
-        buffers[name] = torch.empty(spec.stats.dim, dtype=torch.float32, device=device)
+    out, buffers["o"] = _empty_bhsd(spec.o, plan, inputs.q.dtype, device, zero=spec.padding, into=into.out)
+    if spec.max_logit:
+        for name in ("row_max", "sum_exp"):
+            buffers[name] = torch.empty(spec.stats.dim, dtype=torch.float32, device=device)
+    else:
+        lse_into = into.lse.view(spec.stats.dim) if into.lse is not None and into.lse.is_contiguous() else None
+        buffers["stats"] = _zeros_like_target(spec.stats.dim, torch.float32, device, lse_into, zero=False)
     execute(get_graph(cfg, "forward", device.index), buffers, device.index)
     if spec.score_mod:
         buffers["stats"] = _clear_empty_rows(buffers["o"], buffers["stats"])
@@ -222,7 +248,10 @@ def _is_query(cfg: AttentionConfig, buffers: dict) -> torch.Tensor:
     return rows < buffers["seq_len_q"]
 
 
-def backward(cfg: AttentionConfig, inputs: AttentionInputs, outputs: AttentionOutputs, grad_out, grad_lse) -> dict:
+def backward(cfg: AttentionConfig, inputs: AttentionInputs, outputs: AttentionOutputs, grad_out, grad_lse,
+             into: dict | None = None) -> dict:
+    """into: preallocated {"q"|"k"|"v": buffer} the gradients are written into where they fit."""
+    into = into or {}
     if grad_lse is not None:
         raise NotImplementedError(
             "fusedattn: the cudnn backend has no gradient through the returned lse; "
@@ -245,8 +274,8 @@ def backward(cfg: AttentionConfig, inputs: AttentionInputs, outputs: AttentionOu
             source = getattr(inputs, role)
             heads, dim = (cfg.heads_q, cfg.head_dim_qk) if role == "q" else (
                 cfg.heads_kv, cfg.head_dim_qk if role == "k" else cfg.head_dim_v)
-            grads[role] = buffers["d" + role] = torch.zeros(source.shape[0], heads, dim, dtype=source.dtype,
-                                                            device=device)
+            grads[role] = buffers["d" + role] = _zeros_like_target((source.shape[0], heads, dim), source.dtype,
+                                                                   device, into.get(role))
     else:
         buffers["o"] = outputs.out.permute(plan.to_bhsd)
         buffers["dO"] = _bhsd(grad_out, plan, spec.o)
@@ -257,7 +286,8 @@ def backward(cfg: AttentionConfig, inputs: AttentionInputs, outputs: AttentionOu
             buffers["stats"] = lse.masked_fill(~_is_query(cfg, buffers), 0.0) if spec.padding else lse
         for role in ("q", "k", "v"):  # with a score_mod cuDNN skips rows past a sequence's end: zeros
             grads[role], buffers["d" + role] = _empty_bhsd(plan.grads[role], plan, inputs.q.dtype, device,
-                                                           zero=spec.score_mod and spec.padding)
+                                                           zero=spec.score_mod and spec.padding,
+                                                           into=into.get(role))
     if "dbias" in built.tensors:
         buffers["dbias"] = torch.empty(spec.bias.dim, dtype=inputs.q.dtype, device=device)
     if "dsink" in built.tensors:
