@@ -14,7 +14,7 @@ from fusedattn.backends.cudnn.spec import (
     short_reason,
     unsupported,
 )
-from fusedattn.config import AttentionConfig
+from fusedattn.config import AttentionConfig, BiasType, Layout, Mask, SoftmaxType
 from fusedattn.layout import layout_spec, split_packed, to_bhsd
 
 PACKED_QKV = ("bs3hd", "sb3hd")
@@ -169,3 +169,25 @@ def test_bottom_right_rows_without_keys_run_as_the_last_skv_rows():
     assert (sub.seqlen_q, sub.seqlen_kv, sub.bias_shape) == (5, 5, (1, 4, 5, 5))
     assert rows_without_keys(cfg_for(mask="causal_bottom_right", seqlen_q=5, seqlen_kv=9)) == 0
     assert rows_with_keys_config(cfg_for()) == cfg_for()
+
+
+def test_calls_that_run_from_raw_addresses_are_exactly_the_plain_dense_ones():
+    """The JAX bridge's lean path (no torch, XLA's addresses straight to cuDNN) takes plain q/k/v calls
+    whose graph tensors are dense in the base layout; anything computed around the graph is refused."""
+    from fusedattn.backends.cudnn.pointer_run import runs_from_addresses
+
+    def cfg(**changes):
+        base = dict(dtype="bfloat16", layout=Layout.BSHD, batch=2, seqlen_q=128, seqlen_kv=128, heads_q=8,
+                    heads_kv=2, head_dim_qk=64, head_dim_v=64, is_training=True, framework="jax", device="cuda")
+        return AttentionConfig(**{**base, **changes})
+
+    for layout in (Layout.BSHD, Layout.SBHD, Layout.BHSD):
+        assert runs_from_addresses(cfg(layout=layout))
+        assert runs_from_addresses(cfg(layout=layout, mask=Mask.CAUSAL, window=(32, 0)))
+    assert runs_from_addresses(cfg(mask=Mask.CAUSAL_BOTTOM_RIGHT, seqlen_q=64, deterministic=True))
+    refused = [cfg(mask=Mask.CAUSAL_BOTTOM_RIGHT, seqlen_kv=64),  # rows without keys are filled in by torch
+               cfg(mask=Mask.PADDING), cfg(dropout_p=0.1), cfg(return_max_logit=True),
+               cfg(bias=BiasType.POST_SCALE, bias_shape=(1, 8, 128, 128)),
+               cfg(softmax=SoftmaxType.OFF_BY_ONE), cfg(layout=Layout.BS3HD, heads_kv=8)]
+    for config in refused:
+        assert not runs_from_addresses(config), config

@@ -146,5 +146,10 @@ class Backend:
         """The backward without saved state, writing gradients into `into` ({name: buffer}) where it can."""
         return self.backward(cfg, inputs, None, outputs, grad_out, grad_lse)
 
+    def address_runner(self, cfg: AttentionConfig):
+        """For a call the backend can run from raw device addresses (the JAX bridge's lean path):
+        run(direction, device, stream, addresses); else None."""
+        return None
+
     def __repr__(self) -> str:
         return f"<fusedattn backend {self.name}>"

@@ -43,6 +43,7 @@ class DotProductAttention(nn.Module):
     scale: float | None = None
     deterministic_backward: bool = False
     backend: str | None = None
+    shard_axes: Any = None  # {"batch": mesh axis, "heads": mesh axis}: see fusedattn.jax.attention
 
     @nn.compact
     def __call__(self, q, k=None, v=None, *, deterministic: bool = True, mask: str | None = None,
@@ -57,7 +58,7 @@ class DotProductAttention(nn.Module):
         return attention(q, k, v, layout=layout or self.layout, mask=mask or self.mask, window=self.window,
                          softmax_type=self.softmax_type, sink=sink, dropout_p=dropout, dropout_rng=rng,
                          scale=self.scale, deterministic=self.deterministic_backward, backend=self.backend,
-                         **kwargs)
+                         shard_axes=self.shard_axes, **kwargs)
 
 
 class MultiHeadAttention(nn.Module):
@@ -79,6 +80,7 @@ class MultiHeadAttention(nn.Module):
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
     backend: str | None = None
+    shard_axes: Any = None
 
     def _dense(self, features: int, name: str):
         return nn.Dense(features, use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype, name=name)
@@ -94,7 +96,8 @@ class MultiHeadAttention(nn.Module):
                              f"got {kv_heads}")
         batch, seqlen = x.shape[:2]
         core = DotProductAttention(mask=self.mask, window=self.window, softmax_type=self.softmax_type,
-                                   num_heads=heads, dropout_p=self.dropout_p, backend=self.backend, name="attention")
+                                   num_heads=heads, dropout_p=self.dropout_p, backend=self.backend,
+                                   shard_axes=self.shard_axes, name="attention")
         if kv_input is None and self.fused_qkv:
             qkv = self._dense((heads + 2 * kv_heads) * dim, "qkv")(x)
             if kv_heads == heads:  # one packed tensor, read in place
@@ -134,6 +137,7 @@ class TransformerLayer(nn.Module):
     fused_qkv: bool = True
     dtype: Any = jnp.float32
     backend: str | None = None
+    shard_axes: Any = None
 
     @nn.compact
     def __call__(self, x, *, deterministic: bool = True, **kwargs):
@@ -146,7 +150,7 @@ class TransformerLayer(nn.Module):
         attend = MultiHeadAttention(num_heads=self.num_heads, head_dim=head_dim, num_kv_heads=self.num_kv_heads,
                                     fused_qkv=self.fused_qkv, mask=self.mask, window=self.window,
                                     dropout_p=self.attention_dropout, dtype=self.dtype, backend=self.backend,
-                                    name="attention")
+                                    shard_axes=self.shard_axes, name="attention")
         mlp_hidden = self.mlp_hidden_size or 4 * self.hidden_size
 
         def mlp(h):

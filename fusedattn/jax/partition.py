@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -89,7 +89,7 @@ def _known_split(q, role: str):
 
 def _declared(api: str, shard_axes) -> tuple:
     """(mesh, batch axes, head axes) of a shard_axes argument, with clear errors."""
-    if not isinstance(shard_axes, dict) or not set(shard_axes) <= {"batch", "heads"}:
+    if not isinstance(shard_axes, Mapping) or not set(shard_axes) <= {"batch", "heads"}:
         raise ValueError(f"{api}: shard_axes: expected a dict with keys 'batch' and/or 'heads' (mesh axis names), "
                          f"got {shard_axes!r}")
     mesh = jax.sharding.get_abstract_mesh()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +28,7 @@ from fusedattn.score_mods.core import RuntimeScalar
 __all__ = ["forward", "backward", "output_shapes"]
 
 API = "fusedattn.jax.attention"
+ENV_LEAN = "FUSEDATTN_JAX_LEAN"
 
 
 def _torch_stream(ctx):
@@ -110,6 +112,31 @@ def _lse_role(cfg: AttentionConfig) -> str:
     return "TH" if cfg.layout.is_ragged else "BHQ"
 
 
+def _lean(backend, cfg: AttentionConfig, index, aux, grad_lse=None):
+    """The backend's raw-address runner when this call qualifies: q, k, v only (no other arrays, no
+    aux, no lse gradient) and a config the backend runs as is. FUSEDATTN_JAX_LEAN=0 turns it off."""
+    if index != [0, 1, 2] or aux or grad_lse is not None or os.environ.get(ENV_LEAN, "1") == "0":
+        return None
+    return backend.address_runner(cfg)
+
+
+def _addresses(buffers) -> list[int]:
+    return [b.__cuda_array_interface__["data"][0] for b in buffers]
+
+
+def _device(buffer) -> int:
+    return buffer.__dlpack_device__()[1]
+
+
+def _lean_callback(lean, direction: str, outputs: int):
+    """A callback that hands XLA's buffer addresses (the inputs, then the first `outputs` results)
+    straight to the backend, on XLA's stream."""
+    def callback(ctx, outs, *buffers):
+        lean(direction, _device(buffers[0]), ctx.stream, _addresses((*buffers, *outs[:outputs])))
+
+    return callback
+
+
 def _call(cfg, run, operands, roles, out_roles, summed, index, aux_count, split) -> tuple:
     """run over operands: whole, or once per shard of `split`."""
     if split is None:
@@ -128,12 +155,14 @@ def forward(cfg: AttentionConfig, backend, score_mod, arrays, split: Split | Non
     aux_names, aux = _aux(score_mod)
 
     def run(local_cfg, operands):
-        def callback(ctx, outs, *buffers):
+        def through_torch(ctx, outs, *buffers):
             with _torch_stream(ctx):
                 tensors, targets = _views(buffers), _views(outs)
                 inputs = _inputs(index, tensors, score_mod, aux_names)
                 _fill(targets, backend.forward_into(local_cfg, inputs, AttentionOutputs(*targets)))
 
+        lean = _lean(backend, local_cfg, index, aux)
+        callback = through_torch if lean is None else _lean_callback(lean, "forward", outputs=2)  # not max_logit
         shapes = output_shapes(local_cfg, operands[0])
         return tuple(buffer_callback(callback, shapes, vmap_method="sequential")(*operands))
 
@@ -154,7 +183,7 @@ def backward(cfg: AttentionConfig, backend, score_mod, arrays, out, lse, grad_ou
         extra.append(grad_lse)
 
     def run(local_cfg, operands):
-        def callback(ctx, outs, *buffers):
+        def through_torch(ctx, outs, *buffers):
             with _torch_stream(ctx):
                 tensors, targets = _views(buffers), _views(outs)
                 count = len(index) + len(aux)
@@ -164,6 +193,9 @@ def backward(cfg: AttentionConfig, backend, score_mod, arrays, out, lse, grad_ou
                 grads = backend.backward_into(local_cfg, inputs, AttentionOutputs(out_t, lse_t), grad_out_t,
                                               grad_lse_t[0] if grad_lse_t else None, into)
                 _fill(targets, [grads[ARRAY_NAMES[i]] for i in wanted])
+
+        lean = _lean(backend, local_cfg, index, aux, grad_lse)
+        callback = through_torch if lean is None else _lean_callback(lean, "backward", outputs=3)
 
         local = {ARRAY_NAMES[i]: x for i, x in zip(index, operands)}
         shapes = tuple(jax.ShapeDtypeStruct(local[ARRAY_NAMES[i]].shape, local[ARRAY_NAMES[i]].dtype)

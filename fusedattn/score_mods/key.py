@@ -11,6 +11,7 @@ addresses, and nothing imports cudnn, torch or JAX.
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Callable
 from typing import Any
@@ -95,9 +96,12 @@ def describe_aux(value: Any) -> tuple:
         raise ValueError(f"score_mod_tensors: expected arrays or numbers, got {type(value).__name__}")
     if len(shape) == 0 or (hasattr(value, "ndim") and value.ndim == 0):  # 0-d arrays are runtime scalars
         return ("scalar", str(value.dtype))
-    stride = value.stride() if callable(getattr(value, "stride", None)) else getattr(value, "strides", None)
+    if callable(getattr(value, "stride", None)):  # torch: strides in elements
+        stride = tuple(value.stride())
+    else:  # JAX arrays have none; XLA hands callbacks dense row-major buffers
+        stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
     dtype = str(value.dtype).removeprefix("torch.")
-    return ("array", tuple(shape), dtype, tuple(stride) if stride is not None else None)
+    return ("array", tuple(shape), dtype, stride)
 
 
 def structural_key(score_mod: Callable, tensors: dict | None = None, score_mod_bprop: Callable | None = None,

@@ -40,6 +40,13 @@ class CudnnBackend(Backend):
 
         return backward(cfg, inputs, outputs, grad_out, grad_lse)
 
+    def address_runner(self, cfg):
+        from fusedattn.backends.cudnn import pointer_run
+
+        if not pointer_run.runs_from_addresses(cfg):
+            return None
+        return lambda direction, device, stream, addresses: pointer_run.run(cfg, direction, device, stream, addresses)
+
     def forward_into(self, cfg, inputs, into):
         from fusedattn.backends.cudnn.torch_run import forward
 

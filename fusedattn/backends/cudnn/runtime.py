@@ -25,8 +25,8 @@ def graph_cache() -> LRUCache:
     return _graphs
 
 
-def _handle(device: int):
-    """This thread's cuDNN handle for `device`, bound to torch's current stream there."""
+def _handle(device: int, stream: int | None = None):
+    """This thread's cuDNN handle for `device`, bound to `stream` (default: torch's current stream there)."""
     handles = getattr(_local, "handles", None)
     if handles is None:
         handles = _local.handles = {}
@@ -34,7 +34,7 @@ def _handle(device: int):
         with torch.cuda.device(device):
             handles[device] = cudnn.create_handle()
     handle = handles[device]
-    cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream(device).cuda_stream)
+    cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream(device).cuda_stream if stream is None else stream)
     return handle
 
 
