@@ -37,6 +37,43 @@ def per_call_us(fn, *args, n=500) -> float:
     return (time.perf_counter() - start) / n * 1e6
 
 
+def execute_forms(B: int, H: int, S: int, D: int) -> None:
+    """cuDNN's execute alone, from raw addresses: the mapping form and the ordered (tensor_uids) form."""
+    import torch
+
+    from fusedattn.backends.cudnn import runtime
+    from fusedattn.backends.cudnn.pointer_run import FORWARD_INPUTS, FORWARD_OUTPUTS, _workspace
+
+    cfg = next(key[0] for key in runtime.graph_cache().keys()
+               if key[1] == "forward" and key[0].framework == "jax" and key[0].seqlen_q == S)
+    built = runtime.get_graph(cfg, "forward", 0)
+    tensors = [torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    tensors.append(torch.empty(B, H, S, device="cuda"))
+    addresses = [t.data_ptr() for t in tensors]
+    uids = tuple(built.tensors[n].get_uid() for n in FORWARD_INPUTS + FORWARD_OUTPUTS)
+    stream = torch.cuda.current_stream().cuda_stream
+    handle = runtime._handle(0, stream)
+    workspace = _workspace(0, stream, built.workspace)
+
+    def timed(fn, n=2000) -> float:
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) / n * 1e6
+
+    mapping = lambda: built.graph.execute(dict(zip(uids, addresses)), workspace, handle=handle)  # noqa: E731
+    ordered = lambda: built.graph.execute(tuple(addresses), workspace, handle=handle, tensor_uids=uids)  # noqa: E731
+    print(f"execute, uid->address dict: {timed(mapping):7.1f} us/call")
+    try:
+        print(f"execute, ordered addresses: {timed(ordered):7.1f} us/call")
+    except Exception as error:
+        print(f"execute, ordered addresses: failed: {type(error).__name__}: {error}")
+
+
 def main() -> None:
     B, H, S, D = (int(x) for x in sys.argv[1:5]) if len(sys.argv) >= 5 else (1, 8, 128, 64)
     keys = jax.random.split(jax.random.key(0), 3)
@@ -67,11 +104,12 @@ def main() -> None:
     backend.forward_into, backend.backward_into = timed("forward", real_forward), timed("backward", real_backward)
     both = jax.jit(lambda q, k, v: jax.grad(lambda *x: ours(*x).astype(jnp.float32).sum(), argnums=(0, 1, 2))(q, k, v))
     total = per_call_us(both, q, k, v, n=500)
-    calls = spent["calls"]
+    calls = max(spent["calls"], 1)  # 0 when the raw-address path ran (it bypasses forward_into)
     print(f"inside backend.forward_into {spent['forward'] / calls * 1e6:.1f} us, backward_into "
           f"{spent['backward'] / calls * 1e6:.1f} us, whole fwd+bwd call {total:.1f} us")
     backend.forward_into, backend.backward_into = real_forward, real_backward
 
+    execute_forms(B, H, S, D)
     profile = cProfile.Profile()
     profile.enable()
     per_call_us(both, q, k, v, n=300)

@@ -54,8 +54,21 @@ def _run_forward(cfg, backend_name, score_mod, split, arrays):
 # how a bridge call (torch-implemented backend) is split over devices, or None.
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
 def _attention(cfg, backend_name, score_mod, split, arrays):
-    outputs, _ = _run_forward(cfg, backend_name, score_mod, split, arrays)
+    # Runs only when nothing differentiates the call: an inference forward where that differs.
+    outputs, _ = _run_forward(_for_inference(cfg, backend_name), backend_name, score_mod, split, arrays)
     return tuple(outputs)
+
+
+def _for_inference(cfg, backend_name: str):
+    """cfg without training when no output needs it (no lse/max_logit asked for, no dropout, which
+    training decides on) and the backend runs it (checked by building, as selection does): cuDNN
+    then writes no LSE and may choose faster kernels."""
+    backend = get_backend(backend_name)
+    if (backend.array_framework != "torch" or cfg.dropout_p > 0.0 or cfg.return_lse or cfg.return_max_logit
+            or not cfg.is_training):
+        return cfg
+    inference = cfg.replace(is_training=False)
+    return cfg if backend.supports(inference) else inference
 
 
 def _attention_fwd(cfg, backend_name, score_mod, split, arrays):

@@ -81,12 +81,12 @@ def cudnn_calls(monkeypatch):
 
         monkeypatch.setattr(torch_run, phase, spy)
 
-    def lean_spy(cfg, direction, *args, _original=pointer_run.run):  # the bridge's raw-address path
-        calls.append((direction, cfg))
+    def lean_spy(runner, direction, *args, _original=pointer_run.AddressRunner.__call__):  # the raw-address path
+        calls.append((direction, runner.cfg))
         calls.lean.append(direction)
-        return _original(cfg, direction, *args)
+        return _original(runner, direction, *args)
 
-    monkeypatch.setattr(pointer_run, "run", lean_spy)
+    monkeypatch.setattr(pointer_run.AddressRunner, "__call__", lean_spy)
     return calls
 
 
@@ -757,11 +757,53 @@ def test_plain_calls_run_from_raw_addresses_and_match_the_torch_path(cudnn_calls
                                 q, k, v)
         return (out, *pullback(jnp.ones_like(out)))
 
-    lean = [np.asarray(x) for x in jax.jit(step)(q, k, v)]
-    assert cudnn_calls.lean == ["forward", "backward"], cudnn_calls.lean
+    from fusedattn.backends.cudnn import pointer_run
+
+    lean_step = jax.jit(step)
+    first = [np.asarray(x) for x in lean_step(q, k, v)]  # cuDNN's public execute, then its raw launch
+    again = [np.asarray(x) for x in lean_step(q, k, v)]
+    assert cudnn_calls.lean == ["forward", "backward"] * 2, cudnn_calls.lean
     monkeypatch.setenv("FUSEDATTN_JAX_LEAN", "0")
     through_torch = [np.asarray(x) for x in jax.jit(lambda *x: step(*x))(q, k, v)]  # a new trace reads the env
-    assert cudnn_calls.lean == ["forward", "backward"], "the torch path ran from raw addresses"
+    assert cudnn_calls.lean == ["forward", "backward"] * 2, "the torch path ran from raw addresses"
     assert_cudnn_ran(cudnn_calls)
-    for name, a, b in zip(("out", "dq", "dk", "dv"), lean, through_torch):
-        np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16), err_msg=name)
+    for name, a, b, c in zip(("out", "dq", "dk", "dv"), first, again, through_torch):
+        np.testing.assert_array_equal(a.view(np.uint16), c.view(np.uint16), err_msg=f"{name}: public execute")
+        np.testing.assert_array_equal(b.view(np.uint16), c.view(np.uint16), err_msg=f"{name}: raw launch")
+    if pointer_run.ENV_RAW != "0":
+        import cudnn
+
+        launched = [bound[0] for runner in _runners() for bound in runner._bound.values()]
+        assert any(isinstance(g, pointer_run._RawLaunch) for g in launched) or \
+            not cudnn.__version__.startswith(pointer_run.RAW_LAUNCH_FRONTEND), launched
+
+
+def _runners():
+    import gc
+
+    from fusedattn.backends.cudnn.pointer_run import AddressRunner
+
+    return [o for o in gc.get_objects() if isinstance(o, AddressRunner)]
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "padding"])
+def test_forward_without_gradient_runs_an_inference_graph(cudnn_calls, mask):
+    """A jitted forward that nothing differentiates runs cuDNN without the LSE (is_training=False)
+    and still matches the reference; the same call under jax.vjp runs the training graph."""
+    q, k, v = qkv(61, sq=256, d=128)
+    options = {"mask": mask}
+    if mask == "padding":
+        lengths = cumulative([200, 256])
+        options.update(cu_seqlens_q=lengths, cu_seqlens_kv=lengths)
+    arrays, joptions = jax_inputs({"q": q, "k": k, "v": v}, options, BF16)
+    out = jax.jit(lambda q, k, v: fj.attention(q, k, v, **joptions, backend="cudnn"))(*arrays.values())
+    tensors = {n: to_torch(x) for n, x in arrays.items()}
+    g = torch.ones(out.shape, dtype=torch.bfloat16, device="cuda")
+    same = torch_reference(tensors, torch_options(joptions), g)[0]
+    exact = torch_reference(tensors, torch_options(joptions), g, wide=True)[0]
+    assert_close_to_exact("out", as_torch_tensor(out), same, exact)
+    assert [(phase, cfg.is_training) for phase, cfg in cudnn_calls] == [("forward", False)], cudnn_calls
+    trained, _ = jax.jit(lambda *x: jax.vjp(lambda *y: fj.attention(*y, **joptions, backend="cudnn"), *x))(
+        *arrays.values())
+    assert ("forward", True) in [(phase, cfg.is_training) for phase, cfg in cudnn_calls], cudnn_calls
+    assert_close_to_exact("out (training graph)", as_torch_tensor(trained), same, exact)

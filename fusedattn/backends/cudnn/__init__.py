@@ -43,9 +43,7 @@ class CudnnBackend(Backend):
     def address_runner(self, cfg):
         from fusedattn.backends.cudnn import pointer_run
 
-        if not pointer_run.runs_from_addresses(cfg):
-            return None
-        return lambda direction, device, stream, addresses: pointer_run.run(cfg, direction, device, stream, addresses)
+        return pointer_run.AddressRunner(cfg) if pointer_run.runs_from_addresses(cfg) else None
 
     def forward_into(self, cfg, inputs, into):
         from fusedattn.backends.cudnn.torch_run import forward

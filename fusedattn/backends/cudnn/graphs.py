@@ -141,12 +141,12 @@ def build_forward(cfg: AttentionConfig, spec: SdpaSpec, handle, dump_dropout: bo
         scores = dense((cfg.batch, cfg.heads_q, cfg.seqlen_q, cfg.seqlen_kv))
         kwargs["rng_dump"] = graph.tensor(name="rng_dump", dim=list(scores.dim), stride=list(scores.stride),
                                           data_type=_FLOAT)
-    o, stats = graph.sdpa(name="sdpa", generate_stats=not spec.max_logit, **kwargs)
+    o, stats = graph.sdpa(name="sdpa", generate_stats=spec.stats_output, **kwargs)
     _ragged(graph, tensors, cfg, spec, "o", _output(tensors, "o", o, spec.o))
     if spec.max_logit:
         _output(tensors, "row_max", kwargs["score_max"], spec.stats, _FLOAT)
         _output(tensors, "sum_exp", kwargs["score_sum_exp"], spec.stats, _FLOAT)
-    else:
+    elif spec.stats_output:
         _ragged(graph, tensors, cfg, spec, "stats", _output(tensors, "stats", stats, spec.stats, _FLOAT))
     if dump_dropout:
         _output(tensors, "rng_dump", kwargs["rng_dump"], scores, _FLOAT)

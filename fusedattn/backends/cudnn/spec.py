@@ -99,6 +99,9 @@ class SdpaSpec:
     padding: bool  # per-sequence lengths (seq_len_q/kv tensors)
     ragged: bool  # THD: q/k/v/o/stats start each sequence at a ragged offset
     score_mod: bool = False  # a score_mod callback; masks are then written inside it
+    # The forward writes the LSE ("stats"): for a backward, a caller that asked for it, or the
+    # empty-row fix of score_mod calls. Inference without it lets cuDNN pick its inference kernels.
+    stats_output: bool = True
 
     def token_stride(self, role: str) -> int:
         """Elements between consecutive tokens of one sequence: the ragged offset's unit."""
@@ -137,6 +140,8 @@ def sdpa_spec(cfg: AttentionConfig) -> SdpaSpec:
         padding=cfg.mask.is_padding,
         ragged=ragged,
         score_mod=cfg.score_mod_key is not None,
+        stats_output=not cfg.return_max_logit and (cfg.is_training or cfg.return_lse
+                                                   or cfg.score_mod_key is not None),
     )
 
 
