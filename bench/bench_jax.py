@@ -241,12 +241,9 @@ def main(argv=None) -> int:
     head_dims = args.head_dims or ([128] if args.quick else [64, 128])
     rows = [(case, mode) for case in make_cases(seqlens, head_dims) for mode in args.modes
             if common.workload_matches(args.only, f"{case.name}-{mode}")]
-    if args.list:
-        print("\n".join(f"{case.name}-{mode}" for case, mode in rows))
-        return 0
-    if not rows:
-        print(f"bench_jax: no workload matches --only {args.only!r} (see --list)", file=sys.stderr)
-        return 2
+    listed = common.list_or_missing("bench_jax", args, rows)
+    if listed is not None:
+        return listed
     device = jax.devices("cpu")[0] if args.cpu_smoke else jax.devices()[0]
     if device.platform != "gpu" and not args.cpu_smoke:
         print(f"bench_jax: JAX sees no GPU (default device {device}); run on a GPU machine, or --cpu-smoke",

@@ -395,6 +395,18 @@ def harness_error_row(workload: str, params: dict, backend: str, error: BaseExce
             "ratio_vs_best_peer": None}
 
 
+def list_or_missing(name: str, args, rows) -> int | None:
+    """The exit code when there is nothing to measure: --list prints the (case, mode) workloads
+    (0), and no workload matching --only is an error (2); None to go on."""
+    if args.list:
+        print("\n".join(f"{case.name}-{mode}" for case, mode in rows))
+        return 0
+    if not rows:
+        print(f"{name}: no workload matches --only {args.only!r} (see --list)", file=sys.stderr)
+        return 2
+    return None
+
+
 def run_suite(name: str, args, rows: list, run_row: Callable, peers: Sequence[str], *, harness_row: Callable,
               cpu_hint: str, notes: Sequence[str] = (), time_limit: float = 0.0,
               on_time_limit: Callable | None = None) -> int:
@@ -403,12 +415,9 @@ def run_suite(name: str, args, rows: list, run_row: Callable, peers: Sequence[st
     run_row(case, mode, device) -> row; harness_row(case, mode, error) -> row when run_row
     itself fails (the suite keeps going). Returns the process exit code.
     """
-    if args.list:
-        print("\n".join(f"{case.name}-{mode}" for case, mode in rows))
-        return 0
-    if not rows:
-        print(f"{name}: no workload matches --only {args.only!r} (see --list)", file=sys.stderr)
-        return 2
+    listed = list_or_missing(name, args, rows)
+    if listed is not None:
+        return listed
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print(f"{name}: no CUDA device visible to torch; run on a GPU machine ({cpu_hint})", file=sys.stderr)

@@ -40,6 +40,7 @@ def per_call_us(fn, *args, n=500) -> float:
 def execute_forms(B: int, H: int, S: int, D: int) -> None:
     """cuDNN's execute alone, from raw addresses: the mapping form and the ordered (tensor_uids) form."""
     import torch
+    from profile_overhead import per_call_us as timed  # torch-synchronized timing of a callable
 
     from fusedattn.backends.cudnn import runtime
     from fusedattn.backends.cudnn.pointer_run import FORWARD_INPUTS, FORWARD_OUTPUTS, _workspace
@@ -55,21 +56,11 @@ def execute_forms(B: int, H: int, S: int, D: int) -> None:
     handle = runtime._handle(0, stream)
     workspace = _workspace(0, stream, built.workspace)
 
-    def timed(fn, n=2000) -> float:
-        for _ in range(20):
-            fn()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - start) / n * 1e6
-
     mapping = lambda: built.graph.execute(dict(zip(uids, addresses)), workspace, handle=handle)  # noqa: E731
     ordered = lambda: built.graph.execute(tuple(addresses), workspace, handle=handle, tensor_uids=uids)  # noqa: E731
-    print(f"execute, uid->address dict: {timed(mapping):7.1f} us/call")
+    print(f"execute, uid->address dict: {timed(mapping, n=2000):7.1f} us/call")
     try:
-        print(f"execute, ordered addresses: {timed(ordered):7.1f} us/call")
+        print(f"execute, ordered addresses: {timed(ordered, n=2000):7.1f} us/call")
     except Exception as error:
         print(f"execute, ordered addresses: failed: {type(error).__name__}: {error}")
 
