@@ -166,9 +166,9 @@ def forward(cfg: AttentionConfig, backend, score_mod, arrays, split: Split | Non
         shapes = output_shapes(local_cfg, operands[0])
         return tuple(buffer_callback(callback, shapes, vmap_method="sequential")(*operands))
 
-    q_role = _roles(cfg, index)[0]
-    return _call(cfg, run, present + aux, _roles(cfg, index) + ["BHQK"] * len(aux),
-                 (q_role, _lse_role(cfg), "H"), (False, False, False), index, len(aux), split)
+    roles = _roles(cfg, index)
+    return _call(cfg, run, present + aux, roles + ["BHQK"] * len(aux),
+                 (roles[0], _lse_role(cfg), "H"), (False, False, False), index, len(aux), split)
 
 
 def backward(cfg: AttentionConfig, backend, score_mod, arrays, out, lse, grad_out, grad_lse,

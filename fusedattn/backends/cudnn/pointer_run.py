@@ -13,7 +13,7 @@ import ctypes
 import os
 import threading
 
-from fusedattn.backends.cudnn.spec import TensorSpec, gradient_spec, rows_without_keys, sdpa_spec
+from fusedattn.backends.cudnn.spec import rows_without_keys, sdpa_spec
 from fusedattn.cache import LRUCache
 from fusedattn.config import AttentionConfig, SoftmaxType
 from fusedattn.layout import layout_spec
@@ -30,31 +30,19 @@ _workspaces: dict = {}  # (device, stream) -> list of uint8 tensors, never freed
 _workspace_lock = threading.Lock()
 
 
-def _dense_in_memory(spec: TensorSpec, cfg: AttentionConfig) -> bool:
-    """Whether a BHSD graph tensor is a dense row-major array of the base layout's memory order."""
-    order = {"bshd": (0, 2, 1, 3), "sbhd": (2, 0, 1, 3), "bhsd": (0, 1, 2, 3)}[cfg.layout.value]
-    memory_dims = [spec.dim[i] for i in order]
-    stride, step = [0] * 4, 1
-    for position in reversed(range(4)):
-        stride[order[position]] = step
-        step *= memory_dims[position]
-    return all(n == 1 or a == b for n, a, b in zip(spec.dim, spec.stride, stride))
-
-
 def runs_from_addresses(cfg: AttentionConfig) -> bool:
-    """Whether this call can run from raw addresses (decided once per config)."""
+    """Whether this call can run from raw addresses (decided once per config).
+
+    Unpacked, padded-free base layouts are what XLA hands over: for them sdpa_spec's q/k/v/o
+    (layout_strides), their gradients (gradient_spec of a dense spec) and the stats are
+    already dense row-major, so only what is computed around the graph rules a call out.
+    """
     def decide() -> bool:
         if cfg.layout != layout_spec(cfg.layout).base or cfg.layout.is_ragged or rows_without_keys(cfg):
             return False
         spec = sdpa_spec(cfg)
-        if (spec.padding or spec.score_mod or spec.max_logit or spec.dropout or spec.bias is not None
-                or spec.sink or cfg.softmax is not SoftmaxType.VANILLA):
-            return False
-        tensors = [spec.q, spec.k, spec.v, spec.o]
-        if cfg.is_training:
-            tensors += [gradient_spec(spec.q), gradient_spec(spec.k), gradient_spec(spec.v)]
-        dense_stats = not spec.stats_output or spec.stats.stride[:3] == (cfg.heads_q * cfg.seqlen_q, cfg.seqlen_q, 1)
-        return dense_stats and all(_dense_in_memory(t, cfg) for t in tensors)
+        return not (spec.padding or spec.score_mod or spec.max_logit or spec.dropout or spec.bias is not None
+                    or spec.sink or cfg.softmax is not SoftmaxType.VANILLA)
 
     return _eligible.get_or_build(cfg, decide)
 

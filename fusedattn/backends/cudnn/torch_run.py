@@ -85,7 +85,7 @@ def _empty_bhsd(spec: TensorSpec, plan: _Plan, dtype, device, zero=False, into=N
     return bhsd.permute(plan.from_bhsd), bhsd
 
 
-def _zeros_like_target(shape, dtype, device, into=None, zero=True) -> torch.Tensor:
+def _contiguous_target(shape, dtype, device, into=None, zero=True) -> torch.Tensor:
     """A contiguous tensor, zeroed unless zero=False: the caller's buffer `into` when it fits, else a new one."""
     if into is not None and into.is_contiguous() and _fits(into, shape, into.stride(), dtype):
         return into.zero_() if zero else into
@@ -210,9 +210,9 @@ def forward(cfg: AttentionConfig, inputs: AttentionInputs, into: AttentionOutput
     if spec.ragged:
         # cuDNN writes only each sequence's tokens: gaps and trailing tokens stay 0.
         tokens = inputs.q.shape[0]
-        buffers["o"] = out = _zeros_like_target((tokens, cfg.heads_q, cfg.head_dim_v), inputs.q.dtype, device,
+        buffers["o"] = out = _contiguous_target((tokens, cfg.heads_q, cfg.head_dim_v), inputs.q.dtype, device,
                                                 into.out)
-        buffers["stats"] = lse = _zeros_like_target((tokens, cfg.heads_q), torch.float32, device, into.lse)
+        buffers["stats"] = lse = _contiguous_target((tokens, cfg.heads_q), torch.float32, device, into.lse)
         execute(get_graph(cfg, "forward", device.index), buffers, device.index, raw=True)
         if spec.score_mod:
             lse = _clear_empty_rows(out, lse)
@@ -224,7 +224,7 @@ def forward(cfg: AttentionConfig, inputs: AttentionInputs, into: AttentionOutput
             buffers[name] = torch.empty(spec.stats.dim, dtype=torch.float32, device=device)
     else:
         lse_into = into.lse.view(spec.stats.dim) if into.lse is not None and into.lse.is_contiguous() else None
-        buffers["stats"] = _zeros_like_target(spec.stats.dim, torch.float32, device, lse_into, zero=False)
+        buffers["stats"] = _contiguous_target(spec.stats.dim, torch.float32, device, lse_into, zero=False)
     execute(get_graph(cfg, "forward", device.index), buffers, device.index)
     if spec.score_mod:
         buffers["stats"] = _clear_empty_rows(buffers["o"], buffers["stats"])
@@ -274,7 +274,7 @@ def backward(cfg: AttentionConfig, inputs: AttentionInputs, outputs: AttentionOu
             source = getattr(inputs, role)
             heads, dim = (cfg.heads_q, cfg.head_dim_qk) if role == "q" else (
                 cfg.heads_kv, cfg.head_dim_qk if role == "k" else cfg.head_dim_v)
-            grads[role] = buffers["d" + role] = _zeros_like_target((source.shape[0], heads, dim), source.dtype,
+            grads[role] = buffers["d" + role] = _contiguous_target((source.shape[0], heads, dim), source.dtype,
                                                                    device, into.get(role))
     else:
         buffers["o"] = outputs.out.permute(plan.to_bhsd)
