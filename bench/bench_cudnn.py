@@ -395,10 +395,17 @@ def _print_rest(rows: list[tuple[Case, str]], args) -> None:
           f"{args.out}:\n  python bench/bench_cudnn.py {' '.join(options)}", flush=True)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def shape_grid(args) -> tuple[list[int], list[int]]:
+    """(seqlens, head_dims) of a run: --seqlens/--head-dims, else the standard grid (--quick: its
+    S=1024/4096, D=128 corner). Shared by the suites that measure the torch benchmarks' shapes."""
     seqlens = args.seqlens or ([1024, 4096] if args.quick else [1024, 4096, 16384])
     head_dims = args.head_dims or ([128] if args.quick else [64, 128])
+    return seqlens, head_dims
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    seqlens, head_dims = shape_grid(args)
     rows = [(case, mode) for case in make_cases(seqlens, head_dims) for mode in common.MODES
             if common.workload_matches(args.only, f"{case.name}-{mode}")]
     flex = Flex()

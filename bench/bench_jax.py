@@ -237,8 +237,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    seqlens = args.seqlens or ([1024, 4096] if args.quick else [1024, 4096, 16384])
-    head_dims = args.head_dims or ([128] if args.quick else [64, 128])
+    seqlens, head_dims = bench_cudnn.shape_grid(args)
     rows = [(case, mode) for case in make_cases(seqlens, head_dims) for mode in args.modes
             if common.workload_matches(args.only, f"{case.name}-{mode}")]
     listed = common.list_or_missing("bench_jax", args, rows)
