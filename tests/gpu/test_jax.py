@@ -64,6 +64,7 @@ class _Calls(list):
     def __init__(self):
         super().__init__()
         self.lean = []
+        self.runners = []  # the AddressRunners that ran, to look at how they launch
 
 
 @pytest.fixture
@@ -84,6 +85,7 @@ def cudnn_calls(monkeypatch):
     def lean_spy(runner, direction, *args, _original=pointer_run.AddressRunner.__call__):  # the raw-address path
         calls.append((direction, runner.cfg))
         calls.lean.append(direction)
+        calls.runners.append(runner)
         return _original(runner, direction, *args)
 
     monkeypatch.setattr(pointer_run.AddressRunner, "__call__", lean_spy)
@@ -773,17 +775,10 @@ def test_plain_calls_run_from_raw_addresses_and_match_the_torch_path(cudnn_calls
     if pointer_run.ENV_RAW != "0":
         import cudnn
 
-        launched = [bound[0] for runner in _runners() for bound in runner._bound.values()]
+        launched = [bound[0] for runner in cudnn_calls.runners for bound in runner._bound.values()]
         assert any(isinstance(g, pointer_run._RawLaunch) for g in launched) or \
             not cudnn.__version__.startswith(pointer_run.RAW_LAUNCH_FRONTEND), launched
 
-
-def _runners():
-    import gc
-
-    from fusedattn.backends.cudnn.pointer_run import AddressRunner
-
-    return [o for o in gc.get_objects() if isinstance(o, AddressRunner)]
 
 
 @pytest.mark.parametrize("mask", ["none", "causal", "padding"])
