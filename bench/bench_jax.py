@@ -235,6 +235,16 @@ def parse_args(argv=None):
     return args
 
 
+def _launch_path(args) -> str:
+    """How our cuDNN calls launch: the native XLA custom call, or Python buffer callbacks (and why)."""
+    if args.cpu_smoke:
+        return "reference (cpu smoke)"
+    from fusedattn.jax import native
+
+    reason = native.unavailable()
+    return "native custom call" if reason is None else f"buffer callbacks ({reason[:300]})"
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     seqlens, head_dims = bench_cudnn.shape_grid(args)
@@ -252,7 +262,8 @@ def main(argv=None) -> int:
 
     name = device.device_kind if device.platform == "gpu" else f"cpu ({platform.processor() or platform.machine()})"
     found = {**common.versions(), "jax": jax.__version__, "jaxlib": jaxlib.__version__,
-             "xla_platform": " ".join(f"{device.platform} {getattr(device.client, 'platform_version', '')}".split())}
+             "xla_platform": " ".join(f"{device.platform} {getattr(device.client, 'platform_version', '')}".split()),
+             "ours_launch": _launch_path(args)}
     header = {"suite": args.suite, "device": name, "date": common.today(), "versions": found}
     print(f"suite {args.suite} on {name}, {header['date']}; {len(rows)} rows -> {args.out}", flush=True)
     print("versions: " + ", ".join(f"{k} {v}" for k, v in header["versions"].items()), flush=True)

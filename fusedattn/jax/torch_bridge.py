@@ -128,6 +128,22 @@ def _device(buffer) -> int:
     return buffer.__dlpack_device__()[1]
 
 
+def _native_call(lean, direction: str, operands, shapes):
+    """The pass as a native XLA custom call (fusedattn/jax/native) when the lean path applies and
+    the native library runs here: no Python at run time. None otherwise."""
+    if lean is None:
+        return None
+    import numpy as np
+    import torch
+
+    from fusedattn.jax import native
+
+    plan = native.plan_id(lean, direction, torch.cuda.current_device(), len(operands) + len(shapes))
+    if plan is None:
+        return None
+    return jax.ffi.ffi_call(native.TARGET, shapes, vmap_method="sequential")(*operands, plan=np.int64(plan))
+
+
 def _lean_callback(lean, direction: str, outputs: int):
     """A callback that hands XLA's buffer addresses (the inputs, then the first `outputs` results)
     straight to the backend, on XLA's stream."""
@@ -162,8 +178,11 @@ def forward(cfg: AttentionConfig, backend, score_mod, arrays, split: Split | Non
                 _fill(targets, backend.forward_into(local_cfg, inputs, AttentionOutputs(*targets)))
 
         lean = _lean(backend, local_cfg, index, aux)
-        callback = through_torch if lean is None else _lean_callback(lean, "forward", outputs=2)  # not max_logit
         shapes = output_shapes(local_cfg, operands[0])
+        native = _native_call(lean, "forward", operands, shapes)
+        if native is not None:
+            return tuple(native)
+        callback = through_torch if lean is None else _lean_callback(lean, "forward", outputs=2)  # not max_logit
         return tuple(buffer_callback(callback, shapes, vmap_method="sequential")(*operands))
 
     roles = _roles(cfg, index)
@@ -195,11 +214,13 @@ def backward(cfg: AttentionConfig, backend, score_mod, arrays, out, lse, grad_ou
                 _fill(targets, [grads[ARRAY_NAMES[i]] for i in wanted])
 
         lean = _lean(backend, local_cfg, index, aux, grad_lse)
-        callback = through_torch if lean is None else _lean_callback(lean, "backward", outputs=3)
-
         local = {ARRAY_NAMES[i]: x for i, x in zip(index, operands)}
         shapes = tuple(jax.ShapeDtypeStruct(local[ARRAY_NAMES[i]].shape, local[ARRAY_NAMES[i]].dtype)
                        for i in wanted)
+        native = _native_call(lean, "backward", operands, shapes)
+        if native is not None:
+            return tuple(native)
+        callback = through_torch if lean is None else _lean_callback(lean, "backward", outputs=3)
         return tuple(buffer_callback(callback, shapes, vmap_method="sequential")(*operands))
 
     roles = _roles(cfg, index)

@@ -30,6 +30,7 @@ import fusedattn.jax as fj  # noqa: E402
 import fusedattn.torch as ft  # noqa: E402
 from fusedattn import score_mods as sm  # noqa: E402
 from fusedattn.backends.base import package_missing  # noqa: E402
+from fusedattn.jax import native  # noqa: E402
 from fusedattn.selection import clear_decisions  # noqa: E402
 
 try:
@@ -59,11 +60,13 @@ def _jax_gpu_and_cudnn(monkeypatch):
 
 
 class _Calls(list):
-    """(phase, cfg) of cuDNN runs; .lean lists the phases that ran from raw addresses."""
+    """(phase, cfg) of cuDNN runs; .lean lists the phases that ran from raw addresses, .native the
+    passes compiled into native custom calls (recorded when traced: they run without Python)."""
 
     def __init__(self):
         super().__init__()
         self.lean = []
+        self.native = []
         self.runners = []  # the AddressRunners that ran, to look at how they launch
 
 
@@ -89,6 +92,15 @@ def cudnn_calls(monkeypatch):
         return _original(runner, direction, *args)
 
     monkeypatch.setattr(pointer_run.AddressRunner, "__call__", lean_spy)
+
+    def native_spy(runner, direction, *args, _original=native.plan_id):
+        plan = _original(runner, direction, *args)
+        if plan is not None:
+            calls.append((direction, runner.cfg))
+            calls.native.append(direction)
+        return plan
+
+    monkeypatch.setattr(native, "plan_id", native_spy)
     return calls
 
 
@@ -751,7 +763,9 @@ def test_sequence_sharding_raises_a_clear_error():
 
 
 def test_plain_calls_run_from_raw_addresses_and_match_the_torch_path(cudnn_calls, monkeypatch):
-    """q, k, v-only calls skip torch (pointer_run); FUSEDATTN_JAX_LEAN=0 takes the torch path: same bits."""
+    """q, k, v-only calls skip torch (pointer_run); FUSEDATTN_JAX_LEAN=0 takes the torch path: same bits.
+    (The callback paths, so with the native custom call off.)"""
+    monkeypatch.setenv(native.ENV_SWITCH, "0")
     q, k, v = (jax.random.normal(key, (2, 256, 4, 64), jnp.bfloat16) for key in jax.random.split(jax.random.key(5), 3))
 
     def step(q, k, v):
@@ -802,3 +816,58 @@ def test_forward_without_gradient_runs_an_inference_graph(cudnn_calls, mask):
         *arrays.values())
     assert ("forward", True) in [(phase, cfg.is_training) for phase, cfg in cudnn_calls], cudnn_calls
     assert_close_to_exact("out (training graph)", as_torch_tensor(trained), same, exact)
+
+
+def _plain_step(mask: str = "causal"):
+    def step(q, k, v):
+        out, pullback = jax.vjp(lambda *x: fj.attention(*x, mask=mask, deterministic=True, backend="cudnn"), q, k, v)
+        return (out, *pullback(jnp.cos(out)))
+
+    return step
+
+
+def test_native_library_builds_here():
+    """On a GPU machine with the frontend's wheel, the native custom call must be available."""
+    assert native.unavailable() is None, native.unavailable()
+
+
+@pytest.mark.parametrize("mask,heads_kv,d", [("causal", 4, 64), ("none", 1, 128), ("causal_bottom_right", 2, 128)])
+def test_native_custom_call_gives_the_callback_paths_bits(cudnn_calls, monkeypatch, mask, heads_kv, d):
+    """Plain calls compile to fusedattn's native custom call, forward and backward, with no Python
+    callback in the program, and give exactly the bits of the callback path (FUSEDATTN_JAX_NATIVE=0)."""
+    keys = jax.random.split(jax.random.key(9), 3)
+    q = jax.random.normal(keys[0], (2, 256, 4, d), jnp.bfloat16)
+    k, v = (jax.random.normal(key, (2, 320, heads_kv, d), jnp.bfloat16) for key in keys[1:])
+    step = _plain_step(mask)
+    program = jax.jit(step).lower(q, k, v).as_text()
+    assert program.count(native.TARGET) == 2 and "python" not in program, program[-2000:]
+    fast = [np.asarray(x) for x in jax.jit(step)(q, k, v)]
+    assert cudnn_calls.native == ["forward", "backward"], cudnn_calls.native
+    monkeypatch.setenv(native.ENV_SWITCH, "0")
+    slow = [np.asarray(x) for x in jax.jit(lambda *x: step(*x))(q, k, v)]
+    assert cudnn_calls.native == ["forward", "backward"] and cudnn_calls.lean == ["forward", "backward"]
+    for name, a, b in zip(("out", "dq", "dk", "dv"), fast, slow):
+        assert np.isfinite(a.astype(np.float32)).all(), name
+        np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16), err_msg=name)
+
+
+def test_native_custom_call_matches_the_reference_under_vmap_and_inference():
+    """The native path against the float64 reference: a vmapped training step and a forward that
+    nothing differentiates (the inference graph, no stats buffer bound)."""
+    q, k, v = qkv(71, sq=256, d=64)
+    arrays, _ = jax_inputs({"q": q, "k": k, "v": v}, {}, BF16)
+    stacked = [jnp.stack([x, 0.5 * x]) for x in arrays.values()]
+    outs = jax.jit(jax.vmap(_plain_step("causal")))(*stacked)
+    inference = jax.jit(lambda *x: fj.attention(*x, mask="causal", backend="cudnn"))(*arrays.values())
+    for member in range(2):
+        tensors = {n: to_torch(x[member]) for n, x in zip(arrays, stacked)}
+        g = torch.cos(as_torch_tensor(outs[0][member])).to(torch.bfloat16)
+        out, _, grads = torch_reference(tensors, {"mask": "causal"}, g)
+        out64, _, grads64 = torch_reference(tensors, {"mask": "causal"}, g, wide=True)
+        assert_close_to_exact(f"out[{member}]", as_torch_tensor(outs[0][member]), out, out64)
+        for i, name in enumerate(("q", "k", "v"), start=1):
+            assert_close_to_exact(f"d{name}[{member}]", as_torch_tensor(outs[i][member]), grads[name], grads64[name])
+    tensors = {n: to_torch(x) for n, x in arrays.items()}
+    g = torch.ones_like(tensors["q"])
+    same, exact = (torch_reference(tensors, {"mask": "causal"}, g, wide=wide)[0] for wide in (False, True))
+    assert_close_to_exact("inference out", as_torch_tensor(inference), same, exact)

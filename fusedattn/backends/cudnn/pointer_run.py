@@ -23,6 +23,7 @@ __all__ = ["runs_from_addresses", "AddressRunner"]
 # Graph tensor names of each pass, in the order the bridge hands over their buffers.
 FORWARD_INPUTS, FORWARD_OUTPUTS = ("q", "k", "v"), ("o", "stats")
 BACKWARD_INPUTS, BACKWARD_OUTPUTS = ("q", "k", "v", "o", "stats", "dO"), ("dq", "dk", "dv")
+BUFFER_NAMES = {"forward": FORWARD_INPUTS + FORWARD_OUTPUTS, "backward": BACKWARD_INPUTS + BACKWARD_OUTPUTS}
 
 _eligible: LRUCache = LRUCache(1024)
 ENV_RAW = os.environ.get("FUSEDATTN_CUDNN_RAW_LAUNCH", "1")  # "0": always cuDNN's public execute
@@ -120,9 +121,9 @@ class AddressRunner:
         bound = self._bound.get(key)
         if bound is None:
             built = get_graph(self.cfg, direction, device)
-            names = FORWARD_INPUTS + FORWARD_OUTPUTS if direction == "forward" else BACKWARD_INPUTS + BACKWARD_OUTPUTS
-            used = tuple(i for i, name in enumerate(names) if name in built.tensors)  # no stats in inference
-            bound = (built.graph, tuple(built.tensors[names[i]].get_uid() for i in used), built.workspace, used)
+            uids = _buffer_uids(built, direction)
+            used = tuple(i for i, uid in enumerate(uids) if uid >= 0)  # no stats in inference
+            bound = (built.graph, tuple(uids[i] for i in used), built.workspace, used)
             self._bound[key] = bound
         graph, uids, size, used = bound
         addresses = [addresses[i] for i in used]
@@ -136,3 +137,16 @@ class AddressRunner:
                 self._bound[key] = (_RawLaunch(graph, uids, addresses, workspace), uids, size, used)
             except Exception:  # an internal that moved: stay on the public path
                 pass
+
+    def serialized(self, direction: str, device: int) -> tuple[bytes, tuple[int, ...]]:
+        """The pass's graph as cuDNN's serialized plan, and the uid each buffer binds to (-1: none),
+        for running it without Python (fusedattn/jax/native)."""
+        from fusedattn.backends.cudnn.runtime import get_graph
+
+        built = get_graph(self.cfg, direction, device)
+        return bytes(built.graph.serialize(as_bytes=True)), _buffer_uids(built, direction)
+
+
+def _buffer_uids(built, direction: str) -> tuple[int, ...]:
+    """Each buffer's uid in the graph, in the bridge's order; -1 where the graph has no such tensor."""
+    return tuple(built.tensors[name].get_uid() if name in built.tensors else -1 for name in BUFFER_NAMES[direction])
