@@ -119,7 +119,10 @@ def _built_library() -> Path:
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         raise RuntimeError("no C++ compiler (set CXX)")
-    command = [compiler, "-std=c++17", "-O2", "-shared", "-fPIC", "-static-libstdc++", "-static-libgcc",
+    # Hidden symbols and -Bsymbolic: the frontend's inline code must bind to this library's copy,
+    # never to another frontend version already in the process (torch bundles one).
+    command = [compiler, "-std=c++17", "-O2", "-shared", "-fPIC", "-fvisibility=hidden", "-fvisibility-inlines-hidden",
+               "-Wl,-Bsymbolic", "-Wl,--exclude-libs,ALL", "-static-libstdc++", "-static-libgcc",
                "-DNV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING", *(f"-I{d}" for d in includes), str(SOURCE)]
     key = hashlib.sha256(SOURCE.read_bytes() + repr((command, _versions())).encode()).hexdigest()[:16]
     target = _cache_dir() / key / LIBRARY_NAME

@@ -9,6 +9,8 @@
 #include <dlfcn.h>
 
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -56,16 +58,29 @@ Plan *find_plan(int64_t id) {
     return (id >= 0 && id < static_cast<int64_t>(plans.size())) ? plans[id].get() : nullptr;
 }
 
-// Runs `body` with `device` current, then restores the caller's device.
+// FUSEDATTN_NATIVE_DEBUG=1: each step on stderr (what a crash report lacks).
+void trace(const std::string &step) {
+    static const bool on = [] {
+        const char *value = std::getenv("FUSEDATTN_NATIVE_DEBUG");
+        return value != nullptr && value[0] == '1';
+    }();
+    if (on) std::fprintf(stderr, "fusedattn native: %s\n", step.c_str());
+}
+
+// Runs `body` with `device` current, then restores the caller's device. The CUDA runtime is
+// reached through the frontend's loader, as cuDNN is: the library links neither.
 template <typename Body>
 std::string on_device(int32_t device, Body body) {
+    using SetDevice = cudaError_t (*)(int);
+    static auto set_device = reinterpret_cast<SetDevice>(
+        fe::detail::get_cuda_symbol(fe::detail::CudaLibrary::CUDART, "cudaSetDevice"));
     int previous = -1;
-    if (cudaGetDevice(&previous) != cudaSuccess) return "cudaGetDevice failed";
-    if (previous != device && cudaSetDevice(device) != cudaSuccess) {
+    if (fe::detail::cuda_get_device(&previous) != cudaSuccess) return "cudaGetDevice failed";
+    if (previous != device && set_device(device) != cudaSuccess) {
         return "cudaSetDevice(" + std::to_string(device) + ") failed";
     }
     std::string error = body();
-    if (previous != device) cudaSetDevice(previous);
+    if (previous != device) set_device(previous);
     return error;
 }
 
@@ -74,6 +89,7 @@ std::string get_device(int32_t ordinal, Device **out) {
     auto &slot = devices[ordinal];
     if (!slot) {
         auto device = std::make_unique<Device>();
+        trace("creating a cuDNN handle on device " + std::to_string(ordinal));
         std::string error = on_device(ordinal, [&]() -> std::string {
             cudnnStatus_t status = fe::detail::create_handle(&device->handle);
             return status == CUDNN_STATUS_SUCCESS ? "" : "cudnnCreate failed with status " + std::to_string(status);
@@ -90,6 +106,8 @@ std::string get_graph(Plan *plan, int32_t ordinal, Device *device, fe::graph::Gr
     std::lock_guard<std::mutex> lock(plan->mutex);
     auto &slot = plan->graphs[ordinal];
     if (!slot) {
+        trace("deserializing a " + std::to_string(plan->blob.size()) + "-byte plan on device " +
+              std::to_string(ordinal));
         auto graph = std::make_unique<fe::graph::Graph>();
         std::string error = on_device(ordinal, [&]() -> std::string {
             std::lock_guard<std::mutex> handle_lock(device->mutex);
@@ -100,6 +118,7 @@ std::string get_graph(Plan *plan, int32_t ordinal, Device *device, fe::graph::Gr
             plan->graphs.erase(ordinal);
             return error;
         }
+        trace("deserialized; workspace " + std::to_string(graph->get_workspace_size()) + " bytes");
         slot = std::move(graph);
     }
     *out = slot.get();
@@ -156,6 +175,10 @@ ffi::Error Execute(cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t o
 
 }  // namespace
 
+// Built with hidden visibility (so the frontend's inline code never binds to another copy in the
+// process, such as torch's); these are the library's only exports.
+#pragma GCC visibility push(default)
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(fusedattn_cudnn_execute, Execute,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
@@ -170,6 +193,7 @@ extern "C" {
 // Loads cuDNN for the frontend from `path` (the library the process already uses). 0 on success.
 int fusedattn_init(const char *path) {
     std::lock_guard<std::mutex> lock(registry_mutex);
+    trace(std::string("loading ") + path);
     if (fe::cudnn_dlhandle != nullptr) return 0;
     fe::cudnn_dlhandle = dlopen(path, RTLD_NOW | RTLD_GLOBAL);
     if (fe::cudnn_dlhandle == nullptr) {
@@ -212,3 +236,5 @@ int64_t fusedattn_prepare(int64_t plan_id, int32_t device) {
 const char *fusedattn_last_error() { return last_error.c_str(); }
 
 }  // extern "C"
+
+#pragma GCC visibility pop
