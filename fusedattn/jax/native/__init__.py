@@ -23,13 +23,14 @@ from pathlib import Path
 
 from fusedattn.cache import LRUCache
 
-__all__ = ["TARGET", "enabled", "unavailable", "plan_id"]
+__all__ = ["TARGET", "WORKSPACE", "enabled", "unavailable", "plan_id"]
 
 TARGET = "fusedattn_cudnn_execute"
 ENV_SWITCH = "FUSEDATTN_JAX_NATIVE"
 ENV_LIBRARY = "FUSEDATTN_NATIVE_LIB"
 ENV_CACHE = "FUSEDATTN_CACHE_DIR"
 SOURCE = Path(__file__).with_name("cudnn_call.cc")
+UNBOUND, WORKSPACE = -1, -2  # cudnn_call.cc's uids for a buffer the graph skips, and for the workspace
 LIBRARY_NAME = "libfusedattn_cudnn_call.so"
 
 _lock = threading.Lock()
@@ -54,23 +55,26 @@ def unavailable() -> str | None:
     return _state.get("reason")
 
 
-def plan_id(runner, direction: str, device: int, buffers: int) -> int | None:
-    """The library's id for `runner`'s pass on `device`, registered (and deserialized there) once;
-    None when the native path is unavailable or cuDNN cannot rebuild this graph from its bytes."""
+def plan_id(runner, direction: str, device: int, buffers: int) -> tuple[int, int] | None:
+    """(the library's id, workspace bytes) for `runner`'s pass on `device`, registered (and
+    deserialized there) once. The call passes `buffers` operands and results, then a uint8
+    workspace result of that many bytes (at least 1). None when the native path is unavailable
+    or cuDNN cannot rebuild this graph from its bytes."""
     if unavailable() is not None:
         return None
 
-    def register() -> int | None:
+    def register() -> tuple[int, int] | None:
         blob, uids = runner.serialized(direction, device)
-        uids = uids + (-1,) * (buffers - len(uids))
+        uids = uids + (UNBOUND,) * (buffers - len(uids)) + (WORKSPACE,)
         library = _state["library"]
         data = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
         pid = library.fusedattn_register(data, len(blob), (ctypes.c_int64 * len(uids))(*uids), len(uids))
-        if library.fusedattn_prepare(pid, device) < 0:
+        workspace = library.fusedattn_prepare(pid, device)
+        if workspace < 0:
             _warn(f"cuDNN could not rebuild the {direction} graph from its bytes "
                   f"({library.fusedattn_last_error().decode()}); this call keeps the Python callback")
             return None
-        return pid
+        return pid, workspace
 
     return _plans.get_or_build((runner.cfg, direction, buffers), register)
 

@@ -3,8 +3,8 @@
 // Python builds a graph (fusedattn/backends/cudnn), serializes it and registers the bytes
 // here with the uid each of the call's buffers binds to. XLA then runs the call like any
 // custom call: no Python, no GIL, no torch on the hot path. Each device deserializes the
-// graph on its first call and keeps it; the workspace comes from XLA's scratch allocator
-// on XLA's stream.
+// graph on its first call and keeps it; the workspace is one more result buffer, sized when
+// the call was traced (XLA's scratch allocator refused FFI calls on the GPU: measured).
 
 #include <dlfcn.h>
 
@@ -34,11 +34,12 @@ namespace {
 namespace ffi = xla::ffi;
 namespace fe = cudnn_frontend;
 
-constexpr size_t kWorkspaceAlignment = 256;
+constexpr int64_t kUnbound = -1;    // a buffer the graph does not read or write
+constexpr int64_t kWorkspace = -2;  // the result buffer that serves as cuDNN's workspace
 
 struct Plan {
     std::vector<uint8_t> blob;
-    std::vector<int64_t> uids;  // one per buffer (operands, then results); -1: not bound
+    std::vector<int64_t> uids;  // one per buffer (operands, then results), or kUnbound / kWorkspace
     std::mutex mutex;           // guards graphs
     std::unordered_map<int32_t, std::unique_ptr<fe::graph::Graph>> graphs;  // by device
 };
@@ -125,8 +126,8 @@ std::string get_graph(Plan *plan, int32_t ordinal, Device *device, fe::graph::Gr
     return "";
 }
 
-ffi::Error Execute(cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t ordinal, int64_t plan_id,
-                   ffi::RemainingArgs args, ffi::RemainingRets rets) {
+ffi::Error Execute(cudaStream_t stream, int32_t ordinal, int64_t plan_id, ffi::RemainingArgs args,
+                   ffi::RemainingRets rets) {
     Plan *plan = find_plan(plan_id);
     if (plan == nullptr) return ffi::Error::InvalidArgument("fusedattn: unknown cuDNN plan " + std::to_string(plan_id));
     if (args.size() + rets.size() != plan->uids.size()) {
@@ -142,27 +143,30 @@ ffi::Error Execute(cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t o
 
     std::unordered_map<int64_t, void *> pointers;
     for (size_t i = 0; i < args.size(); ++i) {
-        if (plan->uids[i] < 0) continue;
+        if (plan->uids[i] == kUnbound) continue;
         auto buffer = args.get<ffi::AnyBuffer>(i);
         if (buffer.has_error()) return buffer.error();
         pointers.emplace(plan->uids[i], buffer->untyped_data());
     }
+    void *workspace = nullptr;
+    size_t workspace_bytes = 0;
     for (size_t i = 0; i < rets.size(); ++i) {
         int64_t uid = plan->uids[args.size() + i];
-        if (uid < 0) continue;
+        if (uid == kUnbound) continue;
         auto buffer = rets.get<ffi::AnyBuffer>(i);
         if (buffer.has_error()) return buffer.error();
-        pointers.emplace(uid, (*buffer)->untyped_data());
-    }
-    void *workspace = nullptr;
-    int64_t size = graph->get_workspace_size();
-    if (size > 0) {
-        auto allocated = scratch.Allocate(static_cast<size_t>(size), kWorkspaceAlignment);
-        if (!allocated.has_value()) {
-            return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                              "fusedattn: no " + std::to_string(size) + "-byte cuDNN workspace");
+        if (uid == kWorkspace) {
+            workspace = (*buffer)->untyped_data();
+            workspace_bytes = (*buffer)->size_bytes();
+        } else {
+            pointers.emplace(uid, (*buffer)->untyped_data());
         }
-        workspace = *allocated;
+    }
+    int64_t needed = graph->get_workspace_size();
+    if (needed > static_cast<int64_t>(workspace_bytes)) {
+        return ffi::Error::Internal("fusedattn: the graph needs a " + std::to_string(needed) +
+                                    "-byte workspace on device " + std::to_string(ordinal) + ", the call has " +
+                                    std::to_string(workspace_bytes));
     }
     std::lock_guard<std::mutex> lock(device->mutex);
     if (fe::detail::set_stream(device->handle, stream) != CUDNN_STATUS_SUCCESS) {
@@ -182,7 +186,6 @@ ffi::Error Execute(cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t o
 XLA_FFI_DEFINE_HANDLER_SYMBOL(fusedattn_cudnn_execute, Execute,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::ScratchAllocator>()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Attr<int64_t>("plan")
                                   .RemainingArgs()
