@@ -13,6 +13,9 @@ with params.us_per_call and params.ours_minus_jax_cudnn_us.
 Timing is wall clock, dispatch included, after compiling and --warmup calls. "loop" (every other row too):
 median over --repeats loops of N back-to-back calls then one block_until_ready, per call (N fills about
 --loop-ms): steady-state throughput. "latency": median of single calls each followed by block_until_ready.
+The contestants' loops are interleaved (ours, jax_cudnn, jax_xla, ours, ...): at S=1024 every one of them
+is bound by JAX's dispatch (about 45 us a call on the H200 host), and a drift of the host during a row
+used to move one contestant's numbers only.
 FLOPs, ratio_vs_best_peer (best peer ms / ours ms), error entries and the JSON as in bench_cudnn;
 max_abs_diff_vs_sdpa / max_abs_grad_diff_vs_sdpa: max |ours - max_abs_diff_ref| over the output / the
 gradients, the reference being the first of jax_cudnn, jax_xla that ran. Results: bench/results/jax.json,
@@ -135,8 +138,8 @@ def timed_ms(step, inputs, samples: int, calls: int) -> float:
     return statistics.median(times)
 
 
-def measure(name: str, case: Case, mode: str, inputs, args) -> tuple[dict, tuple | None, int | None]:
-    """({"ms": median} or {"error": ...}, the first call's outputs, calls per loop); never raises."""
+def prepare(name: str, case: Case, mode: str, inputs, args) -> tuple[dict | None, tuple | None, object, int | None]:
+    """(an error entry or None, the first call's outputs, the compiled step, calls per loop); never raises."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -145,11 +148,32 @@ def measure(name: str, case: Case, mode: str, inputs, args) -> tuple[dict, tuple
             for _ in range(args.warmup):
                 jax.block_until_ready(step(*inputs))
             calls = max(1, min(MAX_CALLS, round(args.loop_ms / timed_ms(step, inputs, 3, 1))))
-            if case.timing == "latency":  # single calls, as many as the loops would make
-                return {"ms": timed_ms(step, inputs, min(MAX_LATENCY_SAMPLES, args.repeats * calls), 1)}, outputs, 1
-            return {"ms": timed_ms(step, inputs, args.repeats, calls)}, outputs, calls
+            return None, outputs, step, (1 if case.timing == "latency" else calls)
         except Exception as error:  # any failure of a peer (or of ours) becomes an entry
-            return common.error_entry(error, caught), None, None
+            return common.error_entry(error, caught), None, None, None
+
+
+def measure_interleaved(steps: dict, calls: dict, case: Case, inputs, args) -> dict:
+    """{name: {"ms": median}} with the contestants' loops taken in turn (ours, peer, ours, peer, ...), so
+    a drift of the host or the GPU during the row touches all of them alike. Latency rows take single
+    calls, as many as the loops would make."""
+    samples = {name: [] for name in steps}
+    rounds = args.repeats
+    per_round = {name: 1 for name in steps}
+    if case.timing == "latency":
+        per_round = {name: max(1, min(MAX_LATENCY_SAMPLES, args.repeats * c) // args.repeats)
+                     for name, c in calls.items()}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            for _ in range(per_round[name]):
+                samples[name].append(timed_ms(step, inputs, 1, calls[name]))
+    entries = {}
+    for name, times in samples.items():
+        try:
+            entries[name] = {"ms": statistics.median(times)}
+        except statistics.StatisticsError as error:
+            entries[name] = common.error_entry(error)
+    return entries
 
 
 def max_abs_diff(ours: tuple, theirs: tuple) -> float:
@@ -164,15 +188,17 @@ def run_row(case: Case, mode: str, args, device) -> dict:
     params = {**case.params(mode), "flops": int(flops), "timing": case.timing, "warmup": args.warmup,
               "repeats": args.repeats, "loop_ms": args.loop_ms, "calls_per_loop": {}, "jit": True,
               "l2_flushed": False, "max_abs_diff_vs_sdpa": None, "max_abs_diff_ref": None}
-    entries, reference = {}, None
+    entries, reference, steps, calls_of = {}, None, {}, {}
     for name in ("ours", *PEERS):
         if name == "jax_xla" and case.S > XLA_MAX_S:
             entries[name] = {"error": XLA_SKIPPED}
             continue
-        entry, outputs, calls = measure(name, case, mode, inputs, args)
-        entries[name] = bench_cudnn._with_value(entry, flops)
-        if calls is not None:
-            params["calls_per_loop"][name] = calls
+        error, outputs, step, calls = prepare(name, case, mode, inputs, args)
+        if error is not None:
+            entries[name] = error
+            continue
+        steps[name], calls_of[name] = step, calls
+        params["calls_per_loop"][name] = calls
         if name == "ours":
             reference = outputs
         elif outputs is not None and reference is not None and params["max_abs_diff_ref"] is None:
@@ -184,7 +210,10 @@ def run_row(case: Case, mode: str, args, device) -> dict:
                 params["max_abs_diff_vs_sdpa"] = common.error_entry(error)["error"]
             params["max_abs_diff_ref"] = name
         del outputs
-    del reference, inputs
+    timed = measure_interleaved(steps, calls_of, case, inputs, args)
+    entries = {name: bench_cudnn._with_value(timed.get(name, entries.get(name)), flops) for name in ("ours", *PEERS)}
+    del reference, inputs, steps
+    params["timing_order"] = "interleaved"
 
     if case.overhead:
         us = {name: round(e["ms"] * 1e3, 2) for name, e in entries.items() if "ms" in e}
