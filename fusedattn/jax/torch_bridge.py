@@ -94,6 +94,10 @@ def output_shapes(cfg: AttentionConfig, q) -> tuple[jax.ShapeDtypeStruct, ...]:
     return (out, jax.ShapeDtypeStruct(lse_shape, jnp.float32), jax.ShapeDtypeStruct(max_logit, jnp.float32))
 
 
+def _forward_shapes(cfg: AttentionConfig, operands) -> tuple[jax.ShapeDtypeStruct, ...]:
+    return output_shapes(cfg, operands[0])
+
+
 def _unpacked(cfg: AttentionConfig) -> AttentionConfig:
     """The config for separate q, k, v: JAX slices packed layouts into new arrays before the call."""
     return cfg.replace(layout=layout_spec(cfg.layout).base)
@@ -156,14 +160,14 @@ def _lean_callback(lean, direction: str, outputs: int):
     return callback
 
 
-def _call(cfg, run, operands, roles, out_roles, summed, index, aux_count, split) -> tuple:
-    """run over operands: whole, or once per shard of `split`."""
+def _call(cfg, run, shapes, operands, roles, out_roles, summed, index, aux_count, split) -> tuple:
+    """run over operands: whole, or once per shard of `split`. shapes(cfg, operands): the results'."""
     if split is None:
         return run(cfg, tuple(operands))
     seed_position = ARRAY_NAMES.index("dropout_seed")
     seed = index.index(seed_position) if seed_position in index else None
     pinned = tuple(range(len(index), len(index) + aux_count))
-    call = ShardedCall(API, cfg, run, tuple(roles), tuple(out_roles), tuple(summed), seed, pinned)
+    call = ShardedCall(API, cfg, run, tuple(roles), tuple(out_roles), tuple(summed), seed, pinned, shapes)
     return shard_local(call, split, operands)
 
 
@@ -181,7 +185,7 @@ def forward(cfg: AttentionConfig, backend, score_mod, arrays, split: Split | Non
                 _fill(targets, backend.forward_into(local_cfg, inputs, AttentionOutputs(*targets)))
 
         lean = _lean(backend, local_cfg, index, aux)
-        shapes = output_shapes(local_cfg, operands[0])
+        shapes = _forward_shapes(local_cfg, operands)
         native = _native_call(lean, "forward", operands, shapes)
         if native is not None:
             return tuple(native)
@@ -189,7 +193,7 @@ def forward(cfg: AttentionConfig, backend, score_mod, arrays, split: Split | Non
         return tuple(buffer_callback(callback, shapes, vmap_method="sequential")(*operands))
 
     roles = _roles(cfg, index)
-    return _call(cfg, run, present + aux, roles + ["BHQK"] * len(aux),
+    return _call(cfg, run, _forward_shapes, present + aux, roles + ["BHQK"] * len(aux),
                  (roles[0], _lse_role(cfg), "H"), (False, False, False), index, len(aux), split)
 
 
@@ -204,6 +208,10 @@ def backward(cfg: AttentionConfig, backend, score_mod, arrays, out, lse, grad_ou
     if grad_lse is not None:
         extra.append(grad_lse)
 
+    def gradient_shapes(_cfg, operands):  # each gradient has its array's shape and dtype
+        return tuple(jax.ShapeDtypeStruct(operands[index.index(i)].shape, operands[index.index(i)].dtype)
+                     for i in wanted)
+
     def run(local_cfg, operands):
         def through_torch(ctx, outs, *buffers):
             with _torch_stream(ctx):
@@ -217,9 +225,7 @@ def backward(cfg: AttentionConfig, backend, score_mod, arrays, out, lse, grad_ou
                 _fill(targets, [grads[ARRAY_NAMES[i]] for i in wanted])
 
         lean = _lean(backend, local_cfg, index, aux, grad_lse)
-        local = {ARRAY_NAMES[i]: x for i, x in zip(index, operands)}
-        shapes = tuple(jax.ShapeDtypeStruct(local[ARRAY_NAMES[i]].shape, local[ARRAY_NAMES[i]].dtype)
-                       for i in wanted)
+        shapes = gradient_shapes(local_cfg, operands)
         native = _native_call(lean, "backward", operands, shapes)
         if native is not None:
             return tuple(native)
@@ -231,6 +237,6 @@ def backward(cfg: AttentionConfig, backend, score_mod, arrays, out, lse, grad_ou
     extra_roles = [q_role, lse_role, q_role, lse_role][:len(extra)]
     out_roles = [roles[index.index(i)] for i in wanted]
     summed = [ARRAY_NAMES[i] not in ("q", "k", "v") for i in wanted]
-    grads = _call(cfg, run, present + aux + extra, roles + ["BHQK"] * len(aux) + extra_roles, out_roles, summed,
-                  index, len(aux), split)
+    grads = _call(cfg, run, gradient_shapes, present + aux + extra, roles + ["BHQK"] * len(aux) + extra_roles,
+                  out_roles, summed, index, len(aux), split)
     return {ARRAY_NAMES[i]: g for i, g in zip(wanted, grads)}
