@@ -94,3 +94,31 @@ def test_dropout_with_a_seed_is_reproducible_under_compile():
     torch._dynamo.reset()
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(q, k, v), step(q, k, v))
+
+
+def test_a_score_mod_call_runs_eagerly_inside_a_compiled_step(ran):
+    """A score_mod call inside torch.compile runs eagerly (one graph break, the code around it compiled)
+    and matches the uncompiled step forward and in every gradient; fullgraph=True says why it cannot."""
+    from fusedattn import score_mods as sm
+
+    q, k, v = _inputs((2, 12, 4, 8), (2, 12, 2, 8), seed=41)
+    weight = torch.randn(8, 8, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    table = torch.randn(4, 2 * 12 - 1, generator=torch.Generator().manual_seed(4))
+
+    def step(q, k, v, weight):
+        mod = sm.compose(sm.softcap(2.0), sm.relative_position_bias(table))
+        return fat.attention(q @ weight, k, v, mask="causal", score_mod=mod).square().sum()
+
+    torch._dynamo.reset()
+    leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v, weight)]
+    loss = torch.compile(step, backend="aot_eager")(*leaves)
+    loss.backward()
+    want = step(q, k, v, weight)
+    want.backward()
+    torch.testing.assert_close(loss, want)
+    for got, ref in zip(leaves, (q, k, v, weight)):
+        torch.testing.assert_close(got.grad, ref.grad)
+    assert any(cfg.score_mod_key is not None for _, _, cfg in ran), ran
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="with a score_mod runs eagerly inside a compiled model"):
+        torch.compile(step, backend="aot_eager", fullgraph=True)(q, k, v, weight)

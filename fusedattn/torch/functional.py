@@ -131,6 +131,16 @@ def attention(
         >>> q = k = v = torch.randn(2, 128, 8, 64)
         >>> out = attention(q, k, v, mask="causal")
     """
+    if score_mod is not None and torch.compiler.is_compiling():
+        return _score_mod_call_outside_graph(
+            q, k, v, layout=layout, mask=mask, window=window, bias=bias, bias_type=bias_type,
+            alibi_slopes=alibi_slopes, softmax_type=softmax_type, sink=sink, dropout_p=dropout_p,
+            dropout_seed=dropout_seed, dropout_offset=dropout_offset, scale=scale, cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_kv=cu_seqlens_kv, cu_seqlens_q_padded=cu_seqlens_q_padded,
+            cu_seqlens_kv_padded=cu_seqlens_kv_padded, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
+            deterministic=deterministic, return_lse=return_lse, return_max_logit=return_max_logit,
+            backend=backend, score_mod=score_mod, score_mod_bprop=score_mod_bprop,
+            score_mod_tensors=score_mod_tensors, score_mod_bprop_tensors=score_mod_bprop_tensors)
     mod = as_score_mod(API, score_mod, score_mod_bprop, score_mod_tensors, score_mod_bprop_tensors)
     if torch.compiler.is_compiling() and mod is None:
         return _compiled_attention(
@@ -218,6 +228,19 @@ def _signature(*call, offsets, score_mod):
 
 
 # ---------------------------------------------------------------- under torch.compile
+
+SCORE_MOD_GRAPH_BREAK = (
+    "fusedattn.torch.attention with a score_mod runs eagerly inside a compiled model (one graph break): its "
+    "callbacks build cuDNN graphs in Python and its aux tensors and scalars are bound per call. Compile with "
+    "fullgraph=False; everything around the call still compiles.")
+
+
+def _score_mod_call_outside_graph(*args, **kwargs):
+    return attention(*args, **kwargs)
+
+
+_score_mod_call_outside_graph = torch.compiler.disable(_score_mod_call_outside_graph, reason=SCORE_MOD_GRAPH_BREAK)
+
 
 @torch._dynamo.assume_constant_result
 def _compile_time_plan(described: tuple, options: tuple, backend, grad_enabled: bool) -> str:
