@@ -102,13 +102,13 @@ def _load() -> ctypes.CDLL:
     return library
 
 
-def _loaded_cudnn() -> str:
+def _loaded_cudnn(maps_file: str = "/proc/self/maps") -> str:
     """The libcudnn this process already uses (the frontend loads it on import), so the library
     and the graphs Python builds share one cuDNN."""
     import cudnn  # noqa: F401  (loads libcudnn)
 
     try:
-        maps = Path("/proc/self/maps").read_text().splitlines()
+        maps = Path(maps_file).read_text().splitlines()
     except OSError:
         maps = []
     for line in maps:
