@@ -323,7 +323,7 @@ def test_a_compiled_model_step_runs_the_score_mod_on_cudnn(ran):
     wide = [x.detach().double().requires_grad_(True) for x in leaves]
     want = step(*wide, "reference")
     want.backward()
-    torch.testing.assert_close(loss.double(), want.detach(), rtol=2e-2, atol=0)
+    torch.testing.assert_close(loss.double(), want.detach().double(), rtol=2e-2, atol=0)
     for name, got, ref in zip(("q", "k", "v", "weight"), leaves, wide):
         scale = ref.grad.abs().max()
         torch.testing.assert_close(got.grad.double() / scale, ref.grad / scale, atol=3e-2, rtol=0, msg=name)
