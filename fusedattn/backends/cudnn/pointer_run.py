@@ -9,10 +9,9 @@ Python. Every other call takes torch_run's path.
 
 from __future__ import annotations
 
-import ctypes
-import os
 import threading
 
+from fusedattn.backends.cudnn.raw_launch import ENV_RAW, RAW_LAUNCH_FRONTEND, _RawLaunch  # noqa: F401
 from fusedattn.backends.cudnn.spec import rows_without_keys, sdpa_spec
 from fusedattn.cache import LRUCache
 from fusedattn.config import AttentionConfig, SoftmaxType
@@ -26,7 +25,6 @@ BACKWARD_INPUTS, BACKWARD_OUTPUTS = ("q", "k", "v", "o", "stats", "dO"), ("dq", 
 BUFFER_NAMES = {"forward": FORWARD_INPUTS + FORWARD_OUTPUTS, "backward": BACKWARD_INPUTS + BACKWARD_OUTPUTS}
 
 _eligible: LRUCache = LRUCache(1024)
-ENV_RAW = os.environ.get("FUSEDATTN_CUDNN_RAW_LAUNCH", "1")  # "0": always cuDNN's public execute
 _workspaces: dict = {}  # (device, stream) -> list of uint8 tensors, never freed (see _workspace)
 _workspace_lock = threading.Lock()
 
@@ -59,48 +57,6 @@ def _workspace(device: int, stream: int, size: int) -> int:
         if not kept or kept[-1].numel() < size:
             kept.append(torch.empty(max(size, 1 << 20), dtype=torch.uint8, device=device))
         return kept[-1].data_ptr()
-
-
-# The frontend version whose internal launch `_RawLaunch` calls (measured and tested with it).
-RAW_LAUNCH_FRONTEND = "1.32."
-
-
-class _RawLaunch:
-    """The launch cuDNN frontend 1.32's execute() ends with, called directly.
-
-    The public execute re-inspects every buffer in Python on every call (about 60 us, as much
-    as the attention kernel at S=1024). One public normalization learns the operand slots (by
-    ascending uid) and the graph's own bindings; each call then copies that address array,
-    writes this call's buffers into their slots and launches. Only for graphs the frontend runs
-    on its C++ backend; anything unexpected keeps the public path.
-    """
-
-    def __init__(self, graph, uids, addresses, workspace: int):
-        from cudnn._handle import to_backend_handle
-
-        pack = graph._normalize(graph._uid_to_data(dict(zip(uids, addresses))), workspace)
-        self._keep = pack  # the graph's own bindings (host scalars) live as long as the pack
-        count = len(pack.uids)
-        self._template = tuple((ctypes.c_void_p * count).from_address(pack.address))
-        self._slots = tuple(pack.uids.index(uid) for uid in uids)
-        self._array = ctypes.c_void_p * count
-        plan = graph._materialize_backend_plan(graph._plan_index)
-        self._plan = -1 if plan.cpp_index is None else plan.cpp_index
-        self._launch = graph._lowered_graph._execute_with_raw_ptrs
-        self._backend_handle = to_backend_handle
-
-    @classmethod
-    def usable(cls, graph) -> bool:
-        import cudnn
-
-        return (cudnn.__version__.startswith(RAW_LAUNCH_FRONTEND) and graph._is_built
-                and graph.selected_engine is None and getattr(graph, "_lowered_graph", None) is not None)
-
-    def __call__(self, addresses, workspace: int, handle) -> None:
-        array = self._array(*self._template)  # per call: two threads may launch one graph at once
-        for slot, address in zip(self._slots, addresses):
-            array[slot] = address
-        self._launch(ctypes.addressof(array), len(array), workspace, self._backend_handle(handle) or 0, self._plan)
 
 
 class AddressRunner:
