@@ -18,7 +18,7 @@ Workloads (bf16, Sq = 1, no mask), named sq1-b<B>-h<Hq>-hkv<Hkv>-skv<Skv>-d<D>-<
             family), plus the "1M tokens" batch at D=128
   --full    B in {30720, 1M tokens}, Hq in {8, 16}, Hkv in {Hq, 1}, Skv in {2, 4, 8, 16}, D in {128, 256, 512}
   --sweep   B=30720, Hq=Hkv=16, D=128, Skv in {16, 32, 64, 128}: where small_seq stops beating the others.
-            The backend refuses Skv > 16 (small_seq.MAX_SEQLEN_KV); the sweep raises that limit in this
+            The backend refuses Skv > 64 (> 16 with grouped heads or D > 128); the sweep raises that limit in this
             process (the kernels run up to 128) and records it as params.small_seq_max_seqlen_kv
   --quick   the acceptance row only: B=30720, Hq=Hkv=16, Skv=16, D=128
 "1M tokens" is about a million key tokens: B = 2**20 // Skv sequences (--batch 1M; 512K etc. also work).
@@ -476,6 +476,7 @@ def raise_seqlen_limit(longest: int) -> None:
     from fusedattn.backends import small_seq
 
     small_seq.MAX_SEQLEN_KV = max(small_seq.MAX_SEQLEN_KV, longest)
+    small_seq.MAX_SEQLEN_KV_MHA = max(small_seq.MAX_SEQLEN_KV_MHA, longest)
     selection.clear_decisions()  # decisions taken under the old limit
 
 

@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 
 import fusedattn  # noqa: E402
 import fusedattn.torch as fat  # noqa: E402
-from fusedattn.backends.small_seq import ENV_ON_CPU, MAX_SEQLEN_KV  # noqa: E402
+from fusedattn.backends.small_seq import ENV_ON_CPU, MAX_SEQLEN_KV, MAX_SEQLEN_KV_MHA  # noqa: E402
 from fusedattn.backends.small_seq.blocks import plan  # noqa: E402
 from fusedattn.selection import clear_decisions  # noqa: E402
 
@@ -75,6 +75,15 @@ def test_thd_ragged_key_lengths(heads_q, heads_kv):
     assert (out.out[3] == 0).all(), "a sequence without keys gives output 0"
 
 
+@pytest.mark.parametrize("lens_kv,head_dim", [([33, 64, 17, 0], 64), ([64, 40], 128)])
+def test_longer_keys_with_one_query_head_per_kv_head(lens_kv, head_dim):
+    """MHA with D <= 128 takes up to MAX_SEQLEN_KV_MHA keys (BLOCK_N 64 tiles, ragged lengths)."""
+    total = sum(lens_kv)
+    tensors = (rand(len(lens_kv), 2, head_dim, seed=29), rand(total, 2, head_dim, seed=30),
+               rand(total, 2, head_dim, seed=31))
+    check(tensors, layout="thd", mask="padding", cu_seqlens_q=cu([1] * len(lens_kv)), cu_seqlens_kv=cu(lens_kv))
+
+
 @pytest.mark.parametrize("head_dim,dtype", [(128, torch.float16), (256, torch.bfloat16), (512, torch.float16)])
 def test_head_dims(head_dim, dtype):
     lens_kv = [5, 16, 2]
@@ -128,9 +137,15 @@ def test_selection_picks_small_seq_and_says_why_not(ran):
     q, k, v = rand(2, 4, 64, seed=24), rand(20, 4, 64, seed=25), rand(20, 4, 64, seed=26)
     fat.attention(q, k, v, layout="thd", mask="padding", cu_seqlens_q=lens, cu_seqlens_kv=cu([3, 16]))
     assert ran[0][0] == "small_seq"
-    long_keys = cu([3, MAX_SEQLEN_KV + 1])
+    long_keys = cu([3, MAX_SEQLEN_KV_MHA + 1])
+    k_long, v_long = rand(68, 4, 64, seed=27), rand(68, 4, 64, seed=28)
+    with pytest.raises(fusedattn.NoBackendError, match=f"Skv={MAX_SEQLEN_KV_MHA + 1} > {MAX_SEQLEN_KV_MHA}"):
+        fat.small_seq_attention(q, k_long, v_long, layout="thd", mask="padding", cu_seqlens_q=lens,
+                                cu_seqlens_kv=long_keys)
+    grouped = cu([3, MAX_SEQLEN_KV + 1])  # with grouped heads the limit stays at 16
     with pytest.raises(fusedattn.NoBackendError, match=f"Skv={MAX_SEQLEN_KV + 1} > {MAX_SEQLEN_KV}"):
-        fat.small_seq_attention(q, k, v, layout="thd", mask="padding", cu_seqlens_q=lens, cu_seqlens_kv=long_keys)
+        fat.small_seq_attention(q, k[:, :2], v[:, :2], layout="thd", mask="padding", cu_seqlens_q=lens,
+                                cu_seqlens_kv=grouped)
     for options, needle in [(dict(dropout_p=0.1), "dropout_p=0.1"), (dict(softmax_type="off_by_one"), "softmax"),
                             (dict(window=(2, 0)), "left window")]:
         with pytest.raises(fusedattn.NoBackendError, match=needle):

@@ -17,10 +17,21 @@ from fusedattn.config import UNBOUNDED, BiasType, SoftmaxType
 
 # The longest key sequence this backend takes: up to here it beat every other backend on
 # an H200 (see the README's small_seq benchmarks); the kernels themselves handle up to 128.
+# With one query head per KV head and D <= 128 the sweep (bench_small_seq.py --sweep) measured
+# 2.6-3.5x the best peer at Skv=32 and 1.7-2.0x at 64, but 0.86x forward+backward at 128.
 MAX_SEQLEN_KV = 16
+MAX_SEQLEN_KV_MHA = 64
+MHA_LONG_KEYS_MAX_HEAD_DIM = 128
 MAX_HEAD_DIM = 512
 _LAYOUTS = ("thd", "bshd", "thd_t2hd", "bshd_bs2hd")
 ENV_ON_CPU = "FUSEDATTN_SMALL_SEQ_ON_CPU"
+
+
+def max_seqlen_kv(cfg) -> int:
+    """The longest key sequence small_seq takes for this config (the measured region)."""
+    if cfg.heads_q == cfg.heads_kv and cfg.head_dim_qk <= MHA_LONG_KEYS_MAX_HEAD_DIM:
+        return max(MAX_SEQLEN_KV, MAX_SEQLEN_KV_MHA)
+    return MAX_SEQLEN_KV
 
 
 class SmallSeqBackend(Backend):
@@ -45,8 +56,11 @@ class SmallSeqBackend(Backend):
             reasons.append(f"layout {cfg.layout.value!r}: reads {', '.join(_LAYOUTS)}")
         if cfg.seqlen_q != 1:
             reasons.append(f"Sq={cfg.seqlen_q}: needs at most one query per sequence")
-        if cfg.seqlen_kv > MAX_SEQLEN_KV:
-            reasons.append(f"Skv={cfg.seqlen_kv} > {MAX_SEQLEN_KV} (longer key sequences are faster elsewhere)")
+        limit = max_seqlen_kv(cfg)
+        if cfg.seqlen_kv > limit:
+            reasons.append(f"Skv={cfg.seqlen_kv} > {limit} (longer key sequences are faster elsewhere; up to "
+                           f"{max(MAX_SEQLEN_KV, MAX_SEQLEN_KV_MHA)} with one query head per KV head and "
+                           f"D <= {MHA_LONG_KEYS_MAX_HEAD_DIM})")
         if cfg.head_dim_qk != cfg.head_dim_v:
             reasons.append(f"head_dim_qk={cfg.head_dim_qk} != head_dim_v={cfg.head_dim_v}")
         if cfg.window[0] != UNBOUNDED:
@@ -74,4 +88,4 @@ class SmallSeqBackend(Backend):
         return backward(cfg, inputs, outputs, grad_out, grad_lse)
 
 
-__all__ = ["SmallSeqBackend", "MAX_SEQLEN_KV", "ENV_ON_CPU"]
+__all__ = ["SmallSeqBackend", "MAX_SEQLEN_KV", "MAX_SEQLEN_KV_MHA", "max_seqlen_kv", "ENV_ON_CPU"]
