@@ -232,7 +232,7 @@ def test_explain_output_is_pinned():
         backends (in selection order):
           small_seq: rejected
             - Sq=128: needs at most one query per sequence
-            - Skv=128 > 16 (longer key sequences are faster elsewhere)
+            - Skv=128 > 64 (longer key sequences are faster elsewhere; 64 needs Hq == Hkv and D <= 128)
           cudnn: rejected
             - package nvidia-cudnn-frontend not installed (import cudnn)
           triton: rejected

@@ -58,8 +58,8 @@ class SmallSeqBackend(Backend):
             reasons.append(f"Sq={cfg.seqlen_q}: needs at most one query per sequence")
         limit = max_seqlen_kv(cfg)
         if cfg.seqlen_kv > limit:
-            reasons.append(f"Skv={cfg.seqlen_kv} > {limit} (longer key sequences are faster elsewhere; up to "
-                           f"{max(MAX_SEQLEN_KV, MAX_SEQLEN_KV_MHA)} with one query head per KV head and "
+            reasons.append(f"Skv={cfg.seqlen_kv} > {limit} (longer key sequences are faster elsewhere; "
+                           f"{max(MAX_SEQLEN_KV, MAX_SEQLEN_KV_MHA)} needs Hq == Hkv and "
                            f"D <= {MHA_LONG_KEYS_MAX_HEAD_DIM})")
         if cfg.head_dim_qk != cfg.head_dim_v:
             reasons.append(f"head_dim_qk={cfg.head_dim_qk} != head_dim_v={cfg.head_dim_v}")
