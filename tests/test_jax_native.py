@@ -35,8 +35,8 @@ class FakeLibrary:
         self.registered, self.prepared = [], []
         self.workspace, self.error = workspace, error
 
-    def fusedattn_register(self, data, size, uids, count):
-        self.registered.append((bytes(data)[:size], list(uids)[:count]))
+    def fusedattn_register(self, data, size, uids, count, digest):
+        self.registered.append((bytes(data)[:size], list(uids)[:count], digest))
         return len(self.registered) - 1
 
     def fusedattn_prepare(self, plan, device):
@@ -79,17 +79,21 @@ def test_registration_binds_every_buffer_then_the_workspace_once_per_pass(fresh)
     native._state["library"] = library
     runner = FakeRunner()
     # forward: q, k, v, then out, lse, max_logit: the graph binds five, max_logit is unbound
-    assert native.plan_id(runner, "forward", 3, 6) == (0, 4096)
-    assert native.plan_id(runner, "forward", 3, 6) == (0, 4096)  # cached: no second registration
-    assert native.plan_id(runner, "backward", 3, 9) == (1, 4096)
+    forward = native.plan_id(runner, "forward", 3, 6)
+    assert forward[:2] == (0, 4096)
+    assert native.plan_id(runner, "forward", 3, 6) == forward  # cached: no second registration
+    backward = native.plan_id(runner, "backward", 3, 9)
+    assert backward[:2] == (1, 4096)
     assert runner.serialized_calls == 2
-    (blob, uids), (_, backward_uids) = library.registered
+    (blob, uids, digest), (_, backward_uids, backward_digest) = library.registered
+    assert (forward[2], backward[2]) == (digest, backward_digest) and digest != backward_digest
+    assert -2**63 <= digest < 2**63
     assert blob == b"graph-forward"
     assert uids == [11, 12, 13, 14, 15, native.UNBOUND, native.WORKSPACE]
     assert backward_uids == [11, 12, 13, 14, 15, 16, native.UNBOUND, native.UNBOUND, native.UNBOUND,
                              native.WORKSPACE]
     assert library.prepared == [(0, 3), (1, 3)]  # deserialized on the tracing device at once
-    assert native.plan_id(FakeRunner("cfg-b"), "forward", 3, 6) == (2, 4096)  # another config
+    assert native.plan_id(FakeRunner("cfg-b"), "forward", 3, 6)[:2] == (2, 4096)  # another config
 
 
 def test_a_graph_cudnn_cannot_rebuild_keeps_the_callback_with_a_warning(fresh):

@@ -145,10 +145,10 @@ def _native_call(lean, direction: str, operands, shapes):
     plan = native.plan_id(lean, direction, torch.cuda.current_device(), len(operands) + len(shapes))
     if plan is None:
         return None
-    plan, workspace = plan
+    plan, workspace, digest = plan
     call = jax.ffi.ffi_call(native.TARGET, (*shapes, jax.ShapeDtypeStruct((max(workspace, 1),), jnp.uint8)),
                             vmap_method="sequential")
-    return call(*operands, plan=np.int64(plan))[:-1]
+    return call(*operands, plan=np.int64(plan), digest=np.int64(digest))[:-1]
 
 
 def _lean_callback(lean, direction: str, outputs: int):

@@ -872,3 +872,14 @@ def test_native_custom_call_matches_the_reference_under_vmap_and_inference():
     g = torch.ones_like(tensors["q"])
     same, exact = (torch_reference(tensors, {"mask": "causal"}, g, wide=wide)[0] for wide in (False, True))
     assert_close_to_exact("inference out", as_torch_tensor(inference), same, exact)
+
+
+def test_a_program_naming_a_plan_this_process_did_not_register_is_refused():
+    """The native call names its plan by id and digest; a program whose digest is not this process's
+    plan (compiled elsewhere, e.g. through jax.export) fails with a clear error instead of running
+    another graph."""
+    q = jax.random.normal(jax.random.key(3), (2, 128, 4, 64), jnp.bfloat16)
+    np.asarray(jax.jit(lambda q: fj.attention(q, q, q, backend="cudnn"))(q))  # registers plan(s) here
+    stray = jax.ffi.ffi_call(native.TARGET, (jax.ShapeDtypeStruct((1,), jnp.uint8),), vmap_method="sequential")
+    with pytest.raises(Exception, match="which this process did not register"):
+        np.asarray(jax.jit(lambda q: stray(q, plan=np.int64(0), digest=np.int64(12345))[0])(q))

@@ -55,26 +55,28 @@ def unavailable() -> str | None:
     return _state.get("reason")
 
 
-def plan_id(runner, direction: str, device: int, buffers: int) -> tuple[int, int] | None:
-    """(the library's id, workspace bytes) for `runner`'s pass on `device`, registered (and
+def plan_id(runner, direction: str, device: int, buffers: int) -> tuple[int, int, int] | None:
+    """(the library's id, workspace bytes, digest) for `runner`'s pass on `device`, registered (and
     deserialized there) once. The call passes `buffers` operands and results, then a uint8
-    workspace result of that many bytes (at least 1). None when the native path is unavailable
-    or cuDNN cannot rebuild this graph from its bytes."""
+    workspace result of that many bytes (at least 1), and names the plan by id and digest (the
+    handler refuses a program whose digest is not its plan's: one compiled in another process).
+    None when the native path is unavailable or cuDNN cannot rebuild this graph from its bytes."""
     if unavailable() is not None:
         return None
 
-    def register() -> tuple[int, int] | None:
+    def register() -> tuple[int, int, int] | None:
         blob, uids = runner.serialized(direction, device)
         uids = uids + (UNBOUND,) * (buffers - len(uids)) + (WORKSPACE,)
+        digest = int.from_bytes(hashlib.sha256(blob + repr(uids).encode()).digest()[:8], "little", signed=True)
         library = _state["library"]
         data = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
-        pid = library.fusedattn_register(data, len(blob), (ctypes.c_int64 * len(uids))(*uids), len(uids))
+        pid = library.fusedattn_register(data, len(blob), (ctypes.c_int64 * len(uids))(*uids), len(uids), digest)
         workspace = library.fusedattn_prepare(pid, device)
         if workspace < 0:
             _warn(f"cuDNN could not rebuild the {direction} graph from its bytes "
                   f"({library.fusedattn_last_error().decode()}); this call keeps the Python callback")
             return None
-        return pid, workspace
+        return pid, workspace, digest
 
     return _plans.get_or_build((runner.cfg, direction, buffers), register)
 
@@ -91,7 +93,8 @@ def _load() -> ctypes.CDLL:
     path = Path(os.environ[ENV_LIBRARY]) if os.environ.get(ENV_LIBRARY) else _built_library()
     library = ctypes.CDLL(str(path))
     library.fusedattn_register.restype = ctypes.c_int64
-    library.fusedattn_register.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+    library.fusedattn_register.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                                           ctypes.c_int64]
     library.fusedattn_prepare.restype = ctypes.c_int64
     library.fusedattn_prepare.argtypes = [ctypes.c_int64, ctypes.c_int32]
     library.fusedattn_last_error.restype = ctypes.c_char_p

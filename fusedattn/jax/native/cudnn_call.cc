@@ -38,6 +38,7 @@ constexpr int64_t kUnbound = -1;    // a buffer the graph does not read or write
 constexpr int64_t kWorkspace = -2;  // the result buffer that serves as cuDNN's workspace
 
 struct Plan {
+    int64_t digest = 0;  // of the bytes and uids: a program compiled in another process names another graph
     std::vector<uint8_t> blob;
     std::vector<int64_t> uids;  // one per buffer (operands, then results), or kUnbound / kWorkspace
     std::mutex mutex;           // guards graphs
@@ -126,10 +127,15 @@ std::string get_graph(Plan *plan, int32_t ordinal, Device *device, fe::graph::Gr
     return "";
 }
 
-ffi::Error Execute(cudaStream_t stream, int32_t ordinal, int64_t plan_id, ffi::RemainingArgs args,
+ffi::Error Execute(cudaStream_t stream, int32_t ordinal, int64_t plan_id, int64_t digest, ffi::RemainingArgs args,
                    ffi::RemainingRets rets) {
     Plan *plan = find_plan(plan_id);
-    if (plan == nullptr) return ffi::Error::InvalidArgument("fusedattn: unknown cuDNN plan " + std::to_string(plan_id));
+    if (plan == nullptr || plan->digest != digest) {
+        return ffi::Error::InvalidArgument(
+            "fusedattn: this program names cuDNN plan " + std::to_string(plan_id) +
+            ", which this process did not register for it (a program compiled in another process, e.g. through "
+            "jax.export or a serialized executable); trace the call in this process, or set FUSEDATTN_JAX_NATIVE=0");
+    }
     if (args.size() + rets.size() != plan->uids.size()) {
         return ffi::Error::InvalidArgument("fusedattn: plan " + std::to_string(plan_id) + " binds " +
                                            std::to_string(plan->uids.size()) + " buffers, the call has " +
@@ -188,6 +194,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(fusedattn_cudnn_execute, Execute,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Attr<int64_t>("plan")
+                                  .Attr<int64_t>("digest")
                                   .RemainingArgs()
                                   .RemainingRets());
 
@@ -207,9 +214,10 @@ int fusedattn_init(const char *path) {
     return 0;
 }
 
-// Registers a serialized graph and the uid of each buffer of its calls; the plan's id, or -1.
-int64_t fusedattn_register(const uint8_t *blob, int64_t size, const int64_t *uids, int64_t count) {
+// Registers a serialized graph, the uid of each buffer of its calls and their digest; the plan's id.
+int64_t fusedattn_register(const uint8_t *blob, int64_t size, const int64_t *uids, int64_t count, int64_t digest) {
     auto plan = std::make_unique<Plan>();
+    plan->digest = digest;
     plan->blob.assign(blob, blob + size);
     plan->uids.assign(uids, uids + count);
     std::lock_guard<std::mutex> lock(registry_mutex);
