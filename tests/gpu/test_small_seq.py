@@ -122,3 +122,47 @@ def test_selection_picks_small_seq_for_its_shapes(ran):
 def test_longer_keys_with_one_query_head_per_kv_head(head_dim, max_keys):
     """The MHA limit of 64 keys (measured faster than every peer up to there): against float64."""
     _check(*_thd(8192, 16, 16, head_dim, max_keys, seed=head_dim + max_keys, empty_every=101))
+
+
+def test_jax_calls_run_the_kernels_on_the_gpu_and_match_the_reference():
+    """small_seq from JAX on a GPU: the buffer callbacks run on XLA's stream (forward, every gradient,
+    the LSE), under jit, against the float32 reference computed by JAX."""
+    jax = pytest.importorskip("jax")
+    import numpy as np
+
+    import fusedattn.jax as fj
+
+    if jax.default_backend() != "gpu":
+        pytest.skip("JAX sees no GPU")
+    jnp = jax.numpy
+    batch, heads_q, heads_kv, dim = 4096, 8, 2, 128
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(0, 17, batch)
+    cu_kv = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+    cu_q = jnp.arange(batch + 1, dtype=jnp.int32)
+    total = int(lengths.sum())
+    q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+               for shape in ((batch, heads_q, dim), (total, heads_kv, dim), (total, heads_kv, dim)))
+    options = dict(layout="thd", mask="padding", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, max_seqlen_q=1,
+                   max_seqlen_kv=16, return_lse=True)
+    g = jnp.asarray(rng.standard_normal((batch, heads_q, dim)), jnp.float32)
+
+    def run(backend, q, k, v):
+        def loss(q, k, v):
+            result = fj.attention(q, k, v, backend=backend, **options)
+            lse = jnp.where(jnp.isfinite(result.lse), result.lse, 0.0)  # empty sequences: -inf
+            return (result.out.astype(jnp.float32) * g).sum() + lse.sum(), result
+        (_, result), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+        return result.out, result.lse, grads
+
+    out, lse, grads = jax.jit(lambda *x: run("small_seq", *x))(q, k, v)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    want_out, want_lse, want_grads = jax.jit(lambda *x: run("reference", *x))(*f32)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want_out), atol=2e-2, rtol=2e-2)
+    finite = np.isfinite(np.asarray(want_lse))
+    assert np.array_equal(np.isfinite(np.asarray(lse)), finite)
+    np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(want_lse)[finite], atol=1e-2, rtol=1e-3)
+    for name, got, want in zip("qkv", grads, want_grads):
+        scale = float(np.abs(np.asarray(want)).max())
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=3e-2 * max(scale, 1.0),
+                                   err_msg=f"d{name}")
