@@ -774,7 +774,7 @@ def test_plain_calls_run_from_raw_addresses_and_match_the_torch_path(cudnn_calls
                                 q, k, v)
         return (out, *pullback(jnp.ones_like(out)))
 
-    from fusedattn.backends.cudnn import pointer_run
+    from fusedattn.backends.cudnn import raw_launch
 
     lean_step = jax.jit(step)
     first = [np.asarray(x) for x in lean_step(q, k, v)]  # cuDNN's public execute, then its raw launch
@@ -787,12 +787,12 @@ def test_plain_calls_run_from_raw_addresses_and_match_the_torch_path(cudnn_calls
     for name, a, b, c in zip(("out", "dq", "dk", "dv"), first, again, through_torch):
         np.testing.assert_array_equal(a.view(np.uint16), c.view(np.uint16), err_msg=f"{name}: public execute")
         np.testing.assert_array_equal(b.view(np.uint16), c.view(np.uint16), err_msg=f"{name}: raw launch")
-    if pointer_run.ENV_RAW != "0":
+    if raw_launch.ENV_RAW != "0":
         import cudnn
 
         launched = [bound[0] for runner in cudnn_calls.runners for bound in runner._bound.values()]
-        assert any(isinstance(g, pointer_run._RawLaunch) for g in launched) or \
-            not cudnn.__version__.startswith(pointer_run.RAW_LAUNCH_FRONTEND), launched
+        assert any(isinstance(g, raw_launch._RawLaunch) for g in launched) or \
+            not cudnn.__version__.startswith(raw_launch.RAW_LAUNCH_FRONTEND), launched
 
 
 

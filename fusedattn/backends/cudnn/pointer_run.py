@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 
-from fusedattn.backends.cudnn.raw_launch import ENV_RAW, RAW_LAUNCH_FRONTEND, _RawLaunch  # noqa: F401
+from fusedattn.backends.cudnn import raw_launch
 from fusedattn.backends.cudnn.spec import rows_without_keys, sdpa_spec
 from fusedattn.cache import LRUCache
 from fusedattn.config import AttentionConfig, SoftmaxType
@@ -84,15 +84,13 @@ class AddressRunner:
         graph, uids, size, used = bound
         addresses = [addresses[i] for i in used]
         workspace = _workspace(device, stream, size)
-        if isinstance(graph, _RawLaunch):
+        if isinstance(graph, raw_launch._RawLaunch):
             graph(addresses, workspace, handle)
             return
         graph.execute(dict(zip(uids, addresses)), workspace, handle=handle)
-        if ENV_RAW != "0" and _RawLaunch.usable(graph):  # after one public execute: built, plan chosen
-            try:
-                self._bound[key] = (_RawLaunch(graph, uids, addresses, workspace), uids, size, used)
-            except Exception:  # an internal that moved: stay on the public path
-                pass
+        launcher = raw_launch.learn(graph, uids, addresses, workspace)  # after one public execute
+        if launcher is not None:
+            self._bound[key] = (launcher, uids, size, used)
 
     def serialized(self, direction: str, device: int) -> tuple[bytes, tuple[int, ...]]:
         """The pass's graph as cuDNN's serialized plan, and the uid each buffer binds to (-1: none),

@@ -49,3 +49,14 @@ class _RawLaunch:
         for slot, address in zip(self._slots, addresses):
             array[slot] = address
         self._launch(ctypes.addressof(array), len(array), workspace, self._backend_handle(handle) or 0, self._plan)
+
+
+def learn(graph, uids, addresses, workspace: int) -> _RawLaunch | None:
+    """After a public execute with these buffers: their raw launcher, or None where the frontend
+    runs the graph otherwise, its internals moved, or FUSEDATTN_CUDNN_RAW_LAUNCH=0."""
+    if ENV_RAW == "0" or not _RawLaunch.usable(graph):
+        return None
+    try:
+        return _RawLaunch(graph, uids, addresses, workspace)
+    except Exception:  # an internal that moved: stay on the public path
+        return None

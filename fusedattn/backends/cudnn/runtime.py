@@ -9,8 +9,8 @@ import threading
 import cudnn
 import torch
 
+from fusedattn.backends.cudnn import raw_launch
 from fusedattn.backends.cudnn.graphs import BuiltGraph, GraphBuildError, build_backward, build_forward
-from fusedattn.backends.cudnn.raw_launch import ENV_RAW, _RawLaunch
 from fusedattn.backends.cudnn.spec import graph_key, sdpa_spec
 from fusedattn.cache import LRUCache
 from fusedattn.config import AttentionConfig
@@ -106,12 +106,9 @@ def execute(built: BuiltGraph, buffers: dict, device: int, raw: bool = False) ->
 
 
 def _raw_launcher(built: BuiltGraph, names: tuple, buffers: dict, workspace: torch.Tensor):
-    """A RawLaunch for these names, or None: host scalars (pass-by-value CPU tensors) and graphs
-    the frontend runs otherwise keep the public execute; FUSEDATTN_CUDNN_RAW_LAUNCH=0 turns it off."""
-    if ENV_RAW == "0" or not all(buffers[name].is_cuda for name in names) or not _RawLaunch.usable(built.graph):
+    """A raw launcher for these names, or None: host scalars (pass-by-value CPU tensors) keep the
+    public execute, as do the graphs raw_launch.learn turns down."""
+    if not all(buffers[name].is_cuda for name in names):
         return None
-    try:
-        uids = [built.tensors[name].get_uid() for name in names]
-        return _RawLaunch(built.graph, uids, [buffers[name].data_ptr() for name in names], workspace.data_ptr())
-    except Exception:  # an internal that moved: stay on the public path
-        return None
+    uids = [built.tensors[name].get_uid() for name in names]
+    return raw_launch.learn(built.graph, uids, [buffers[name].data_ptr() for name in names], workspace.data_ptr())
