@@ -139,7 +139,7 @@ class ShardedCall:
     seed is the operand index of the dropout seed, or None; pinned operands (score_mod aux
     arrays, whose graphs know their full shape) may not span a sharded axis. shapes(cfg,
     operands) gives the results' shapes without tracing run (which may build and register a
-    cuDNN graph for the whole, unsharded config); without it run is traced abstractly.
+    cuDNN graph for the whole, unsharded config).
     """
 
     api: str
@@ -148,9 +148,9 @@ class ShardedCall:
     roles: tuple[str, ...]
     out_roles: tuple[str, ...]
     summed: tuple[bool, ...]
+    shapes: Callable
     seed: int | None = None
     pinned: tuple[int, ...] = ()
-    shapes: Callable | None = None
 
 
 def _local_config(cfg: AttentionConfig, split: Split) -> AttentionConfig:
@@ -171,10 +171,7 @@ def shard_local(call: ShardedCall, split: Split, operands) -> tuple:
         if any(entry is not None for entry in in_specs[i]):
             raise ValueError(f"{call.api}: score_mod_tensors: an aux tensor of shape {tuple(operands[i].shape)} "
                              "spans the sharded batch or head axis; give it size 1 there, or shard the other axis")
-    if call.shapes is not None:
-        results = call.shapes(cfg, tuple(operands))
-    else:
-        results = jax.eval_shape(lambda *xs: call.run(cfg, xs), *operands)
+    results = call.shapes(cfg, tuple(operands))
     out_specs = tuple(split.spec(r, s.shape, cfg) for r, s in zip(call.out_roles, results))
     sums = [split.summed_axes(r, s.shape, cfg) if summed else ()
             for r, s, summed in zip(call.out_roles, results, call.summed)]

@@ -167,7 +167,7 @@ def _call(cfg, run, shapes, operands, roles, out_roles, summed, index, aux_count
     seed_position = ARRAY_NAMES.index("dropout_seed")
     seed = index.index(seed_position) if seed_position in index else None
     pinned = tuple(range(len(index), len(index) + aux_count))
-    call = ShardedCall(API, cfg, run, tuple(roles), tuple(out_roles), tuple(summed), seed, pinned, shapes)
+    call = ShardedCall(API, cfg, run, tuple(roles), tuple(out_roles), tuple(summed), shapes, seed, pinned)
     return shard_local(call, split, operands)
 
 
