@@ -139,7 +139,8 @@ def timed_ms(step, inputs, samples: int, calls: int) -> float:
 
 
 def prepare(name: str, case: Case, mode: str, inputs, args) -> tuple[dict | None, tuple | None, object, int | None]:
-    """(an error entry or None, the first call's outputs, the compiled step, calls per loop); never raises."""
+    """(an error entry or None, the first call's outputs, the compiled step, the calls that fill a
+    --loop-ms loop); never raises."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -148,32 +149,25 @@ def prepare(name: str, case: Case, mode: str, inputs, args) -> tuple[dict | None
             for _ in range(args.warmup):
                 jax.block_until_ready(step(*inputs))
             calls = max(1, min(MAX_CALLS, round(args.loop_ms / timed_ms(step, inputs, 3, 1))))
-            return None, outputs, step, (1 if case.timing == "latency" else calls)
+            return None, outputs, step, calls
         except Exception as error:  # any failure of a peer (or of ours) becomes an entry
             return common.error_entry(error, caught), None, None, None
 
 
 def measure_interleaved(steps: dict, calls: dict, case: Case, inputs, args) -> dict:
     """{name: {"ms": median}} with the contestants' loops taken in turn (ours, peer, ours, peer, ...), so
-    a drift of the host or the GPU during the row touches all of them alike. Latency rows take single
-    calls, as many as the loops would make."""
+    a drift of the host or the GPU during the row touches all of them alike. A loop row's sample is
+    one loop of calls[name] calls; a latency row takes single calls, as many as the loops would make
+    (at most MAX_LATENCY_SAMPLES), spread over the rounds."""
     samples = {name: [] for name in steps}
-    rounds = args.repeats
-    per_round = {name: 1 for name in steps}
-    if case.timing == "latency":
-        per_round = {name: max(1, min(MAX_LATENCY_SAMPLES, args.repeats * c) // args.repeats)
-                     for name, c in calls.items()}
-    for _ in range(rounds):
+    for _ in range(args.repeats):
         for name, step in steps.items():
-            for _ in range(per_round[name]):
+            if case.timing == "latency":
+                per_round = max(1, min(MAX_LATENCY_SAMPLES, args.repeats * calls[name]) // args.repeats)
+                samples[name] += [timed_ms(step, inputs, 1, 1) for _ in range(per_round)]
+            else:
                 samples[name].append(timed_ms(step, inputs, 1, calls[name]))
-    entries = {}
-    for name, times in samples.items():
-        try:
-            entries[name] = {"ms": statistics.median(times)}
-        except statistics.StatisticsError as error:
-            entries[name] = common.error_entry(error)
-    return entries
+    return {name: {"ms": statistics.median(times)} for name, times in samples.items()}
 
 
 def max_abs_diff(ours: tuple, theirs: tuple) -> float:
@@ -198,7 +192,7 @@ def run_row(case: Case, mode: str, args, device) -> dict:
             entries[name] = error
             continue
         steps[name], calls_of[name] = step, calls
-        params["calls_per_loop"][name] = calls
+        params["calls_per_loop"][name] = 1 if case.timing == "latency" else calls
         if name == "ours":
             reference = outputs
         elif outputs is not None and reference is not None and params["max_abs_diff_ref"] is None:
