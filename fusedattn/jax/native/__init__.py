@@ -35,7 +35,7 @@ LIBRARY_NAME = "libfusedattn_cudnn_call.so"
 
 _lock = threading.Lock()
 _state: dict = {}  # "library" (ctypes.CDLL) or "reason" (str), once decided
-_plans: LRUCache = LRUCache(4096)  # (cfg, direction, buffers) -> plan id in the library
+_plans: LRUCache = LRUCache(4096)  # (cfg, direction, buffers) -> (plan id, workspace bytes, digest)
 
 
 def enabled() -> bool:

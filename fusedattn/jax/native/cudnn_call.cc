@@ -24,7 +24,7 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace cudnn_frontend {
-// The frontend's dynamic-loading shim calls cuDNN through this handle; fa_init sets it to
+// The frontend's dynamic-loading shim calls cuDNN through this handle; fusedattn_init sets it to
 // the libcudnn the Python process already loaded, so both sides share one cuDNN.
 void *cudnn_dlhandle = nullptr;
 }  // namespace cudnn_frontend
