@@ -70,6 +70,7 @@ class CallArguments:
     is_training: bool = False
     score_mod: Any = None  # a fusedattn.score_mods.ScoreMod (bound to its tensors by prepare_call)
     alibi_standard: bool = False  # set by the frontend when it has seen the slopes' values
+    unaligned: tuple[str, ...] = ()  # tensors whose address is not 16-byte aligned (set by the torch frontend)
 
     def error(self, argument: str, expected: str, got, hint: str = "") -> ValueError:
         message = f"{self.api}: {argument}: expected {expected}, got {got}"
@@ -249,6 +250,7 @@ def build_config(args: CallArguments) -> AttentionConfig:
             score_mod_key=None,  # set by the caller once the score_mod is bound (score_mods.bind)
             padded_offsets=args.cu_seqlens_q_padded is not None,
             alibi_standard=bool(args.alibi_standard and bias_type is BiasType.ALIBI),
+            unaligned=tuple(args.unaligned),
             device=metas["q"].device_kind, framework=args.framework,
         )
     except ValueError as error:
@@ -280,6 +282,9 @@ def _bias(args: CallArguments, heads_q: int, batch: int, dtype: str, device: str
     meta = args.bias
     if meta.dtype not in DTYPES:
         raise args.error("bias", f"a floating tensor ({', '.join(DTYPES)})", f"dtype {meta.dtype}")
+    if meta.dtype != dtype:  # as SDPA: a silent cast would change the sum's precision behind the user's back
+        raise args.error("bias", f"dtype {dtype} like q", f"dtype {meta.dtype}",
+                         hint=f"cast it once (bias.to({dtype}) / bias.astype({dtype}))")
     if _other_device(meta.device, device):
         raise args.error("bias", f"device {device} like q", meta.device)
     shape = tuple(meta.shape)

@@ -161,6 +161,9 @@ class AttentionConfig:
     k_dtype: str | None = None
     v_dtype: str | None = None
     out_dtype: str | None = None
+    # Tensors (q, k, v as passed, bias, sink) whose address is not a multiple of 16 bytes, such as a
+    # view that starts one element into its storage: backends that need aligned operands copy them.
+    unaligned: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -211,6 +214,8 @@ class AttentionConfig:
             if not same:
                 raise ValueError(f"layout {self.layout.value!r} packs q, k and v together: "
                                  "Hq == Hkv, D == Dv and Sq == Skv are required")
+        if not isinstance(self.unaligned, tuple) or not all(isinstance(n, str) for n in self.unaligned):
+            raise ValueError(f"unaligned: expected a tuple of tensor names, got {self.unaligned!r}")
         if self.alibi_standard and self.bias is not BiasType.ALIBI:
             raise ValueError("alibi_standard: only with bias='alibi'")
         for name in ("is_training", "deterministic", "return_lse", "return_max_logit",
@@ -301,6 +306,8 @@ class AttentionConfig:
                 parts.append(flag)
         if self.score_mod_key is not None:
             parts.append("score_mod")
+        if self.unaligned:
+            parts.append(f"unaligned={','.join(self.unaligned)}")
         parts.append(f"device={self.device}")
         parts.append(f"framework={self.framework}")
         return " ".join(parts)

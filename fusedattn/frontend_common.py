@@ -17,11 +17,12 @@ from fusedattn.arguments import (
 )
 from fusedattn.backends.base import ARRAY_NAMES
 from fusedattn.config import standard_alibi_slopes
-from fusedattn.layout import split_packed
+from fusedattn.layout import offsets_violated, split_packed
 from fusedattn.score_mods.core import bind, needs_gradient
 from fusedattn.selection import NoBackendError, select_backend
 
-__all__ = ["AttentionResult", "pick_outputs", "prepare_call", "PreparedCall", "TENSOR_ARGUMENTS", "on_backend_only"]
+__all__ = ["AttentionResult", "pick_outputs", "prepare_call", "PreparedCall", "TENSOR_ARGUMENTS", "on_backend_only",
+           "UnreadOffsetsCheck", "check_unread_offsets", "poisoned", "guard_inputs"]
 
 
 class AttentionResult(NamedTuple):
@@ -121,3 +122,62 @@ def slopes_are_standard(values) -> bool:
     if values.ndim != 1 or values.size == 0:
         return False
     return bool(np.allclose(values, standard_alibi_slopes(int(values.size)), rtol=1e-3, atol=0.0))
+
+
+class UnreadOffsetsCheck(NamedTuple):
+    """The device-side check of offsets whose values were not read (see check_unread_offsets)."""
+
+    factor: Any  # 0-d: 1, or NaN when the offsets break the rules
+    safe_offsets: dict  # {keyword: the offsets, or zeros (every sequence empty) when they break the rules}
+
+
+def check_unread_offsets(cfg, passed: tuple, offsets: dict, violated=None) -> UnreadOffsetsCheck | None:
+    """Check on the device offsets whose values were not read (traced, or trusted GPU tensors) against
+    the rules the host check enforces; `violated`, another device check, counts too. None when there
+    is nothing to check.
+
+    A broken call must not give a plausible answer, nor let a kernel read or write past the tensors:
+    the frontends multiply q, k, v and the outputs by the factor (guard_inputs, poisoned) and run the
+    kernels on the safe offsets. passed: q, k, v as the call passed them; offsets: {keyword: array or None}.
+    """
+    ragged = cfg.layout.is_ragged
+    kv_tensor = passed[1] if len(passed) > 1 else passed[0]
+    totals = {"q": passed[0].shape[0] if ragged else None, "kv": kv_tensor.shape[0] if ragged else None}
+    limits = {"q": cfg.seqlen_q, "kv": cfg.seqlen_kv}
+    bad = violated
+    for side in ("q", "kv"):
+        cu = offsets.get(f"cu_seqlens_{side}")
+        if cu is None:
+            continue
+        this = offsets_violated(cu, limits[side], totals[side], offsets.get(f"cu_seqlens_{side}_padded"))
+        bad = this if bad is None else bad | this
+    if bad is None:
+        return None
+    from fusedattn.xp import namespace
+
+    ops = namespace(passed[0])
+    safe = {name: None if x is None else ops.where(bad, 0, x) for name, x in offsets.items()}
+    return UnreadOffsetsCheck(ops.where(bad, float("nan"), 1.0), safe)
+
+
+def poisoned(check: UnreadOffsetsCheck | None, x):
+    """x times the check's factor, in x's dtype: x bit for bit, or NaN.
+
+    A product, not a select, so the gradient is NaN too: every output and every gradient of q, k and
+    v (even of tokens the broken offsets made the kernel skip) is NaN for a broken call."""
+    if check is None or x is None:
+        return x
+    from fusedattn.xp import namespace
+
+    ops = namespace(x)
+    return x * ops.astype(check.factor, ops.dtype_name(x))
+
+
+def guard_inputs(cfg, passed: tuple, arrays: tuple, check: UnreadOffsetsCheck | None) -> tuple:
+    """arrays (TENSOR_ARGUMENTS order, q/k/v unpacked) with q, k, v multiplied by the check's factor
+    before they are split (packed layouts keep their strides) and the offsets made safe."""
+    if check is None:
+        return arrays
+    unpacked = split_packed(cfg.layout, [poisoned(check, x) for x in passed])
+    offsets = tuple(check.safe_offsets.get(name, x) for name, x in zip(TENSOR_ARGUMENTS[6:], arrays[6:10]))
+    return (*unpacked, *arrays[3:6], *offsets, *arrays[10:])

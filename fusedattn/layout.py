@@ -25,6 +25,9 @@ __all__ = [
     "segment_ids_to_cu_seqlens",
     "cu_seqlens_to_segment_ids",
     "check_cu_seqlens",
+    "check_segment_ids",
+    "offsets_violated",
+    "segment_ids_violated",
 ]
 
 
@@ -158,6 +161,46 @@ def segment_ids_to_cu_seqlens(segment_ids, batch: int):
     ids = ops.astype(segment_ids, "int32")
     sequences = ops.arange(batch + 1, like=ids, dtype="int32")
     return ops.astype(ops.searchsorted(ids, sequences, right=False), "int32")
+
+
+def check_segment_ids(argument: str, segment_ids: np.ndarray) -> None:
+    """Validate host copies of packed segment ids: integers >= 0, non-decreasing (each sequence contiguous)."""
+    ids = np.asarray(segment_ids)
+    if ids.dtype.kind not in "iu":
+        raise ValueError(f"{argument}: expected an integer array, got dtype {ids.dtype}")
+    if ids.size and ids.min() < 0:
+        raise ValueError(f"{argument}: expected ids >= 0, got {int(ids.min())} at token {int(np.argmin(ids))}")
+    drops = np.flatnonzero(np.diff(ids.astype(np.int64)) < 0)
+    if drops.size:
+        t = int(drops[0])
+        raise ValueError(f"{argument}: expected non-decreasing ids (each sequence's tokens contiguous, in order), "
+                         f"got {int(ids[t])} then {int(ids[t + 1])} at tokens {t} and {t + 1}")
+
+
+def segment_ids_violated(segment_ids):
+    """On the device: a 0-d boolean, True when packed segment ids break check_segment_ids' rules."""
+    ops = namespace(segment_ids)
+    ids = ops.astype(segment_ids, "int64")
+    if ids.shape[0] == 0:
+        return ops.any(ids < 0, axis=0)
+    return ops.any(ids[1:] < ids[:-1], axis=0) | (ids[0] < 0)
+
+
+def offsets_violated(cu_seqlens, max_seqlen: int, total_tokens: int | None, padded_offsets=None):
+    """On the device: a 0-d boolean, True when offsets break the rules check_cu_seqlens enforces on
+    the host, or hold a sequence longer than max_seqlen. For offsets whose values are not read (traced
+    under jit, or trusted GPU tensors), so a bad call can be made to give NaN instead of a plausible
+    answer, without waiting for the device."""
+    ops = namespace(cu_seqlens)
+    cu = ops.astype(cu_seqlens, "int64")
+    lengths = cu[1:] - cu[:-1]
+    bad = (cu[0] != 0) | ops.any((lengths < 0) | (lengths > max_seqlen), axis=0)
+    if padded_offsets is None:
+        return bad | (cu[-1] > total_tokens) if total_tokens is not None else bad
+    padded = ops.astype(padded_offsets, "int64")
+    room = padded[1:] - padded[:-1]
+    bad = bad | (padded[0] < 0) | ops.any(room < lengths, axis=0)
+    return bad | (padded[-1] > total_tokens) if total_tokens is not None else bad
 
 
 def cu_seqlens_to_segment_ids(cu_seqlens, total_tokens: int):

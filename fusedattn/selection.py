@@ -165,12 +165,14 @@ def clear_decisions() -> None:
     _calls.clear()
 
 
-def _indent_reasons(table: Mapping[str, Sequence[str]], verdicts: Mapping[str, str] | None = None) -> list[str]:
+def _indent_reasons(table: Mapping[str, Sequence[str]], verdicts: Mapping[str, str] | None = None,
+                    notes: Mapping[str, Sequence[str]] | None = None) -> list[str]:
     lines = []
     for name, reasons in table.items():
         verdict = (verdicts or {}).get(name)
         lines.append(f"  {name}:" + (f" {verdict}" if verdict else ""))
         lines.extend(f"    - {reason}" for reason in reasons)
+        lines.extend(f"    note: {note}" for note in (notes or {}).get(name, ()))
     return lines
 
 
@@ -219,5 +221,6 @@ def explain(cfg: AttentionConfig, backend: str | None = None) -> str:
     else:
         lines.append(f"selected: {chosen}")
     lines.append("backends (in selection order):")
-    lines.extend(_indent_reasons(table, verdicts))
+    notes = {name: get_backend(name).notes(cfg) for name, reasons in table.items() if not reasons}
+    lines.extend(_indent_reasons(table, verdicts, notes))
     return "\n".join(lines)

@@ -126,6 +126,10 @@ class Backend:
         """Backend-specific rules, run after the shared ones pass."""
         return []
 
+    def notes(self, cfg: AttentionConfig) -> list[str]:
+        """What the backend does differently for a call it runs (a copy it makes, say), for explain."""
+        return []
+
     def forward(self, cfg: AttentionConfig, inputs: AttentionInputs):
         """Run the forward pass: returns (AttentionOutputs, saved) for `backward`."""
         raise NotImplementedError(f"backend {self.name} has no forward")

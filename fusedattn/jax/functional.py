@@ -12,7 +12,16 @@ from jax.custom_derivatives import SymbolicZero
 from fusedattn.arguments import TensorMeta
 from fusedattn.backends import get_backend
 from fusedattn.backends.base import ARRAY_NAMES, DIFFERENTIABLE, AttentionInputs, AttentionOutputs
-from fusedattn.frontend_common import on_backend_only, pick_outputs, prepare_call, slopes_are_standard
+from fusedattn.frontend_common import (
+    TENSOR_ARGUMENTS,
+    check_unread_offsets,
+    guard_inputs,
+    on_backend_only,
+    pick_outputs,
+    poisoned,
+    prepare_call,
+    slopes_are_standard,
+)
 from fusedattn.jax import torch_bridge
 from fusedattn.jax.partition import find_split
 from fusedattn.jax.shard_guard import batched, check_shard_axes, guard_whole
@@ -178,9 +187,10 @@ def attention(
     """
     mod = as_score_mod(API, score_mod, score_mod_bprop, score_mod_tensors, score_mod_bprop_tensors)
     q, k, v = check_shard_axes(API, layout, q, k, v)
+    segments_violated = None
     if segment_ids_q is not None or segment_ids_kv is not None:
-        cu_seqlens_q, cu_seqlens_kv = _from_segment_ids(segment_ids_q, segment_ids_kv, num_sequences,
-                                                        cu_seqlens_q, cu_seqlens_kv)
+        cu_seqlens_q, cu_seqlens_kv, segments_violated = _from_segment_ids(
+            segment_ids_q, segment_ids_kv, num_sequences, cu_seqlens_q, cu_seqlens_kv)
     tensors = {"q": q, "k": k, "v": v, "bias": bias, "alibi_slopes": alibi_slopes, "sink": sink,
                "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_kv": cu_seqlens_kv,
                "cu_seqlens_q_padded": cu_seqlens_q_padded, "cu_seqlens_kv_padded": cu_seqlens_kv_padded}
@@ -195,6 +205,13 @@ def attention(
         alibi_standard=alibi_slopes is not None and _is_concrete(alibi_slopes)
         and slopes_are_standard(OPS.to_host(alibi_slopes)),
     )
+    offsets = {name: tensors[name] for name in TENSOR_ARGUMENTS[6:]}
+    check = None
+    if segments_violated is not None or any(x is not None and not _is_concrete(x) for x in offsets.values()):
+        # Traced offsets or segment ids were never read: checked on the device, NaN results when broken.
+        passed = tuple(x for x in (q, k, v) if x is not None)
+        check = check_unread_offsets(call.cfg, passed, offsets, segments_violated)
+        call = call._replace(arrays=guard_inputs(call.cfg, passed, call.arrays, check))
     seed = offset = None
     if call.cfg.dropout_p > 0.0:
         seed, offset = _dropout_state(dropout_rng, dropout_seed, dropout_offset)
@@ -206,12 +223,15 @@ def attention(
                                                       call.selection.name), *call.arrays[3:]))
     out, lse, max_logit = _attention(call.cfg, call.selection.name, call.score_mod, split,
                                      (*call.arrays, seed, offset))
-    return pick_outputs(call.cfg, out, lse, max_logit)
+    return pick_outputs(call.cfg, *(poisoned(check, x) for x in (out, lse, max_logit)))
 
 
 def _from_segment_ids(ids_q, ids_kv, num_sequences, cu_q, cu_kv):
-    """cu_seqlens_q/kv from packed segment ids (both sides), with clear errors."""
-    from fusedattn.layout import segment_ids_to_cu_seqlens
+    """(cu_seqlens_q, cu_seqlens_kv, violated) from packed segment ids (both sides), with clear errors.
+
+    Concrete ids are checked here (unsorted ids raise); traced ones give `violated`, a 0-d boolean
+    on the device that the call turns into NaN results (None when every id was checked)."""
+    from fusedattn.layout import check_segment_ids, segment_ids_to_cu_seqlens, segment_ids_violated
 
     if ids_q is None or ids_kv is None:
         missing = "segment_ids_kv" if ids_kv is None else "segment_ids_q"
@@ -224,7 +244,15 @@ def _from_segment_ids(ids_q, ids_kv, num_sequences, cu_q, cu_kv):
         if len(getattr(ids, "shape", ())) != 1:
             raise ValueError(f"{API}: {name}: expected a (T,) integer array, got shape "
                              f"{getattr(ids, 'shape', type(ids).__name__)}")
-    return segment_ids_to_cu_seqlens(ids_q, num_sequences), segment_ids_to_cu_seqlens(ids_kv, num_sequences)
+    violated = None
+    for name, ids in (("segment_ids_q", ids_q), ("segment_ids_kv", ids_kv)):
+        if _is_concrete(ids):
+            check_segment_ids(f"{API}: {name}", OPS.to_host(ids))
+        else:
+            this = segment_ids_violated(ids)
+            violated = this if violated is None else violated | this
+    cu = (segment_ids_to_cu_seqlens(ids_q, num_sequences), segment_ids_to_cu_seqlens(ids_kv, num_sequences))
+    return (*cu, violated)
 
 
 def small_seq_attention(q, k=None, v=None, **kwargs):

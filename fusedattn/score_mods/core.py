@@ -99,6 +99,9 @@ class GraphRecipe:
     forward: Callable
     bprop: Callable | None
     aux: tuple  # ((name, description), ...) with descriptions from key.describe_aux
+    # Without a bprop, why the forward's derivative in the score is not 1 (None: it is). cuDNN
+    # would apply derivative 1, so the cudnn backend refuses such a call for training.
+    derivative_issue: str | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -245,7 +248,12 @@ def bind(api: str, mod: ScoreMod, *, batch: int, heads_q: int, seqlen_q: int, se
         return BoundScoreMod(mod, values, EAGER_ONLY_KEY, None)
     aux = tuple(sorted((name, describe_aux(value)) for name, value in values.items()))
     key = structural_key(mod.forward, values, mod.bprop, api=api)
-    return BoundScoreMod(mod, values, key, GraphRecipe(mod.forward, mod.bprop, aux))
+    issue = None
+    if mod.bprop is None:
+        from fusedattn.score_mods.derivative import score_derivative_issue
+
+        issue = score_derivative_issue(key, values)
+    return BoundScoreMod(mod, values, key, GraphRecipe(mod.forward, mod.bprop, aux, issue))
 
 
 def apply_eager(ops, bound: BoundScoreMod, score, b_idx, h_idx, q_idx, kv_idx, dtype: str):

@@ -11,8 +11,11 @@ from fusedattn.arguments import ENV_THD_BUCKET, TensorMeta
 from fusedattn.frontend_common import (
     TENSOR_ARGUMENTS,
     AttentionResult,
+    check_unread_offsets,
+    guard_inputs,
     on_backend_only,
     pick_outputs,
+    poisoned,
     prepare_call,
     slopes_are_standard,
 )
@@ -20,7 +23,7 @@ from fusedattn.layout import split_packed
 from fusedattn.score_mods.core import ScoreMod, as_score_mod, bind, needs_gradient
 from fusedattn.selection import ENV_BACKEND, recall_call, remember_call
 from fusedattn.torch.autograd import run_attention
-from fusedattn.torch.ops import register_config
+from fusedattn.torch.ops import config_of, register_config
 from fusedattn.xp.torch_ops import OPS
 
 __all__ = ["attention"]
@@ -34,6 +37,12 @@ def _meta(x, name: str) -> TensorMeta | None:
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"{API}: {name}: expected a torch.Tensor, got {type(x).__name__}")
     return TensorMeta(tuple(x.shape), OPS.dtype_name(x), str(x.device), x.device.type)
+
+
+def _unaligned(**tensors) -> tuple[str, ...]:
+    """Names of the GPU tensors whose address is not a multiple of 16 bytes (cuDNN copies those)."""
+    return tuple(name for name, x in tensors.items()
+                 if isinstance(x, torch.Tensor) and x.is_cuda and x.data_ptr() % 16)
 
 
 def _dropout_state(seed, offset, like: torch.Tensor):
@@ -156,12 +165,13 @@ def attention(
     # reading their values back would stall the GPU queue on every call.
     trusted = (max_seqlen_q is not None and max_seqlen_kv is not None
                and all(x is None or (isinstance(x, torch.Tensor) and x.is_cuda) for x in offsets))
+    unaligned = _unaligned(q=q, k=k, v=v, bias=bias, sink=sink)
     # ALiBi slopes decide the config (cuDNN's built-in ALiBi has the paper's slopes only), so
     # calls with slopes read their values every time and take the full path.
     signature = None if alibi_slopes is not None else _signature(
         q, k, v, bias, alibi_slopes, sink, *offsets, layout, mask, window, bias_type, softmax_type, dropout_p,
         scale, max_seqlen_q, max_seqlen_kv, deterministic, return_lse, return_max_logit, backend,
-        offsets=() if trusted else offsets,
+        unaligned, offsets=() if trusted else offsets,
         score_mod=None if mod is None else (id(score_mod), id(score_mod_bprop), tuple(score_mod_tensors or ()),
                                             tuple(score_mod_bprop_tensors or ())))
     planned = recall_call(signature) if signature is not None else None
@@ -195,18 +205,23 @@ def attention(
             layout=layout, mask=mask, window=window, bias_type=bias_type, softmax_type=softmax_type,
             dropout_p=dropout_p, scale=scale, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
             deterministic=deterministic, return_lse=return_lse, return_max_logit=return_max_logit,
-            score_mod=mod,
+            score_mod=mod, unaligned=unaligned,
             alibi_standard=isinstance(alibi_slopes, torch.Tensor)
             and slopes_are_standard(OPS.to_host(alibi_slopes.float())),
         )
         cfg, selection, arrays, bound = call
         if signature is not None:
             remember_call(signature, (cfg, selection))
+    check = None
+    if trusted and any(x is not None for x in offsets):  # their values were not read: checked on the device
+        passed = tuple(x for x in (q, k, v) if x is not None)
+        check = check_unread_offsets(cfg, passed, dict(zip(TENSOR_ARGUMENTS[6:], offsets)))
+        arrays = guard_inputs(cfg, passed, arrays, check)
     seed = offset = None
     if cfg.dropout_p > 0.0:
         seed, offset = _dropout_state(dropout_seed, dropout_offset, q)
     out, lse, max_logit = run_attention(cfg, selection.backend, bound, (*arrays, seed, offset))
-    return pick_outputs(cfg, out, lse, max_logit)
+    return pick_outputs(cfg, *(poisoned(check, x) for x in (out, lse, max_logit)))
 
 
 def _signature(*call, offsets, score_mod):
@@ -275,13 +290,19 @@ def _compiled_attention(tensors: tuple, options: dict, backend, dropout_seed, dr
     described = tuple(None if x is None else (tuple(x.shape), x.dtype, x.device, x.requires_grad) for x in tensors)
     key = _compile_time_plan(described, tuple(options.items()), backend, torch.is_grad_enabled())
     q, k, v = tensors[:3]
-    unpacked = split_packed(options["layout"], [x for x in (q, k, v) if x is not None])
+    passed = tuple(x for x in (q, k, v) if x is not None)
+    unpacked = split_packed(options["layout"], passed)
+    arrays, check = (*unpacked, *tensors[3:]), None
+    if any(x is not None for x in tensors[6:]):  # offsets are never read while compiling: checked on the device
+        cfg = config_of(key)
+        check = check_unread_offsets(cfg, passed, dict(zip(TENSOR_ARGUMENTS[6:], tensors[6:])))
+        arrays = guard_inputs(cfg, passed, arrays, check)
     seed = offset = None
     if options["dropout_p"] > 0.0:
         seed = (torch.randint(0, 2**31 - 1, (), dtype=torch.int64, device=q.device) if dropout_seed is None
                 else torch.as_tensor(dropout_seed, dtype=torch.int64, device=q.device))
         offset = torch.as_tensor(dropout_offset, dtype=torch.int64, device=q.device)
-    out, lse, max_logit = torch.ops.fusedattn.attention_fwd(key, *unpacked, *tensors[3:], seed, offset)
+    out, lse, max_logit = (poisoned(check, x) for x in torch.ops.fusedattn.attention_fwd(key, *arrays, seed, offset))
     if not (options["return_lse"] or options["return_max_logit"]):
         return out
     return AttentionResult(out, lse if options["return_lse"] else None,

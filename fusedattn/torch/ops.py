@@ -17,7 +17,7 @@ from fusedattn.backends import get_backend
 from fusedattn.backends.base import ARRAY_NAMES, AttentionInputs, AttentionOutputs
 from fusedattn.config import AttentionConfig
 
-__all__ = ["register_config", "attention_fwd", "attention_bwd"]
+__all__ = ["register_config", "config_of", "attention_fwd", "attention_bwd"]
 
 # key -> (config, backend name). Keys come from the config's contents, never from id().
 _CONFIGS: dict[str, tuple[AttentionConfig, str]] = {}
@@ -45,6 +45,11 @@ def register_config(cfg: AttentionConfig, backend_name: str) -> str:
     key = f"{backend_name}:{digest}"
     _CONFIGS[key] = (cfg, backend_name)
     return key
+
+
+def config_of(key: str) -> AttentionConfig:
+    """The config a key returned by register_config names."""
+    return _CONFIGS[key][0]
 
 
 def _inputs(q, k, v, bias, alibi_slopes, sink, cu_q, cu_kv, cu_q_padded, cu_kv_padded, seed, offset):

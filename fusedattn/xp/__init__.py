@@ -11,6 +11,7 @@ import importlib
 __all__ = ["namespace", "framework_of"]
 
 _MODULES = {"torch": "fusedattn.xp.torch_ops", "jax": "fusedattn.xp.jax_ops"}
+_LOADED: dict = {}  # name -> ops, once imported (a dict lookup is also what torch.compile can trace)
 
 
 def framework_of(x) -> str | None:
@@ -28,4 +29,7 @@ def namespace(x_or_framework):
     name = x_or_framework if isinstance(x_or_framework, str) else framework_of(x_or_framework)
     if name not in _MODULES:
         raise ValueError(f"expected a torch tensor or a JAX array, got {type(x_or_framework).__name__}")
-    return importlib.import_module(_MODULES[name]).OPS
+    ops = _LOADED.get(name)
+    if ops is None:
+        ops = _LOADED[name] = importlib.import_module(_MODULES[name]).OPS
+    return ops

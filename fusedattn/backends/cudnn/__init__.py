@@ -8,7 +8,7 @@ those graphs. The cudnn and torch imports happen only once the cheap rules pass.
 from __future__ import annotations
 
 from fusedattn.backends.base import Backend
-from fusedattn.backends.cudnn.spec import rows_with_keys_config, unsupported
+from fusedattn.backends.cudnn.spec import ALIGNMENT, rows_with_keys_config, unsupported
 
 
 class CudnnBackend(Backend):
@@ -29,6 +29,14 @@ class CudnnBackend(Backend):
         from fusedattn.backends.cudnn.runtime import probe
 
         return probe(rows_with_keys_config(cfg))
+
+    def notes(self, cfg):
+        if not cfg.unaligned:
+            return []
+        names = ", ".join(cfg.unaligned)
+        return [f"copies {names} to 16-byte aligned memory before each launch: cuDNN needs every operand's "
+                f"address to be a multiple of {ALIGNMENT} bytes, and {names} start elsewhere (a view a few elements "
+                "into its storage); slice fused projections at multiples of 8 elements to avoid the copy"]
 
     def forward(self, cfg, inputs):
         from fusedattn.backends.cudnn.torch_run import forward

@@ -15,7 +15,7 @@ from fusedattn.backends.cudnn.score_mod_graph import declare_score_mod
 from fusedattn.backends.cudnn.spec import SdpaSpec, TensorSpec, dense, gradient_spec, short_reason
 from fusedattn.config import AttentionConfig
 
-__all__ = ["BuiltGraph", "build_forward", "build_backward", "GraphBuildError"]
+__all__ = ["BuiltGraph", "build_forward", "build_backward", "GraphBuildError", "OUTPUT_NAMES"]
 
 _IO_TYPES = {"float16": cudnn.data_type.HALF, "bfloat16": cudnn.data_type.BFLOAT16}
 _FLOAT = cudnn.data_type.FLOAT
@@ -122,6 +122,8 @@ def _finish(graph, tensors: dict, what: str, score_mod: bool) -> BuiltGraph:
     return BuiltGraph(graph, tensors, graph.get_workspace_size(), name)
 
 
+# The tensors a graph writes; every other bound tensor is read.
+OUTPUT_NAMES = frozenset({"o", "stats", "row_max", "sum_exp", "dq", "dk", "dv", "dbias", "dsink", "rng_dump"})
 # Inputs whose semantics a Python engine might drop silently.
 _FEATURE_TENSORS = frozenset({"bias", "sink", "dropout_seed", "seq_len_q", "ro_q"})
 

@@ -10,7 +10,8 @@ import cudnn
 import torch
 
 from fusedattn.backends.cudnn import raw_launch
-from fusedattn.backends.cudnn.graphs import BuiltGraph, GraphBuildError, build_backward, build_forward
+from fusedattn.backends.cudnn.alignment import ALIGNMENT, aligned_copy
+from fusedattn.backends.cudnn.graphs import OUTPUT_NAMES, BuiltGraph, GraphBuildError, build_backward, build_forward
 from fusedattn.backends.cudnn.spec import graph_key, sdpa_spec
 from fusedattn.cache import LRUCache
 from fusedattn.config import AttentionConfig
@@ -89,6 +90,9 @@ def execute(built: BuiltGraph, buffers: dict, device: int, raw: bool = False) ->
     handle = _handle(device)
     workspace = torch.empty(max(built.workspace, 1), dtype=torch.uint8, device=device)
     names = tuple(name for name in buffers if name in built.tensors)
+    for name in names:
+        if name not in OUTPUT_NAMES and buffers[name].is_cuda and buffers[name].data_ptr() % ALIGNMENT:
+            buffers[name] = aligned_copy(buffers[name])
     launcher = built.launchers.get(names)
     if launcher is not None:
         launcher([buffers[name].data_ptr() for name in names], workspace.data_ptr(), handle)
@@ -112,3 +116,4 @@ def _raw_launcher(built: BuiltGraph, names: tuple, buffers: dict, workspace: tor
         return None
     uids = [built.tensors[name].get_uid() for name in names]
     return raw_launch.learn(built.graph, uids, [buffers[name].data_ptr() for name in names], workspace.data_ptr())
+

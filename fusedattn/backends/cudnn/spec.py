@@ -12,9 +12,10 @@ from fusedattn.config import UNBOUNDED, AttentionConfig, BiasType, Layout, Mask,
 from fusedattn.score_mods.core import EAGER_ONLY_KEY
 
 MAX_BATCH = 65535  # one grid dimension per sequence in cuDNN 9.19's attention kernels
+ALIGNMENT = 16  # bytes: cuDNN refuses to launch with an operand whose address is not a multiple
 
-__all__ = ["TensorSpec", "dense", "SdpaSpec", "sdpa_spec", "unsupported", "layout_strides", "gradient_spec",
-           "short_reason", "graph_key", "rows_without_keys", "rows_with_keys_config"]
+__all__ = ["ALIGNMENT", "TensorSpec", "dense", "SdpaSpec", "sdpa_spec", "unsupported", "layout_strides",
+           "gradient_spec", "short_reason", "graph_key", "rows_without_keys", "rows_with_keys_config"]
 
 
 @dataclass(frozen=True)
@@ -173,6 +174,10 @@ def _score_mod_reasons(cfg: AttentionConfig) -> list[str]:
         return ["score_mod: an eager-only score_mod (score_mods.eager: a Python function of the score matrix) "
                 "runs on the reference only; write it as score_mod(graph, score, tensors) for cuDNN"]
     reasons = []
+    issue = getattr(cfg.score_mod_recipe, "derivative_issue", None)
+    if cfg.is_training and issue is not None:
+        reasons.append(f"score_mod without score_mod_bprop: {issue}; cuDNN would use derivative 1 and give wrong "
+                       "gradients: pass score_mod_bprop(graph, dscore, tensors), its derivative")
     if cfg.bias is BiasType.PRE_SCALE:
         reasons.append("score_mod with a pre_scale bias: cuDNN adds bias after the score_mod; use bias_type "
                        "'post_scale' or add the term inside the score_mod")
@@ -200,7 +205,7 @@ def graph_key(cfg: AttentionConfig, direction: str, device: int) -> tuple:
     """Cache key of a built graph: the whole config, the pass, and the GPU it was built for."""
     if direction not in ("forward", "backward"):
         raise ValueError(f"direction: expected 'forward' or 'backward', got {direction!r}")
-    return (cfg, direction, int(device))
+    return (cfg.replace(unaligned=()), direction, int(device))  # an aligned copy runs the same graph
 
 
 def rows_without_keys(cfg: AttentionConfig) -> int:
