@@ -1,28 +1,93 @@
-"""Where the per-call time of fusedattn's cuDNN path goes, at a shape where overhead shows.
+"""Per-call host cost of fusedattn.torch.attention against torch SDPA; --detail: where the cuDNN path's time goes.
 
-Prints wall time per call of: the whole public call, our frontend alone, and the cuDNN
-execute call in three forms (IR-tensor dict, uid -> int pointer dict, ordered uids), plus
-a cProfile of the public call. Run on a GPU machine with nvidia-cudnn-frontend installed.
+Default (writes bench/results/overhead.json): back-to-back calls, B8 S1024 H12 D64 and B1 S128 H8 D64,
+causal, bf16; "fwd" is the forward under torch.no_grad(), "fwd+bwd" the forward then torch.autograd.grad
+of (q, k, v) with a fixed random output gradient. ours = fusedattn.torch.attention(q, k, v, mask="causal")
+with default selection (--ours-backend forces one); sdpa = F.scaled_dot_product_attention(is_causal=True)
+on (B, H, S, D) views of the same tensors, default dispatch. Each round times, per contestant
+(interleaved, order alternating), two loops of --calls calls with no synchronize inside:
+
+  plain  perf_counter around the enqueue loop, then around the synchronize that follows:
+         loop_us = (enqueue + wait) / calls is the back-to-back time per call a user sees
+         (the larger of the host and the GPU cost), wait_us the part spent waiting for the GPU.
+  held   the GPU is first given a spin kernel (torch.cuda._sleep) that outlasts the enqueue loop, so
+         the host never waits for the GPU and the GPU never waits for the host:
+         host_us = enqueue time / calls is the honest host cost of a call (Python, dispatch, launches);
+         gpu_us  = CUDA-event time from the spin's end to the last call / calls is the GPU time of a
+         call with the queue full. gpu_held says in how many rounds the spin outlasted the loop.
+
+Rows keep medians over --rounds. In the JSON "ms" is host_us / 1000 (so ratio_vs_best_peer = sdpa
+host time / ours, > 1: ours cheaper), "value" the attention TFLOP/s at gpu_us (4*B*H*S^2*D/2 forward,
+x3.5 with backward); each entry also holds host_us, gpu_us, loop_us and wait_us. On CPU (--smoke) there
+is no GPU queue: host_us = loop_us and gpu_us is null.
+
+    python bench/profile_overhead.py                        # -> bench/results/overhead.json
+    python bench/profile_overhead.py --smoke --out /tmp/overhead.json   # tiny shapes on CPU
+    python bench/profile_overhead.py --detail               # the cuDNN path's parts and a cProfile (GPU)
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import cProfile
 import io
 import pstats
+import statistics
 import sys
 import time
+import traceback
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-import fusedattn.torch as fat  # noqa: E402
-from fusedattn.backends.cudnn import runtime  # noqa: E402
+try:  # python -m bench.profile_overhead
+    from . import bench_cudnn, common
+    from .bench_model import recorded_selections
+except ImportError:  # python bench/profile_overhead.py
+    import bench_cudnn
+    import common
+    from bench_model import recorded_selections
 
+SUITE = "overhead"
+PEER = "sdpa"
+HOLD_MARGIN_US = 2000.0  # the spin outlasts twice the plain loop's enqueue time by this much
+
+
+@dataclass(frozen=True)
+class Shape:
+    B: int
+    H: int
+    S: int
+    D: int
+
+    @property
+    def name(self) -> str:
+        return f"enqueue-b{self.B}-h{self.H}-s{self.S}-d{self.D}-causal"
+
+    def flops(self, mode: str) -> float:
+        return common.attention_flops(self.B, self.H, self.S, self.S, self.D, causal=True, mode=mode)
+
+    def params(self, mode: str) -> dict:
+        return {"layout": "bshd", "B": self.B, "Sq": self.S, "Skv": self.S, "Hq": self.H, "Hkv": self.H,
+                "D": self.D, "dtype": "bfloat16", "mask": "causal", "mode": mode,
+                "fwd_under_no_grad": mode == common.FWD}
+
+
+SHAPES = (Shape(8, 12, 1024, 64), Shape(1, 8, 128, 64))
+SMOKE_SHAPES = (Shape(2, 4, 64, 16), Shape(1, 2, 16, 16))
+
+
+# --- timing ------------------------------------------------------------------------------------------------------
 
 def per_call_us(fn, n=300) -> float:
+    """Wall time per call of n back-to-back calls, synchronized after (profile_jax_overhead uses it too)."""
     for _ in range(20):
         fn()
     torch.cuda.synchronize()
@@ -33,7 +98,211 @@ def per_call_us(fn, n=300) -> float:
     return (time.perf_counter() - start) / n * 1e6
 
 
-def main() -> None:
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def plain_loop(call: Callable[[], object], calls: int, device: torch.device) -> tuple[float, float]:
+    """(enqueue us, synchronize-wait us) per call of `calls` back-to-back calls."""
+    _synchronize(device)
+    began = time.perf_counter()
+    for _ in range(calls):
+        call()
+    enqueued = time.perf_counter()
+    _synchronize(device)
+    done = time.perf_counter()
+    return (enqueued - began) / calls * 1e6, (done - enqueued) / calls * 1e6
+
+
+def held_loop(call: Callable[[], object], calls: int, hold_cycles: int) -> tuple[float, float, bool]:
+    """(host us, GPU us) per call with the GPU held by a spin kernel while the host enqueues; whether it held."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(hold_cycles)
+    start.record()
+    began = time.perf_counter()
+    for _ in range(calls):
+        call()
+    enqueued = time.perf_counter()
+    end.record()
+    held = not start.query()  # the spin was still running: every call was queued before the GPU reached them
+    end.synchronize()
+    return (enqueued - began) / calls * 1e6, start.elapsed_time(end) * 1e3 / calls, held
+
+
+def spin_cycles_per_us() -> float:
+    """torch.cuda._sleep's clock: cycles per microsecond, measured once."""
+    cycles = 20_000_000
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1000)  # a first launch pays for loading the kernel
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return cycles / (start.elapsed_time(end) * 1e3)
+
+
+# --- contestants -------------------------------------------------------------------------------------------------
+
+@dataclass
+class Contestant:
+    name: str
+    impl: common.Impl
+    mode: str
+    samples: dict[str, list] = field(default_factory=lambda: {"host": [], "wait": [], "loop": [], "gpu": [],
+                                                              "held": []})
+
+    def context(self) -> contextlib.AbstractContextManager:
+        """The forward runs under no_grad (entered once around a loop, not per call)."""
+        return torch.no_grad() if self.mode == common.FWD else contextlib.nullcontext()
+
+    def call(self) -> Callable[[], object]:
+        return self.impl.call if self.mode == common.FWD else self.impl.step(common.FWD_BWD)
+
+
+def contestants(x: bench_cudnn.Inputs, mode: str, ours_backend: str | None) -> list[Contestant]:
+    import fusedattn.torch as fat
+
+    ours = common.Impl("ours", partial(fat.attention, x.q, x.k, x.v, layout="bshd", mask="causal",
+                                       backend=ours_backend), (x.q, x.k, x.v), x.grad_out, forward_no_grad=True)
+    sdpa = common.Impl(PEER, partial(torch.nn.functional.scaled_dot_product_attention, x.qt, x.kt, x.vt,
+                                     is_causal=True), (x.qt, x.kt, x.vt), x.grad_out.transpose(1, 2),
+                       to_reference=lambda t: t.transpose(1, 2), forward_no_grad=True)
+    return [Contestant("ours", ours, mode), Contestant(PEER, sdpa, mode)]
+
+
+def sample(contestant: Contestant, calls: int, device: torch.device, cycles_per_us: float | None) -> None:
+    """One round of one contestant: the plain loop, then (on a GPU) the held loop."""
+    call = contestant.call()
+    with contestant.context():
+        host, wait = plain_loop(call, calls, device)
+        contestant.samples["wait"].append(wait)
+        contestant.samples["loop"].append(host + wait)
+        if cycles_per_us is None:
+            contestant.samples["host"].append(host)
+            return
+        hold = int(cycles_per_us * (2 * host * calls + HOLD_MARGIN_US))
+        host, gpu, held = held_loop(call, calls, hold)
+    contestant.samples["host"].append(host)
+    contestant.samples["gpu"].append(gpu)
+    contestant.samples["held"].append(held)
+
+
+def entry(contestant: Contestant, flops: float) -> dict:
+    """The results entry: ms = host enqueue time, value = TFLOP/s at the GPU time (the loop's where none)."""
+    median = {key: statistics.median(values) for key, values in contestant.samples.items()
+              if values and key != "held"}
+    gpu_us = median.get("gpu")
+    result = {"ms": round(median["host"] / 1e3, 6),
+              "value": round(common.tflops(flops, (gpu_us or median["loop"]) / 1e3), 3)}
+    result.update({f"{key}_us": round(median[key], 2) if key in median else None
+                   for key in ("host", "gpu", "loop", "wait")})
+    held = contestant.samples["held"]
+    result["gpu_held"] = f"{sum(held)}/{len(held)}" if held else None
+    return result
+
+
+# --- one row -----------------------------------------------------------------------------------------------------
+
+def _warm_up(contestant: Contestant, calls: int, device: torch.device) -> list[tuple[str, str]]:
+    """Untimed calls (graph builds, selection); for ours, the selections fusedattn made on the first."""
+    call = contestant.call()
+    made: list[tuple[str, str]] = []
+    with contestant.context():
+        if contestant.name == "ours":
+            with recorded_selections() as made:
+                call()
+        for _ in range(calls):
+            call()
+    _synchronize(device)
+    return list(made)
+
+
+def _check(contestants_: list[Contestant], mode: str, params: dict) -> None:
+    """max |ours - sdpa| over the output and, in fwd+bwd, the input gradients (one untimed call each)."""
+    try:
+        outputs = [c.impl.outputs(mode) for c in contestants_]
+        params["max_abs_diff_vs_sdpa"] = common.max_abs_diff(outputs[0], outputs[1])
+    except Exception as error:
+        params["max_abs_diff_vs_sdpa"] = common.error_entry(error)["error"]
+    params["max_abs_diff_ref"] = PEER
+
+
+def run_row(shape: Shape, mode: str, args, device: torch.device, cycles_per_us: float | None) -> dict:
+    x = bench_cudnn.make_inputs(bench_cudnn.Case("dense", shape.B, shape.H, shape.H, shape.S, shape.D, True),
+                                device)
+    flops = shape.flops(mode)
+    params = {**shape.params(mode), "calls_per_loop": args.calls, "rounds": args.rounds, "flops": int(flops),
+              "ms_is": "host enqueue time per call (host_us / 1000)",
+              "value_is": "TFLOP/s at gpu_us" if cycles_per_us else "TFLOP/s at loop_us (no GPU)"}
+    live, entries = contestants(x, mode, args.ours_backend), {}
+    for contestant in list(live):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                made = _warm_up(contestant, args.warmup, device)
+            except Exception as error:  # a contestant that cannot run is an entry, not the end of the run
+                entries[contestant.name] = common.error_entry(error, caught)
+                live.remove(contestant)
+                continue
+        if contestant.name == "ours":
+            params["fusedattn_selection"] = [f"{config} -> {backend}" for config, backend in made]
+            params["ours_backend"] = args.ours_backend or ",".join(sorted({b for _, b in made})) or "default"
+    if len(live) == 2:
+        _check(live, mode, params)
+    for index in range(args.rounds):
+        for contestant in live[::-1] if index % 2 else live:
+            if contestant.name in entries:
+                continue
+            try:
+                sample(contestant, args.calls, device, cycles_per_us)
+            except Exception as error:
+                entries[contestant.name] = common.error_entry(error)
+    for contestant in live:
+        entries.setdefault(contestant.name, entry(contestant, flops))
+    del live, x
+    common.release_memory(device)
+    ours = {"backend": params.get("ours_backend", args.ours_backend or "default"), **entries["ours"]}
+    peers = {PEER: entries[PEER]}
+    ratio = common.best_peer_ratio(ours, peers)
+    return {"workload": f"{shape.name}-{mode}", "params": params, "metric": "tflops", "ours": ours, "peers": peers,
+            "ratio_vs_best_peer": None if ratio is None else round(ratio, 4)}
+
+
+# --- output ------------------------------------------------------------------------------------------------------
+
+def _ratio_text(row: dict, key: str) -> str:
+    ours, peer = row["ours"].get(key), row["peers"][PEER].get(key)
+    if not isinstance(ours, float) or not isinstance(peer, float):
+        return f"{'-':>23}"
+    return f"{ours:8.1f} {peer:8.1f} {ours / peer:5.2f}"
+
+
+def print_row(row: dict, seconds: float) -> None:
+    held = " ".join(str(entry_.get("gpu_held") or "-") for entry_ in (row["ours"], row["peers"][PEER]))
+    print(f"{row['workload']:<40} " + " | ".join(_ratio_text(row, key) for key in ("host_us", "gpu_us", "loop_us"))
+          + f" | {held:>11}  [{seconds:.1f} s]", flush=True)
+    for name, entry_ in (("ours", row["ours"]), (PEER, row["peers"][PEER])):
+        if "error" in entry_:
+            print(f"    ! {name}: {entry_['error'][:300]}", flush=True)
+
+
+def print_header() -> None:
+    cells = " | ".join(f"{title:^23}" for title in ("host us/call", "gpu us/call", "loop us/call"))
+    print(f"{'workload':<40} {cells} | {'gpu held':>11}", flush=True)
+    print(f"{'':<40} " + " | ".join(f"{'ours':>8} {'sdpa':>8} {'o/s':>5}" for _ in range(3))
+          + " |  ours sdpa   (o/s = ours / sdpa, < 1: ours cheaper)", flush=True)
+
+
+# --- the cuDNN path in detail (--detail, GPU) --------------------------------------------------------------------
+
+def detail() -> None:
+    """Wall time per call of the public call and of cuDNN's execute in three forms, then a cProfile."""
+    import fusedattn.torch as fat
+    from fusedattn.backends.cudnn import runtime
+    from fusedattn.backends.cudnn.spec import sdpa_spec
+
     q = torch.randn(4, 1024, 16, 64, device="cuda", dtype=torch.bfloat16)
     k, v = torch.randn_like(q), torch.randn_like(q)
     sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
@@ -44,7 +313,6 @@ def main() -> None:
 
     cfg = next(key[0] for key in runtime.graph_cache().keys() if key[1] == "forward")
     built = runtime.get_graph(cfg, "forward", 0)
-    from fusedattn.backends.cudnn.spec import sdpa_spec
     spec = sdpa_spec(cfg)
     o = torch.empty_like(q)
     stats = torch.empty(spec.stats.dim, device="cuda")
@@ -92,5 +360,63 @@ def _profile(label: str, call) -> None:
         print(text.getvalue()[-6000:])
 
 
+# --- command line ------------------------------------------------------------------------------------------------
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(prog="profile_overhead.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--detail", action="store_true",
+                        help="instead: the cuDNN path's parts (execute forms) and a cProfile; prints only (GPU)")
+    parser.add_argument("--only", metavar="REGEX", default=None, help="rows whose workload name matches")
+    parser.add_argument("--out", default=None, help="results file (default bench/results/overhead.json; "
+                                                    "overhead-ours-<backend>.json with --ours-backend)")
+    parser.add_argument("--merge", action="store_true", help="keep the rows of an existing --out not run now")
+    parser.add_argument("--calls", type=int, default=50,
+                        help="calls per timed loop (default 50: a few hundred launches, within the GPU's queue)")
+    parser.add_argument("--rounds", type=int, default=20, help="interleaved rounds; medians over them (default 20)")
+    parser.add_argument("--warmup", type=int, default=20, help="untimed calls per contestant (default 20)")
+    parser.add_argument("--ours-backend", default=None, help="force a fusedattn backend (default: its selection)")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: tests the script, not speed")
+    parser.add_argument("--device", default=None, choices=("cuda", "cpu"), help="default cuda (cpu with --smoke)")
+    args = parser.parse_args(argv)
+    if args.calls < 1 or args.rounds < 1 or args.warmup < 0:
+        parser.error("--calls and --rounds must be >= 1, --warmup >= 0")
+    args.device = args.device or ("cpu" if args.smoke else "cuda")
+    args.suite = SUITE if args.ours_backend is None else f"{SUITE}-ours-{args.ours_backend}"
+    args.out = args.out or str(common.RESULTS / f"{args.suite}.json")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.detail:
+        detail()
+        return 0
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("profile_overhead: no CUDA device visible to torch (--smoke tests the script on CPU)", file=sys.stderr)
+        return 2
+    rows = [(shape, mode) for shape in (SMOKE_SHAPES if args.smoke else SHAPES) for mode in common.MODES
+            if common.workload_matches(args.only, f"{shape.name}-{mode}")]
+    header = {"suite": args.suite, "device": common.device_name(device), "date": common.today(),
+              "versions": common.versions()}
+    print(f"suite {args.suite} on {header['device']}; {len(rows)} rows -> {args.out}", flush=True)
+    results = common.ResultsFile(args.out, header, merge=args.merge)
+    cycles_per_us = spin_cycles_per_us() if device.type == "cuda" else None
+    print_header()
+    for shape, mode in rows:
+        began = time.perf_counter()
+        try:
+            row = run_row(shape, mode, args, device, cycles_per_us)
+        except Exception as error:  # a fault of the script: keep going, the row records it
+            traceback.print_exc()
+            row = common.harness_error_row(f"{shape.name}-{mode}", shape.params(mode), args.ours_backend or "default",
+                                           error)
+            row["peers"] = {PEER: {"error": "not run: the row failed"}}
+        results.add(row)
+        print_row(row, time.perf_counter() - began)
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -119,8 +119,10 @@ def _layout_tensors(args: CallArguments):
                 name, f"None for packed layout {args.layout!r}, which takes {', '.join(names)}",
                 "a tensor", hint=f"pass the packed tensor{'s' if len(names) > 1 else ''} only",
             )
-    for (name, _), meta in zip(spec.tensors, given):
-        if any(size < 0 for size in meta.shape) or any(size == 0 for size in meta.shape[-2:]):
+    for (name, axes), meta in zip(spec.tensors, given):
+        # The H and D axes by their letters: for bhsd the last two axes are S and D, and S may be 0.
+        heads_and_dims = [size for axis, size in zip(axes, meta.shape) if axis in "HD"]
+        if any(size < 0 for size in meta.shape) or any(size == 0 for size in heads_and_dims):
             raise args.error(name, "heads (H) and head dim (D) of at least 1", f"shape {meta.shape}")
     roles: dict[str, dict[str, int]] = {}
     metas: dict[str, TensorMeta] = {}

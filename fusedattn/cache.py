@@ -97,6 +97,11 @@ class LRUCache(Generic[V]):
         pending.done.set()
         return value
 
+    def pop(self, key: Hashable) -> None:
+        """Drop one entry, if present."""
+        with self._lock:
+            self._items.pop(key, None)
+
     def clear(self) -> None:
         """Drop every entry; builds in progress still answer their callers but are not kept."""
         with self._lock:

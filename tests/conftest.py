@@ -47,4 +47,26 @@ def ran(monkeypatch):
                 return _original(cfg, *args, **kwargs)
 
             monkeypatch.setattr(backend, phase, spy)
+    _spy_native_calls(monkeypatch, calls)
     return calls
+
+
+def _spy_native_calls(monkeypatch, calls):
+    """Calls the native torch operator runs (cuDNN without backend.forward/backward in Python) count as
+    cudnn's: its forward when called, its backward when a gradient reaches the output."""
+    try:
+        from fusedattn.torch import functional
+    except ImportError:
+        return
+    original = functional._native_call
+
+    def spy(plan, signature, planned, *args, **kwargs):
+        cfg = planned[0]
+        calls.append(("cudnn", "forward", cfg))
+        result = original(plan, signature, planned, *args, **kwargs)
+        out = result[0] if isinstance(result, tuple) else result
+        if out.requires_grad:
+            out.register_hook(lambda grad: calls.append(("cudnn", "backward", cfg)))
+        return result
+
+    monkeypatch.setattr(functional, "_native_call", spy)

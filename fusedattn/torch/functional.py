@@ -150,7 +150,10 @@ def attention(
             deterministic=deterministic, return_lse=return_lse, return_max_logit=return_max_logit,
             backend=backend, score_mod=score_mod, score_mod_bprop=score_mod_bprop,
             score_mod_tensors=score_mod_tensors, score_mod_bprop_tensors=score_mod_bprop_tensors)
-    mod = as_score_mod(API, score_mod, score_mod_bprop, score_mod_tensors, score_mod_bprop_tensors)
+    mod = None
+    if not (score_mod is None and score_mod_bprop is None and score_mod_tensors is None
+            and score_mod_bprop_tensors is None):
+        mod = as_score_mod(API, score_mod, score_mod_bprop, score_mod_tensors, score_mod_bprop_tensors)
     if torch.compiler.is_compiling() and mod is None:
         return _compiled_attention(
             (q, k, v, bias, alibi_slopes, sink, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
@@ -165,13 +168,12 @@ def attention(
     # reading their values back would stall the GPU queue on every call.
     trusted = (max_seqlen_q is not None and max_seqlen_kv is not None
                and all(x is None or (isinstance(x, torch.Tensor) and x.is_cuda) for x in offsets))
-    unaligned = _unaligned(q=q, k=k, v=v, bias=bias, sink=sink)
     # ALiBi slopes decide the config (cuDNN's built-in ALiBi has the paper's slopes only), so
     # calls with slopes read their values every time and take the full path.
     signature = None if alibi_slopes is not None else _signature(
-        q, k, v, bias, alibi_slopes, sink, *offsets, layout, mask, window, bias_type, softmax_type, dropout_p,
-        scale, max_seqlen_q, max_seqlen_kv, deterministic, return_lse, return_max_logit, backend,
-        unaligned, offsets=() if trusted else offsets,
+        (q, k, v, bias, alibi_slopes, sink, *offsets),
+        (layout, mask, window, bias_type, softmax_type, dropout_p, scale, max_seqlen_q, max_seqlen_kv, deterministic,
+         return_lse, return_max_logit, backend), offsets=() if trusted else offsets,
         score_mod=None if mod is None else (id(score_mod), id(score_mod_bprop), tuple(score_mod_tensors or ()),
                                             tuple(score_mod_bprop_tensors or ())))
     planned = recall_call(signature) if signature is not None else None
@@ -188,7 +190,9 @@ def attention(
             if bound.key != planned[0].score_mod_key:
                 planned = bound = None
     if planned is not None:  # seen before: already validated, configured and selected
-        cfg, selection = planned
+        cfg, selection, native = planned
+        if native is not None and mod is None:  # the warm path: one operator call, autograd in C++
+            return _native_call(native, signature, planned, q, k, v, sink, dropout_seed, dropout_offset)
         arrays = (*split_packed(cfg.layout, [x for x in (q, k, v) if x is not None]), bias, alibi_slopes, sink,
                   *offsets)
     else:
@@ -205,13 +209,17 @@ def attention(
             layout=layout, mask=mask, window=window, bias_type=bias_type, softmax_type=softmax_type,
             dropout_p=dropout_p, scale=scale, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
             deterministic=deterministic, return_lse=return_lse, return_max_logit=return_max_logit,
-            score_mod=mod, unaligned=unaligned,
+            score_mod=mod, unaligned=_unaligned(q=q, k=k, v=v, bias=bias, sink=sink),
             alibi_standard=isinstance(alibi_slopes, torch.Tensor)
             and slopes_are_standard(OPS.to_host(alibi_slopes.float())),
         )
         cfg, selection, arrays, bound = call
+        native = _native_plan(cfg, selection, q) if mod is None else None
         if signature is not None:
-            remember_call(signature, (cfg, selection))
+            remember_call(signature, (cfg, selection, native))
+        if native is not None:
+            return _native_call(native, signature, (cfg, selection, native), q, k, v, sink, dropout_seed,
+                                dropout_offset)
     check = None
     if trusted and any(x is not None for x in offsets):  # their values were not read: checked on the device
         passed = tuple(x for x in (q, k, v) if x is not None)
@@ -224,20 +232,58 @@ def attention(
     return pick_outputs(cfg, *(poisoned(check, x) for x in (out, lse, max_logit)))
 
 
-def _signature(*call, offsets, score_mod):
+def _native_plan(cfg, selection, q) -> int | None:
+    """The native operator's plan for a cuDNN call (registered once per config), or None: the Python
+    path runs it (another backend, a feature the operator does not run, or no native library here)."""
+    if selection.name != "cudnn" or not q.is_cuda:
+        return None
+    from fusedattn.backends.cudnn.native import torch_plans
+
+    return torch_plans.plan_for(cfg, q.device.index)
+
+
+def _native_call(plan: int, signature, planned, q, k, v, sink, dropout_seed, dropout_offset):
+    """The call through torch.ops.fusedattn_native.attention (see backends/cudnn/native)."""
+    cfg = planned[0]
+    if v is None:  # a packed layout: views of the pack
+        q, k, v = split_packed(cfg.layout, [x for x in (q, k) if x is not None])
+    seed = offset = None
+    if cfg.dropout_p > 0.0:
+        seed, offset = _dropout_state(dropout_seed, dropout_offset, q)
+    try:
+        out, lse = torch.ops.fusedattn_native.attention.default(plan, q, k, v, sink, seed, offset)
+    except RuntimeError as error:
+        if "is not registered in this process" not in str(error):
+            raise
+        from fusedattn.backends.cudnn.native import torch_plans  # the library's bounded registry dropped it
+
+        torch_plans.forget(cfg)
+        plan = _native_plan(cfg, planned[1], q)
+        if signature is not None:
+            remember_call(signature, (*planned[:2], plan))
+        if plan is None:
+            raise
+        out, lse = torch.ops.fusedattn_native.attention.default(plan, q, k, v, sink, seed, offset)
+    return pick_outputs(cfg, out, lse, None)
+
+
+def _signature(tensors: tuple, options: tuple, *, offsets, score_mod):
     """A hashable summary of a call that fixes its config and selection, or None when the call
     must take the full path every time (offsets whose values need checking, or arguments that
-    are not what they should be: the full path explains those). score_mod: the callbacks'
-    identities and aux names; a caller using the summary checks their structural key."""
+    are not what they should be: the full path explains those). Options count with their types
+    (and a window's items with theirs), so window=(2.0, 0) never shares the plan of (2, 0): one is
+    valid, the other is not. score_mod: the callbacks' identities and aux names; a caller using the
+    summary checks their structural key."""
     if any(x is not None for x in offsets):
         return None
     try:
-        described = tuple((x.shape, x.dtype, x.device, x.requires_grad) if isinstance(x, torch.Tensor)
-                          else (tuple(x) if isinstance(x, list) else x) for x in call)
-        signature = (described, score_mod, torch.is_grad_enabled(), os.environ.get(ENV_BACKEND),
-                     os.environ.get(ENV_THD_BUCKET))
+        described = tuple(None if x is None else (x.shape, x.dtype, x.device, x.requires_grad) for x in tensors)
+        window = options[2]
+        signature = (described, options, tuple(map(type, options)),
+                     tuple(map(type, window)) if isinstance(window, (tuple, list)) else None, score_mod,
+                     torch.is_grad_enabled(), os.environ.get(ENV_BACKEND), os.environ.get(ENV_THD_BUCKET))
         hash(signature)
-    except (TypeError, AttributeError):
+    except (TypeError, AttributeError):  # not tensors, or unhashable options: the full path explains them
         return None
     return signature
 

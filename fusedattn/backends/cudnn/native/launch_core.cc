@@ -1,0 +1,327 @@
+// The native launch core of the cuDNN backend: a small C library (exported below) that the torch
+// operator (torch_op.cc) calls. It is the only code that includes the cuDNN frontend, built with its
+// own hidden copy of it and of libstdc++, so no other copy in the process (torch bundles one) can
+// bind to it.
+//
+// Python builds a graph, serializes it and registers the bytes with the uid each of the call's
+// buffer slots binds to. A launch is then: find the plan, take its graph on this device
+// (deserialized on first use there), map slot pointers to uids, execute on the caller's stream.
+// The registry is bounded (Bounded below): the least recently registered-or-used plan goes first;
+// callers that keep a plan alive hold a shared_ptr to it.
+
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+#include <cudnn_frontend.h>
+
+namespace cudnn_frontend {
+// The frontend's dynamic-loading shim calls cuDNN through this handle; fusedattn_core_init sets it to
+// the libcudnn the Python process already loaded, so both sides share one cuDNN.
+void *cudnn_dlhandle = nullptr;
+}  // namespace cudnn_frontend
+
+namespace fusedattn_native {
+
+namespace fe = cudnn_frontend;
+
+constexpr int64_t kUnbound = -1;    // a slot the graph does not read or write
+constexpr int64_t kWorkspace = -2;  // the slot that serves as cuDNN's workspace (JAX: a result buffer)
+
+struct Plan {
+    int64_t digest = 0;  // of the bytes and uids: who names the plan also names what it holds
+    std::vector<uint8_t> blob;
+    std::vector<int64_t> uids;  // one per slot, or kUnbound / kWorkspace
+    std::mutex mutex;           // guards graphs
+    std::unordered_map<int32_t, std::unique_ptr<fe::graph::Graph>> graphs;  // by device
+    std::unordered_map<int32_t, int64_t> workspace;                         // bytes, by device
+};
+
+struct Device {
+    cudnnHandle_t handle = nullptr;
+    std::mutex mutex;  // a cuDNN handle serves one launch at a time
+};
+
+// FUSEDATTN_NATIVE_DEBUG=1: each step on stderr (what a crash report lacks).
+inline void trace(const std::string &step) {
+    static const bool on = [] {
+        const char *value = std::getenv("FUSEDATTN_NATIVE_DEBUG");
+        return value != nullptr && value[0] == '1';
+    }();
+    if (on) std::fprintf(stderr, "fusedattn native: %s\n", step.c_str());
+}
+
+// Objects by id, at most `capacity` of them: adding one past the bound drops the least recently
+// added-or-found. Holders of a shared_ptr keep theirs alive.
+template <typename T>
+class Bounded {
+   public:
+    int64_t add(std::shared_ptr<T> item) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        int64_t id = next_id_++;
+        order_.push_front(id);
+        items_[id] = {std::move(item), order_.begin()};
+        shrink();
+        return id;
+    }
+
+    std::shared_ptr<T> find(int64_t id) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        auto found = items_.find(id);
+        if (found == items_.end()) return nullptr;
+        order_.splice(order_.begin(), order_, found->second.position);
+        return found->second.item;
+    }
+
+    void set_capacity(int64_t capacity) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        capacity_ = std::max<int64_t>(1, capacity);
+        shrink();
+    }
+
+    int64_t size() {
+        std::lock_guard<std::mutex> lock(mutex_);
+        return static_cast<int64_t>(items_.size());
+    }
+
+   private:
+    void shrink() {
+        while (static_cast<int64_t>(items_.size()) > capacity_) {
+            items_.erase(order_.back());
+            order_.pop_back();
+        }
+    }
+    struct Entry {
+        std::shared_ptr<T> item;
+        typename std::list<int64_t>::iterator position;
+    };
+    std::mutex mutex_;
+    std::unordered_map<int64_t, Entry> items_;
+    std::list<int64_t> order_;  // most recently used first
+    int64_t next_id_ = 0;
+    int64_t capacity_ = 4096;
+};
+
+// The process-wide state: cuDNN's library, one handle per device, the registered plans.
+class Registry {
+   public:
+    static Registry &get() {
+        static Registry registry;
+        return registry;
+    }
+
+    // Loads cuDNN for the frontend from `path` (the library the process already uses). "" on success.
+    std::string init(const char *path);
+
+    // This process's cuDNN handle on `ordinal`, made on first use.
+    std::string device(int32_t ordinal, Device **out);
+
+    Bounded<Plan> plans;
+
+   private:
+    std::mutex mutex_;
+    std::unordered_map<int32_t, std::unique_ptr<Device>> devices_;
+};
+
+// Runs `body` with `device` current, then restores the caller's device. The CUDA runtime is
+// reached through the frontend's loader, as cuDNN is: the library links neither.
+template <typename Body>
+std::string on_device(int32_t device, Body body) {
+    using SetDevice = cudaError_t (*)(int);
+    static auto set_device = reinterpret_cast<SetDevice>(
+        fe::detail::get_cuda_symbol(fe::detail::CudaLibrary::CUDART, "cudaSetDevice"));
+    int previous = -1;
+    if (fe::detail::cuda_get_device(&previous) != cudaSuccess) return "cudaGetDevice failed";
+    if (previous != device && set_device(device) != cudaSuccess) {
+        return "cudaSetDevice(" + std::to_string(device) + ") failed";
+    }
+    std::string error = body();
+    if (previous != device) set_device(previous);
+    return error;
+}
+
+inline std::string Registry::init(const char *path) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    trace(std::string("loading ") + path);
+    if (fe::cudnn_dlhandle != nullptr) return "";
+    fe::cudnn_dlhandle = dlopen(path, RTLD_NOW | RTLD_GLOBAL);
+    if (fe::cudnn_dlhandle == nullptr) {
+        const char *reason = dlerror();
+        return std::string("dlopen ") + path + ": " + (reason ? reason : "unknown error");
+    }
+    return "";
+}
+
+inline std::string Registry::device(int32_t ordinal, Device **out) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto &slot = devices_[ordinal];
+    if (!slot) {
+        auto device = std::make_unique<Device>();
+        trace("creating a cuDNN handle on device " + std::to_string(ordinal));
+        std::string error = on_device(ordinal, [&]() -> std::string {
+            cudnnStatus_t status = fe::detail::create_handle(&device->handle);
+            return status == CUDNN_STATUS_SUCCESS ? "" : "cudnnCreate failed with status " + std::to_string(status);
+        });
+        if (!error.empty()) {
+            devices_.erase(ordinal);
+            return error;
+        }
+        slot = std::move(device);
+    }
+    *out = slot.get();
+    return "";
+}
+
+// The plan's graph on `ordinal`, deserialized on first use there; its workspace bytes in *workspace.
+inline std::string graph_on(Plan *plan, int32_t ordinal, Device *device, fe::graph::Graph **out,
+                            int64_t *workspace) {
+    std::lock_guard<std::mutex> lock(plan->mutex);
+    auto &slot = plan->graphs[ordinal];
+    if (!slot) {
+        trace("deserializing a " + std::to_string(plan->blob.size()) + "-byte plan on device " +
+              std::to_string(ordinal));
+        auto graph = std::make_unique<fe::graph::Graph>();
+        std::string error = on_device(ordinal, [&]() -> std::string {
+            std::lock_guard<std::mutex> handle_lock(device->mutex);
+            auto status = graph->deserialize(device->handle, plan->blob, false, /*run_warmup=*/false);
+            return status.is_good() ? "" : "deserialize: " + status.get_message();
+        });
+        if (!error.empty()) {
+            plan->graphs.erase(ordinal);
+            return error;
+        }
+        plan->workspace[ordinal] = graph->get_workspace_size();
+        trace("deserialized; workspace " + std::to_string(plan->workspace[ordinal]) + " bytes");
+        slot = std::move(graph);
+    }
+    *out = slot.get();
+    *workspace = plan->workspace[ordinal];
+    return "";
+}
+
+// Deserializes `plan` on `ordinal` now; its workspace bytes, or -1 with the reason in *error.
+inline int64_t prepare(Plan *plan, int32_t ordinal, std::string *error) {
+    Device *device = nullptr;
+    fe::graph::Graph *graph = nullptr;
+    int64_t workspace = 0;
+    *error = Registry::get().device(ordinal, &device);
+    if (error->empty()) *error = graph_on(plan, ordinal, device, &graph, &workspace);
+    return error->empty() ? workspace : -1;
+}
+
+// Executes `plan` on `ordinal` and `stream` with one pointer per slot (slots the plan leaves
+// unbound are skipped; pass-by-value scalars are host pointers) and a workspace of at least the
+// plan's size on that device. "" on success.
+inline std::string execute(Plan *plan, int32_t ordinal, cudaStream_t stream, const std::vector<void *> &slots,
+                           void *workspace, int64_t workspace_bytes) {
+    if (slots.size() > plan->uids.size()) {
+        return "the call passes " + std::to_string(slots.size()) + " buffers, the plan binds " +
+               std::to_string(plan->uids.size());
+    }
+    Device *device = nullptr;
+    fe::graph::Graph *graph = nullptr;
+    int64_t needed = 0;
+    std::string error = Registry::get().device(ordinal, &device);
+    if (error.empty()) error = graph_on(plan, ordinal, device, &graph, &needed);
+    if (!error.empty()) return error;
+    if (needed > workspace_bytes) {
+        return "the graph needs a " + std::to_string(needed) + "-byte workspace on device " + std::to_string(ordinal) +
+               ", the call has " + std::to_string(workspace_bytes);
+    }
+    std::unordered_map<int64_t, void *> pointers;
+    pointers.reserve(slots.size());
+    for (size_t i = 0; i < slots.size(); ++i) {
+        int64_t uid = plan->uids[i];
+        if (uid >= 0) pointers.emplace(uid, slots[i]);
+    }
+    std::lock_guard<std::mutex> lock(device->mutex);
+    if (fe::detail::set_stream(device->handle, stream) != CUDNN_STATUS_SUCCESS) return "cudnnSetStream failed";
+    auto status = graph->execute(device->handle, pointers, workspace);
+    if (status.is_bad()) return "cuDNN execute: " + status.get_message();
+    return "";
+}
+
+inline std::shared_ptr<Plan> make_plan(const uint8_t *blob, int64_t size, const int64_t *uids, int64_t count,
+                                       int64_t digest) {
+    auto plan = std::make_shared<Plan>();
+    plan->digest = digest;
+    plan->blob.assign(blob, blob + size);
+    plan->uids.assign(uids, uids + count);
+    return plan;
+}
+
+}  // namespace fusedattn_native
+
+// The C interface: plans by id, errors as text (this thread's last one).
+#pragma GCC visibility push(default)
+
+extern "C" {
+
+static thread_local std::string core_error;
+
+const char *fusedattn_core_last_error() { return core_error.c_str(); }
+
+// Loads cuDNN for the frontend from `path` (the library the process already uses). 0 on success.
+int fusedattn_core_init(const char *path) {
+    core_error = fusedattn_native::Registry::get().init(path);
+    return core_error.empty() ? 0 : 1;
+}
+
+// Registers a serialized graph, the uid of each slot and their digest; the plan's id.
+int64_t fusedattn_core_register(const uint8_t *blob, int64_t size, const int64_t *uids, int64_t count,
+                                int64_t digest) {
+    return fusedattn_native::Registry::get().plans.add(fusedattn_native::make_plan(blob, size, uids, count, digest));
+}
+
+// Deserializes a plan on `device` now: its workspace bytes, or -1 with the reason in the last error.
+int64_t fusedattn_core_prepare(int64_t plan_id, int32_t device) {
+    auto plan = fusedattn_native::Registry::get().plans.find(plan_id);
+    if (plan == nullptr) {
+        core_error = "native plan " + std::to_string(plan_id) + " is not registered in this process";
+        return -1;
+    }
+    try {
+        return fusedattn_native::prepare(plan.get(), device, &core_error);
+    } catch (const std::exception &error) {  // the frontend's loader throws when a library is missing
+        core_error = error.what();
+        return -1;
+    }
+}
+
+// Executes a plan with one pointer per slot on `stream`. 0 on success, else -1 (reason in the last error).
+int fusedattn_core_execute(int64_t plan_id, int32_t device, void *stream, void *const *slots, int64_t count,
+                           void *workspace, int64_t workspace_bytes) {
+    auto plan = fusedattn_native::Registry::get().plans.find(plan_id);
+    if (plan == nullptr) {
+        core_error = "native plan " + std::to_string(plan_id) + " is not registered in this process";
+        return -1;
+    }
+    try {
+        core_error = fusedattn_native::execute(plan.get(), device, static_cast<cudaStream_t>(stream),
+                                               std::vector<void *>(slots, slots + count), workspace,
+                                               workspace_bytes);
+    } catch (const std::exception &error) {
+        core_error = error.what();
+    }
+    return core_error.empty() ? 0 : -1;
+}
+
+// Sets the registry's bound (when capacity > 0); the number of plans it holds.
+int64_t fusedattn_core_bounds(int64_t capacity) {
+    if (capacity > 0) fusedattn_native::Registry::get().plans.set_capacity(capacity);
+    return fusedattn_native::Registry::get().plans.size();
+}
+
+}  // extern "C"
+
+#pragma GCC visibility pop

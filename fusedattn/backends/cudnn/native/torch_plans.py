@@ -1,0 +1,190 @@
+"""The torch side of the native launch path: load the operator library, register plans for configs.
+
+A config the operator runs (`reasons(cfg)` is empty) gets a torch plan once: its forward and
+backward graphs (already built by the probe) serialized into the launch core, plus the shapes and
+strides of the call's tensors. After that a call is `torch.ops.fusedattn_native.attention(plan, q,
+k, v, sink, seed, offset)`: the operator allocates, launches and records its C++ autograd node.
+Configs it does not run (padding masks, THD, bias, score_mod, max_logit, rows without keys) keep
+the Python path; `unavailable()` says why the library cannot be used at all on this machine.
+FUSEDATTN_TORCH_NATIVE=0 turns the operator off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import threading
+
+from fusedattn.backends.cudnn.native import build
+from fusedattn.cache import LRUCache
+from fusedattn.config import AttentionConfig, BiasType, Layout, SoftmaxType
+
+__all__ = ["ENV_SWITCH", "unavailable", "reasons", "plan_for", "forget", "plan_shape", "FORWARD_SLOTS",
+           "BACKWARD_SLOTS", "registry_sizes"]
+
+ENV_SWITCH = "FUSEDATTN_TORCH_NATIVE"
+# Graph tensor names in the slot orders of torch_op.cc (enum ForwardSlot / BackwardSlot).
+FORWARD_SLOTS = ("q", "k", "v", "sink", "dropout_seed", "dropout_offset", "o", "stats")
+BACKWARD_SLOTS = ("q", "k", "v", "o", "dO", "stats", "sink", "dropout_seed", "dropout_offset", "dq", "dk", "dv",
+                  "dsink")
+_SINK_KINDS = {SoftmaxType.VANILLA: 0, SoftmaxType.OFF_BY_ONE: 1, SoftmaxType.LEARNABLE: 2}
+_SCALAR_TYPES = {"float16": 5, "bfloat16": 15}  # c10::ScalarType codes
+_FROM_BHSD = {Layout.BSHD: (0, 2, 1, 3), Layout.SBHD: (2, 0, 1, 3), Layout.BHSD: (0, 1, 2, 3)}
+PLAN_CAPACITY = 4096  # torch plans (and core plans) the library keeps; the Python cache below is smaller
+
+_lock = threading.Lock()
+_state: dict = {}  # "library" (_Libraries) or "reason" (str), once decided
+_plans: LRUCache = LRUCache(PLAN_CAPACITY // 2)  # config -> torch plan id, or None (the operator declined)
+
+
+def unavailable() -> str | None:
+    """Why the operator cannot run here (None: it can). Loads (building once) the library on first call."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return f"{ENV_SWITCH}=0"
+    with _lock:
+        if not _state:
+            try:
+                _state["library"] = _load()
+            except Exception as error:  # no compiler, headers or GPU torch: the Python path runs
+                _state["reason"] = f"native torch operator unavailable: {type(error).__name__}: {error}"
+    return _state.get("reason")
+
+
+def reasons(cfg: AttentionConfig) -> list[str]:
+    """Why the operator does not run this cuDNN config (the Python path does); empty when it does."""
+    from fusedattn.backends.cudnn.spec import rows_without_keys
+
+    found = []
+    if cfg.layout.is_ragged:
+        found.append("THD layouts")
+    if cfg.mask.is_padding:
+        found.append(f"mask {cfg.mask.value!r} (sequence lengths)")
+    if cfg.bias not in (BiasType.NONE, BiasType.ALIBI):
+        found.append("a bias tensor")
+    if cfg.score_mod_key is not None:
+        found.append("score_mod")
+    if cfg.return_max_logit:
+        found.append("return_max_logit")
+    if rows_without_keys(cfg):
+        found.append("rows without keys (bottom-right causal with Sq > Skv)")
+    return found
+
+
+class _Libraries:
+    """The launch core (ctypes) and the operator library (loaded into torch, and through ctypes)."""
+
+    def __init__(self, core: ctypes.CDLL, operator: ctypes.CDLL):
+        self.core, self.operator = core, operator
+
+
+def _load() -> _Libraries:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("torch sees no CUDA device")
+    core_path, torch_path = build.library_path("core"), build.library_path("torch")
+    core = ctypes.CDLL(str(core_path))
+    core.fusedattn_core_register.restype = ctypes.c_int64
+    core.fusedattn_core_register.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                                             ctypes.c_int64]
+    core.fusedattn_core_prepare.restype = ctypes.c_int64
+    core.fusedattn_core_prepare.argtypes = [ctypes.c_int64, ctypes.c_int32]
+    core.fusedattn_core_last_error.restype = ctypes.c_char_p
+    core.fusedattn_core_init.argtypes = [ctypes.c_char_p]
+    core.fusedattn_core_bounds.restype = ctypes.c_int64
+    core.fusedattn_core_bounds.argtypes = [ctypes.c_int64]
+    if core.fusedattn_core_init(build.loaded_cudnn().encode()) != 0:
+        raise RuntimeError(core.fusedattn_core_last_error().decode())
+    torch.ops.load_library(str(torch_path))
+    operator = ctypes.CDLL(str(torch_path))
+    operator.fusedattn_torch_plan.restype = ctypes.c_int64
+    operator.fusedattn_torch_plan.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+    operator.fusedattn_torch_last_error.restype = ctypes.c_char_p
+    operator.fusedattn_torch_init.argtypes = [ctypes.c_char_p]
+    operator.fusedattn_torch_bounds.restype = ctypes.c_int64
+    operator.fusedattn_torch_bounds.argtypes = [ctypes.c_int64]
+    if operator.fusedattn_torch_init(str(core_path).encode()) != 0:
+        raise RuntimeError(operator.fusedattn_torch_last_error().decode())
+    libraries = _Libraries(core, operator)
+    _bounds(libraries, PLAN_CAPACITY)
+    return libraries
+
+
+def _bounds(libraries: _Libraries, capacity: int) -> tuple[int, int]:
+    return libraries.core.fusedattn_core_bounds(capacity), libraries.operator.fusedattn_torch_bounds(capacity)
+
+
+def registry_sizes() -> tuple[int, int]:
+    """(core plans, torch plans) the libraries hold now (each at most PLAN_CAPACITY)."""
+    if unavailable() is not None:
+        return 0, 0
+    return _bounds(_state["library"], 0)
+
+
+def plan_for(cfg: AttentionConfig, device: int) -> int | None:
+    """The torch plan id of a cuDNN config on `device` (registered once), or None when the Python path
+    must run it: the operator does not run such configs, or cannot load, or cuDNN cannot rebuild a graph
+    from its bytes (a plan served by the frontend's Python engines)."""
+    if reasons(cfg) or unavailable() is not None:
+        return None
+    return _plans.get_or_build(cfg, lambda: _register(cfg, device))
+
+
+def forget(cfg: AttentionConfig) -> None:
+    """Drop a config's plan id (the library evicted it); the next call registers it again."""
+    _plans.pop(cfg)
+
+
+def _core_plan(core, built, names: tuple, device: int) -> int | None:
+    blob = bytes(built.graph.serialize(as_bytes=True))
+    uids = tuple(built.tensors[n].get_uid() if n in built.tensors else -1 for n in names)
+    digest = int.from_bytes(hashlib.sha256(blob + repr(uids).encode()).digest()[:8], "little", signed=True)
+    data = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
+    plan = core.fusedattn_core_register(data, len(blob), (ctypes.c_int64 * len(uids))(*uids), len(uids), digest)
+    if core.fusedattn_core_prepare(plan, device) < 0:
+        _warn(f"cuDNN could not rebuild a graph from its bytes ({core.fusedattn_core_last_error().decode()}); "
+              "this configuration keeps the Python launch path")
+        return None
+    return plan
+
+
+def _warn(message: str) -> None:
+    import warnings
+
+    warnings.warn(f"fusedattn native torch operator: {message}", RuntimeWarning, stacklevel=4)
+
+
+def _register(cfg: AttentionConfig, device: int) -> int | None:
+    from fusedattn.backends.cudnn.runtime import get_graph
+
+    libraries = _state["library"]
+    forward = get_graph(cfg, "forward", device)
+    forward_plan = _core_plan(libraries.core, forward, FORWARD_SLOTS, device)
+    backward_plan = -1
+    if cfg.is_training:
+        backward_plan = _core_plan(libraries.core, get_graph(cfg, "backward", device), BACKWARD_SLOTS, device)
+    if forward_plan is None or backward_plan is None:
+        return None
+    shape = plan_shape(cfg, "stats" in forward.tensors)
+    plan = libraries.operator.fusedattn_torch_plan(forward_plan, backward_plan,
+                                                   (ctypes.c_int64 * len(shape))(*shape), len(shape))
+    return plan if plan >= 0 else None
+
+
+def plan_shape(cfg: AttentionConfig, stats: bool) -> list[int]:
+    """The shapes and strides of a config's tensors as fusedattn_torch_plan takes them (torch_op.cc):
+    dtype code, sink kind, Hq, stats, out sizes and strides, LSE sizes, then q, k, v sizes, strides and
+    gradient strides, all in the caller's base layout (the graphs' BHSD order permuted back)."""
+    from fusedattn.backends.cudnn.spec import gradient_spec, sdpa_spec
+    from fusedattn.layout import layout_spec
+
+    spec = sdpa_spec(cfg)
+    order = _FROM_BHSD[layout_spec(cfg.layout).base]
+    user = lambda values: [values[axis] for axis in order]  # noqa: E731
+    shape = [_SCALAR_TYPES[cfg.dtype], _SINK_KINDS[cfg.softmax], cfg.heads_q, int(stats),
+             *user(spec.o.dim), *user(spec.o.stride), cfg.batch, cfg.heads_q, cfg.seqlen_q]
+    for role in ("q", "k", "v"):
+        tensor = getattr(spec, role)
+        shape += [*user(tensor.dim), *user(tensor.stride), *user(gradient_spec(tensor).stride)]
+    return shape
