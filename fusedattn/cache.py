@@ -54,6 +54,11 @@ class LRUCache(Generic[V]):
                 return self._items[key]
             return default
 
+    def peek(self, key: Hashable, default=None):
+        """The value for `key` without the lock and without marking it recently used: for a hot path
+        whose keys are re-inserted when built (one dict read, atomic under the GIL)."""
+        return self._items.get(key, default)
+
     def put(self, key: Hashable, value: V) -> None:
         with self._lock:
             self._insert(key, value)

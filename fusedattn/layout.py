@@ -77,6 +77,8 @@ def split_packed(layout, tensors):
         pack = axes.find("3") if "3" in axes else axes.find("2")
         if pack < 0:
             out.append(x)
+        elif hasattr(x, "unbind"):  # torch: one node whose backward stacks the gradients into the pack
+            out.extend(x.unbind(pack))
         else:
             lead = (slice(None),) * pack
             out.extend(x[lead + (i,)] for i in range(len(name)))

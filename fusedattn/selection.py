@@ -35,8 +35,9 @@ _calls: LRUCache = LRUCache(DECISION_CACHE_SIZE)
 
 
 def recall_call(signature):
-    """The (config, selection) remembered for a call signature, or None."""
-    return _calls.get(signature)
+    """What was remembered for a call signature (its config, selection and native plan), or None.
+    Read without marking the entry recent: the hot path of every repeat call."""
+    return _calls.peek(signature)
 
 
 def remember_call(signature, planned) -> None:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
 
+from fusedattn import settings
 from fusedattn.arguments import ENV_THD_BUCKET, TensorMeta
 from fusedattn.frontend_common import (
     TENSOR_ARGUMENTS,
@@ -281,7 +281,7 @@ def _signature(tensors: tuple, options: tuple, *, offsets, score_mod):
         window = options[2]
         signature = (described, options, tuple(map(type, options)),
                      tuple(map(type, window)) if isinstance(window, (tuple, list)) else None, score_mod,
-                     torch.is_grad_enabled(), os.environ.get(ENV_BACKEND), os.environ.get(ENV_THD_BUCKET))
+                     torch.is_grad_enabled(), settings.value(ENV_BACKEND), settings.value(ENV_THD_BUCKET))
         hash(signature)
     except (TypeError, AttributeError):  # not tensors, or unhashable options: the full path explains them
         return None

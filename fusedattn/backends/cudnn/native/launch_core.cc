@@ -12,6 +12,8 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -182,6 +184,48 @@ inline std::string Registry::device(int32_t ordinal, Device **out) {
     return "";
 }
 
+// FUSEDATTN_NATIVE_PROFILE=1: where a launch's host time goes, summed per step and printed at exit.
+enum Step { kLookups, kBinding, kStream, kExecute, kSteps };
+
+struct Profile {
+    bool on = false;
+    std::atomic<int64_t> nanoseconds[kSteps];
+    std::atomic<int64_t> launches{0};
+    Profile() {
+        const char *value = std::getenv("FUSEDATTN_NATIVE_PROFILE");
+        on = value != nullptr && value[0] == '1';
+        for (auto &n : nanoseconds) n.store(0);
+    }
+    ~Profile() {
+        if (!on || launches.load() == 0) return;
+        const char *names[kSteps] = {"lookups", "binding", "set stream", "frontend execute"};
+        for (int i = 0; i < kSteps; ++i) {
+            std::fprintf(stderr, "fusedattn native profile: %-16s %8.2f us/launch\n", names[i],
+                         nanoseconds[i].load() / 1e3 / launches.load());
+        }
+    }
+};
+
+inline Profile &profile() {
+    static Profile instance;
+    return instance;
+}
+
+class Stopwatch {
+   public:
+    Stopwatch() : last_(std::chrono::steady_clock::now()) {}
+    void lap(Step step) {
+        if (!profile().on) return;
+        auto now = std::chrono::steady_clock::now();
+        profile().nanoseconds[step] += std::chrono::duration_cast<std::chrono::nanoseconds>(now - last_).count();
+        if (step == kExecute) profile().launches++;
+        last_ = now;
+    }
+
+   private:
+    std::chrono::steady_clock::time_point last_;
+};
+
 // The plan's graph on `ordinal`, deserialized on first use there; its workspace bytes in *workspace.
 inline std::string graph_on(Plan *plan, int32_t ordinal, Device *device, fe::graph::Graph **out,
                             int64_t *workspace) {
@@ -231,9 +275,11 @@ inline std::string execute(Plan *plan, int32_t ordinal, cudaStream_t stream, con
     Device *device = nullptr;
     fe::graph::Graph *graph = nullptr;
     int64_t needed = 0;
+    Stopwatch watch;
     std::string error = Registry::get().device(ordinal, &device);
     if (error.empty()) error = graph_on(plan, ordinal, device, &graph, &needed);
     if (!error.empty()) return error;
+    watch.lap(kLookups);
     if (needed > workspace_bytes) {
         return "the graph needs a " + std::to_string(needed) + "-byte workspace on device " + std::to_string(ordinal) +
                ", the call has " + std::to_string(workspace_bytes);
@@ -244,9 +290,12 @@ inline std::string execute(Plan *plan, int32_t ordinal, cudaStream_t stream, con
         int64_t uid = plan->uids[i];
         if (uid >= 0) pointers.emplace(uid, slots[i]);
     }
+    watch.lap(kBinding);
     std::lock_guard<std::mutex> lock(device->mutex);
     if (fe::detail::set_stream(device->handle, stream) != CUDNN_STATUS_SUCCESS) return "cudnnSetStream failed";
+    watch.lap(kStream);
     auto status = graph->execute(device->handle, pointers, workspace);
+    watch.lap(kExecute);
     if (status.is_bad()) return "cuDNN execute: " + status.get_message();
     return "";
 }

@@ -1,0 +1,45 @@
+"""Where the host time of a forward call goes (run with FUSEDATTN_NATIVE_PROFILE=1: the launch core prints
+its steps at exit). B1 S128 H8 D64 causal bf16 under no_grad: the public call, the operator, the forward
+operator, SDPA default and SDPA on cuDNN, each timed alone."""
+import time
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import fusedattn.torch as fat
+from fusedattn.backends.cudnn.native import torch_plans
+
+
+def per_call_us(fn, n=2000):
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    host = (time.perf_counter() - start) / n * 1e6
+    torch.cuda.synchronize()
+    return host
+
+
+def main():
+    q, k, v = (torch.randn(1, 128, 8, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    with torch.no_grad():
+        fat.attention(q, k, v, mask="causal")
+        plan = next(iter(torch_plans._plans._items.values()))
+        op, fwd = torch.ops.fusedattn_native.attention.default, torch.ops.fusedattn_native.forward.default
+        rows = {"public": lambda: fat.attention(q, k, v, mask="causal"),
+                "operator": lambda: op(plan, q, k, v, None, None, None),
+                "forward op": lambda: fwd(plan, q, k, v, None, None, None),
+                "empty_like": lambda: torch.empty_like(q),
+                "sdpa": lambda: sdpa(qt, kt, vt, is_causal=True)}
+        for name, fn in rows.items():
+            print(f"{name:>12}: {per_call_us(fn):6.1f} us/call (host)", flush=True)
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            print(f"{'sdpa cudnn':>12}: {per_call_us(lambda: sdpa(qt, kt, vt, is_causal=True)):6.1f} us/call (host)")
+
+
+if __name__ == "__main__":
+    main()
