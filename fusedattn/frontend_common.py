@@ -82,8 +82,15 @@ def prepare_call(api: str, framework: str, tensors: dict, *, describe, host_copy
     mod = args.score_mod
     if (mod is not None and mod.as_bias is not None and tensors.get("bias") is None and is_training
             and needs_gradient(mod)):
-        # An added term that must learn: the same sum as a post-scale bias, which has a gradient.
-        tensors = {**tensors, "bias": mod.as_bias(dict(mod.tensors), cfg.seqlen_q, cfg.seqlen_kv)}
+        # An added term that must learn: the same sum as a post-scale bias, which has a gradient
+        # (in q's dtype, as every bias; the cast passes the gradient back to the term's own dtype).
+        from fusedattn.xp import namespace
+
+        term = mod.as_bias(dict(mod.tensors), cfg.seqlen_q, cfg.seqlen_kv)
+        ops = namespace(term)
+        if ops.dtype_name(term) != cfg.dtype:
+            term = ops.astype(term, cfg.dtype)
+        tensors = {**tensors, "bias": term}
         metas["bias"] = describe(tensors["bias"], "bias")
         args = dataclasses.replace(args, bias=metas["bias"], bias_type="post_scale", bias_requires_grad=True,
                                    score_mod=None)

@@ -226,3 +226,13 @@ def test_a_bias_of_another_dtype_is_refused_like_sdpa_does():
     qj = jnp.ones((1, 4, 2, 8), jnp.float32)
     with pytest.raises(ValueError, match=r"bias: expected dtype float32 like q, got dtype float16"):
         fja.attention(qj, qj, qj, bias=jnp.zeros((1, 2, 4, 4), jnp.float16))
+
+
+def test_a_learnable_score_mod_term_of_another_dtype_runs_as_a_bias_in_qs_dtype():
+    # The term becomes bias= (which has a gradient); a float32 table with bf16 q is cast, not refused.
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 8, 2, 16, generator=gen).bfloat16().requires_grad_(True)
+    table = torch.randn(2, 15, generator=gen, requires_grad=True)
+    out = fat.attention(q, q, q, score_mod=score_mods.relative_position_bias(table))
+    out.float().square().sum().backward()
+    assert table.grad.dtype == torch.float32 and torch.isfinite(table.grad).all() and table.grad.abs().sum() > 0
