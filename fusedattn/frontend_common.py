@@ -82,6 +82,11 @@ def prepare_call(api: str, framework: str, tensors: dict, *, describe, host_copy
     mod = args.score_mod
     if (mod is not None and mod.as_bias is not None and tensors.get("bias") is None and is_training
             and needs_gradient(mod)):
+        if cfg.layout.is_ragged or tensors.get("alibi_slopes") is not None:
+            where = f"layout {cfg.layout.value!r}" if cfg.layout.is_ragged else "alibi_slopes"
+            raise ValueError(f"{api}: score_mod: its tensors require grad, so its added term runs as a post-scale "
+                             f"bias (which has a gradient), and {where} takes no bias; detach the tensors, or "
+                             "use a padded layout without alibi_slopes")
         # An added term that must learn: the same sum as a post-scale bias, which has a gradient
         # (in q's dtype, as every bias; the cast passes the gradient back to the term's own dtype).
         from fusedattn.xp import namespace

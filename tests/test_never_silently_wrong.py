@@ -236,3 +236,10 @@ def test_a_learnable_score_mod_term_of_another_dtype_runs_as_a_bias_in_qs_dtype(
     out = fat.attention(q, q, q, score_mod=score_mods.relative_position_bias(table))
     out.float().square().sum().backward()
     assert table.grad.dtype == torch.float32 and torch.isfinite(table.grad).all() and table.grad.abs().sum() > 0
+
+
+def test_a_learnable_score_mod_term_where_no_bias_can_go_is_refused_with_the_reason():
+    q = torch.randn(1, 6, 2, 32)
+    term = score_mods.additive_bias(torch.zeros(1, 2, 6, 6, requires_grad=True))
+    with pytest.raises(ValueError, match="its added term runs as a post-scale bias.*alibi_slopes takes no bias"):
+        fat.attention(q, q, q, alibi_slopes=torch.tensor([0.5, 0.25]), score_mod=term)

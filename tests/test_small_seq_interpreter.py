@@ -248,3 +248,25 @@ def test_torch_compile_fullgraph_runs_the_kernels_through_the_custom_ops(ran):
     torch.testing.assert_close(loss.double(), want, rtol=2e-3, atol=2e-3)
     for got, expected in zip(grads, want_grads):
         torch.testing.assert_close(got.double(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("layout", ["thd", "bshd"])
+def test_top_left_causal_gives_zero_gradient_to_the_keys_after_the_first(layout):
+    # Found by the fuzzer: the kernel writes dK/dV of key 0 only, and the rest came from torch.empty.
+    poison = torch.full((4096,), float("nan"), dtype=torch.float16)  # leave NaN in the allocator's free memory
+    del poison
+    if layout == "thd":
+        q = rand(2, 2, 64, dtype=torch.float16, seed=1).requires_grad_(True)
+        k, v = (rand(12, 2, 64, dtype=torch.float16, seed=s).requires_grad_(True) for s in (2, 3))
+        options = dict(layout="thd", mask="padding_causal", cu_seqlens_q=cu([1, 1]), cu_seqlens_kv=cu([4, 8]))
+    else:
+        q = rand(2, 1, 2, 64, dtype=torch.float16, seed=1).requires_grad_(True)
+        k, v = (rand(2, 6, 2, 64, dtype=torch.float16, seed=s).requires_grad_(True) for s in (2, 3))
+        options = dict(mask="causal")
+    out = fat.attention(q, k, v, backend="small_seq", **options)
+    dk, dv = torch.autograd.grad(out.float().sum(), (k, v))
+    leaves = [x.detach().float().requires_grad_(True) for x in (q, k, v)]
+    ref = fat.attention(*leaves, backend="reference", **options)
+    ref_dk, ref_dv = torch.autograd.grad(ref.sum(), leaves[1:])
+    torch.testing.assert_close(dk.float(), ref_dk, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(dv.float(), ref_dv, atol=2e-3, rtol=2e-3)

@@ -101,6 +101,14 @@ def cudnn_calls(monkeypatch):
         return plan
 
     monkeypatch.setattr(native, "plan_id", native_spy)
+
+    from fusedattn.torch import functional  # torch calls on the native operator skip torch_run
+
+    def torch_native_spy(plan, signature, planned, *args, _original=functional._native_call, **kwargs):
+        calls.append(("forward", planned[0]))
+        return _original(plan, signature, planned, *args, **kwargs)
+
+    monkeypatch.setattr(functional, "_native_call", torch_native_spy)
     return calls
 
 

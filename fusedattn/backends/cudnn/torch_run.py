@@ -182,6 +182,51 @@ def _score_mod_buffers(cfg: AttentionConfig, inputs: AttentionInputs, buffers: d
     buffers.update({name: _host_scalar(value, "int32") for name, value in plan.scalar_bounds(cfg).items()})
 
 
+def _empty_sides(inputs: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B,) booleans: sequences with no query, and sequences with no key."""
+    lengths = [getattr(inputs, f"cu_seqlens_{side}") for side in ("q", "kv")]
+    return tuple((cu[1:] - cu[:-1]) == 0 for cu in lengths)
+
+
+def _tokens_of(inputs: AttentionInputs, side: str, flags: torch.Tensor, tokens: int) -> torch.Tensor:
+    """(T,) booleans: THD tokens inside a sequence whose flag is set."""
+    starts, lengths = _offsets(inputs, side)
+    starts, lengths = starts[:-1].to(torch.int64), lengths.to(torch.int64)
+    token = torch.arange(tokens, device=starts.device, dtype=torch.int64)
+    sequence = (torch.searchsorted(starts, token, right=True) - 1).clamp(min=0)
+    inside = (token - starts[sequence] >= 0) & (token - starts[sequence] < lengths[sequence])
+    return inside & flags[sequence]
+
+
+def _clear_rows_without_keys(cfg: AttentionConfig, inputs: AttentionInputs, out: torch.Tensor,
+                             lse: torch.Tensor) -> torch.Tensor:
+    """Queries of a sequence with no key: output 0 and LSE -inf, whatever cuDNN left there (a THD
+    row of such a sequence came back with a finite LSE on cuDNN 9.19). Returns the LSE."""
+    _, no_keys = _empty_sides(inputs)
+    if cfg.layout.is_ragged:
+        rows = _tokens_of(inputs, "q", no_keys, out.shape[0])
+        out.masked_fill_(rows.view(-1, 1, 1), 0)
+        return lse.masked_fill(rows.view(-1, 1), float("-inf"))
+    out_bhsd = out.permute(_plan(cfg).to_bhsd)
+    out_bhsd.masked_fill_(no_keys.view(-1, 1, 1, 1), 0)
+    return lse.masked_fill(no_keys.view(-1, 1, 1, 1), float("-inf"))
+
+
+def _clear_gradients_of_empty_sequences(cfg: AttentionConfig, inputs: AttentionInputs, grads: dict,
+                                        buffers: dict) -> None:
+    """No gradient for queries of a sequence with no key, nor for keys/values of one with no query (cuDNN
+    9.19 left garbage there for a zero-length sequence under a padding mask)."""
+    no_queries, no_keys = _empty_sides(inputs)
+    empty = no_queries | no_keys
+    if cfg.layout.is_ragged:
+        for role, side in (("q", "q"), ("k", "kv"), ("v", "kv")):
+            rows = _tokens_of(inputs, side, empty, grads[role].shape[0])
+            grads[role].masked_fill_(rows.view(-1, 1, 1), 0)
+        return
+    for role in ("q", "k", "v"):
+        buffers["d" + role].masked_fill_(empty.view(-1, 1, 1, 1), 0)
+
+
 def _clear_empty_rows(out_rows: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """Rows a score_mod left without a visible key: output 0 and LSE -inf (their LSE is near MASKED).
 
@@ -216,6 +261,7 @@ def forward(cfg: AttentionConfig, inputs: AttentionInputs, into: AttentionOutput
         execute(get_graph(cfg, "forward", device.index), buffers, device.index, raw=True)
         if spec.score_mod:
             lse = _clear_empty_rows(out, lse)
+        lse = _clear_rows_without_keys(cfg, inputs, out, lse)
         return AttentionOutputs(out, lse, torch.empty(0, dtype=torch.float32, device=device))
     # With padding, rows past a sequence's end are not written: start from zeros.
     out, buffers["o"] = _empty_bhsd(spec.o, plan, inputs.q.dtype, device, zero=spec.padding, into=into.out)
@@ -239,6 +285,7 @@ def forward(cfg: AttentionConfig, inputs: AttentionInputs, into: AttentionOutput
         max_logit = torch.empty(0, dtype=torch.float32, device=device)  # not requested
     if spec.padding:  # rows past a sequence's end are not queries: lse -inf, as the reference says
         lse = lse.masked_fill(~_is_query(cfg, buffers), float("-inf"))
+        lse = _clear_rows_without_keys(cfg, inputs, out, lse)
     return AttentionOutputs(out, lse.view(cfg.batch, cfg.heads_q, cfg.seqlen_q), max_logit)
 
 
@@ -284,15 +331,16 @@ def backward(cfg: AttentionConfig, inputs: AttentionInputs, outputs: AttentionOu
             buffers["stats"] = _backward_stats(lse)
         else:
             buffers["stats"] = lse.masked_fill(~_is_query(cfg, buffers), 0.0) if spec.padding else lse
-        for role in ("q", "k", "v"):  # with a score_mod cuDNN skips rows past a sequence's end: zeros
+        for role in ("q", "k", "v"):  # with padding cuDNN skips rows past a sequence's end: zeros
             grads[role], buffers["d" + role] = _empty_bhsd(plan.grads[role], plan, inputs.q.dtype, device,
-                                                           zero=spec.score_mod and spec.padding,
-                                                           into=into.get(role))
+                                                           zero=spec.padding, into=into.get(role))
     if "dbias" in built.tensors:
         buffers["dbias"] = torch.empty(spec.bias.dim, dtype=inputs.q.dtype, device=device)
     if "dsink" in built.tensors:
         buffers["dsink"] = torch.empty(1, cfg.heads_q, 1, 1, dtype=torch.float32, device=device)
     execute(built, buffers, device.index, raw=spec.ragged)
+    if spec.padding:
+        _clear_gradients_of_empty_sequences(cfg, inputs, grads, buffers)
     if "dbias" in buffers:
         dbias = _reduce_to(buffers["dbias"], cfg.bias_shape)
         if cfg.bias is BiasType.PRE_SCALE:

@@ -35,6 +35,11 @@ def _tokens(x: torch.Tensor, padded_rows: int | None) -> torch.Tensor:
     return x.as_strided((batch * seqlen, heads, dim), (x.stride(1), x.stride(2), 1))
 
 
+def _sees_first_key_only(cfg: AttentionConfig) -> bool:
+    """Top-left causal: each sequence's one query (position 0) sees key 0 and no other."""
+    return not cfg.diagonal_bottom_right and cfg.window[1] == 0
+
+
 def _tables(cfg: AttentionConfig, inputs: AttentionInputs, device) -> tuple[torch.Tensor, ...]:
     """(starts_q, lens_q, starts_kv, lens_kv) as int64 (B,) device tensors, in token units."""
     def lengths(cu):
@@ -54,7 +59,7 @@ def _tables(cfg: AttentionConfig, inputs: AttentionInputs, device) -> tuple[torc
         else:
             lens_q = torch.ones(batch, device=device, dtype=torch.int64)
             lens_kv = torch.full((batch,), cfg.seqlen_kv, device=device, dtype=torch.int64)
-    if not cfg.diagonal_bottom_right and cfg.window[1] == 0:  # top-left causal: the one query sees key 0
+    if _sees_first_key_only(cfg):
         lens_kv = lens_kv.clamp(max=1)
     return starts_q.contiguous(), lens_q.contiguous(), starts_kv.contiguous(), lens_kv.contiguous()
 
@@ -127,8 +132,11 @@ def backward(cfg: AttentionConfig, inputs: AttentionInputs, outputs: AttentionOu
     end_q = inputs.cu_seqlens_q[-1:] if ragged else None
     end_kv = inputs.cu_seqlens_kv[-1:] if ragged else None
     dq = _new(q.shape, q.dtype, device, cfg, end_q)
-    dk = _new(k.shape, k.dtype, device, cfg, end_kv)
-    dv = _new(v.shape, v.dtype, device, cfg, end_kv)
+    if _sees_first_key_only(cfg):  # the kernel writes key 0 of each sequence; the others get no gradient
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    else:
+        dk = _new(k.shape, k.dtype, device, cfg, end_kv)
+        dv = _new(v.shape, v.dtype, device, cfg, end_kv)
     chosen = plan(cfg.gqa_group, cfg.seqlen_kv, cfg.head_dim_qk, backward=True)
     kernel, meta = _kernel(chosen, small_seq_backward, small_seq_backward_dot, device)
     grid = (cfg.batch * cfg.heads_kv,)

@@ -1,0 +1,85 @@
+"""The differential fuzzer, GPU profile: 1000+ generated calls through fusedattn's selection on CUDA
+tensors (bfloat16, float16), each compared, out, lse and every gradient, with a float64 result by the
+rule of gpu_checks.py (tests/fuzz_cases.py has the generator, the runs and the comparison, shared with
+the CPU profile in tests/test_fuzz.py). Writes a summary: calls tried, calls per backend, skips and
+declines with their reasons (grouped), and every mismatch in full, one line each to paste into a named
+regression test. Any mismatch, NaN or crash fails the test.
+
+    FUZZ_CALLS=1000     calls through the selection (default 1000)
+    FUZZ_SUMMARY=path   the summary file (default bench/results/fuzz-gpu.txt)
+
+cuDNN builds a graph per config on its first call (0.3-1 s), so each drawn config runs REPEATS times
+with fresh data (seed, seed+1, ...). Then each fused backend that selection did not pick is forced
+once on it: it runs and is compared too, or declines, and its reasons are the skip's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import subprocess
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("hypothesis")
+
+import fuzz_cases as fc  # noqa: E402
+from hypothesis import given  # noqa: E402
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.filterwarnings("ignore:fusedattn. no fused backend supports this call")]
+
+REPEATS = 10
+FUSED = ("cudnn", "small_seq")
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_SUMMARY = ROOT / "bench" / "results" / "fuzz-gpu.txt"
+
+
+def _revision() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=False).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def _title(calls: int, seconds: float) -> str:
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else "none"
+    return (f"fusedattn GPU fuzz: {calls} calls through the selection (REPEATS={REPEATS} per config) on "
+            f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {cudnn}, git {_revision()}, "
+            f"{seconds:.0f} s")
+
+
+def test_fuzz_through_the_selection_on_cuda():
+    calls = int(os.environ.get("FUZZ_CALLS", "1000"))
+    log, oracle = fc.FuzzLog(), fc.GpuOracle()
+
+    @fc.fuzz_settings(math.ceil(calls / REPEATS))
+    @given(fc.cases(fc.GPU_PROFILE))
+    def one_config(case):
+        selected = set()
+        for repeat in range(REPEATS):
+            result = log.add(fc.run_case(dataclasses.replace(case, seed=case.seed + repeat), device="cuda",
+                                         oracle=oracle))
+            selected.add(result.backend)
+        for name in FUSED:
+            if name not in selected:
+                log.add(fc.run_case(case, device="cuda", backend=name, oracle=oracle))
+
+    start = time.time()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        one_config()
+    through_selection = sum(1 for r in log.results if r.forced is None)
+    summary = log.report(_title(through_selection, time.time() - start))
+    path = Path(os.environ.get("FUZZ_SUMMARY", DEFAULT_SUMMARY))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(summary)
+    print(summary)
+    assert through_selection >= calls, f"only {through_selection} calls through the selection (asked {calls})"
+    log.check(at_least_ran=calls // 2)
