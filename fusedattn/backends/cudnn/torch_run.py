@@ -198,18 +198,34 @@ def _tokens_of(inputs: AttentionInputs, side: str, flags: torch.Tensor, tokens: 
     return inside & flags[sequence]
 
 
+def _lse_without_keys(cfg: AttentionConfig, inputs: AttentionInputs, heads_axis_shape: tuple) -> torch.Tensor:
+    """The LSE of a row that sees no key: the log of the sink term (-inf without a sink), per head."""
+    if cfg.softmax is SoftmaxType.LEARNABLE:
+        return inputs.sink.to(torch.float32).reshape(heads_axis_shape)
+    value = 0.0 if cfg.softmax is SoftmaxType.OFF_BY_ONE else float("-inf")
+    return torch.full(heads_axis_shape, value, dtype=torch.float32, device=inputs.q.device)
+
+
 def _clear_rows_without_keys(cfg: AttentionConfig, inputs: AttentionInputs, out: torch.Tensor,
                              lse: torch.Tensor) -> torch.Tensor:
-    """Queries of a sequence with no key: output 0 and LSE -inf, whatever cuDNN left there (a THD
-    row of such a sequence came back with a finite LSE on cuDNN 9.19). Returns the LSE."""
+    """Queries of a sequence with no key: output 0 and the LSE of an empty row, whatever cuDNN left
+    there (a THD row of such a sequence came back with a finite LSE on cuDNN 9.19). Returns the LSE."""
     _, no_keys = _empty_sides(inputs)
     if cfg.layout.is_ragged:
         rows = _tokens_of(inputs, "q", no_keys, out.shape[0])
         out.masked_fill_(rows.view(-1, 1, 1), 0)
-        return lse.masked_fill(rows.view(-1, 1), float("-inf"))
+        return torch.where(rows.view(-1, 1), _lse_without_keys(cfg, inputs, (1, cfg.heads_q)), lse)
     out_bhsd = out.permute(_plan(cfg).to_bhsd)
     out_bhsd.masked_fill_(no_keys.view(-1, 1, 1, 1), 0)
-    return lse.masked_fill(no_keys.view(-1, 1, 1, 1), float("-inf"))
+    rows = no_keys.view(-1, 1, 1, 1) & _is_query_rows(cfg, inputs)
+    return torch.where(rows, _lse_without_keys(cfg, inputs, (1, cfg.heads_q, 1, 1)), lse)
+
+
+def _is_query_rows(cfg: AttentionConfig, inputs: AttentionInputs) -> torch.Tensor:
+    """(B, 1, Sq, 1) True for rows inside their sequence (padded layouts)."""
+    lengths = (inputs.cu_seqlens_q[1:] - inputs.cu_seqlens_q[:-1]).reshape(-1, 1, 1, 1)
+    rows = torch.arange(cfg.seqlen_q, device=lengths.device).reshape(1, 1, -1, 1)
+    return rows < lengths
 
 
 def _clear_gradients_of_empty_sequences(cfg: AttentionConfig, inputs: AttentionInputs, grads: dict,
