@@ -80,6 +80,47 @@ def cmd_info(_args) -> int:
             print(f"    - {reason}")
         print(f"    runs on: {', '.join(backend.devices)}; dtypes: {', '.join(backend.dtypes)}; "
               f"frameworks: {', '.join(backend.frameworks)}")
+    print("native launch libraries (cudnn backend; `fusedattn build` compiles them, else the first call does):")
+    for kind in NATIVE_KINDS:
+        print(f"  {kind}: {_native_status(kind)}")
+    return 0
+
+
+NATIVE_KINDS = ("core", "torch")  # the launch core, and the torch operator over it
+
+
+def _native_status(kind: str) -> str:
+    """Whether a native library is built here, where, and why not."""
+    from fusedattn.backends.cudnn.native import build
+
+    try:
+        path = build.built_path(kind)
+    except Exception as error:  # a missing package or compiler: say which
+        return f"cannot be built here: {type(error).__name__}: {error}"
+    return f"built: {path}" if path.exists() else f"not built yet (would go to {path})"
+
+
+def _kinds(text: str) -> list[str]:
+    kinds = [k.strip() for k in text.split(",") if k.strip()]
+    unknown = [k for k in kinds if k not in NATIVE_KINDS]
+    if unknown or not kinds:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(NATIVE_KINDS)}, got {text!r}")
+    return kinds
+
+
+def cmd_build(args) -> int:
+    from fusedattn.backends.cudnn.native import build
+
+    for kind in args.kinds:
+        try:
+            target = build.built_path(kind)
+            if target.exists() and not args.force:
+                print(f"{kind}: already built: {target}")
+                continue
+            build.build(kind, announce=print)
+        except Exception as error:
+            print(f"{kind}: cannot be built: {type(error).__name__}: {error}", file=sys.stderr)
+            return 1
     return 0
 
 
@@ -129,6 +170,11 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fusedattn", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, devices and which backends are available").set_defaults(run=cmd_info)
+    nb = sub.add_parser("build", help="compile the native cuDNN launch libraries now (cached per machine and version)")
+    nb.set_defaults(run=cmd_build)
+    nb.add_argument("--kinds", type=_kinds, default=list(NATIVE_KINDS),
+                    help=f"comma-separated: {','.join(NATIVE_KINDS)} (default both)")
+    nb.add_argument("--force", action="store_true", help="rebuild even when a cached build exists")
     ex = sub.add_parser("explain", help="which backend a call would use, and every other backend's reasons")
     ex.set_defaults(run=cmd_explain)
     ex.add_argument("--layout", default="bshd", choices=[m.value for m in Layout])

@@ -105,6 +105,7 @@ def test_info_lists_devices_without_a_gpu(runs):
 def test_info_lists_every_backend_with_availability_and_reasons(runs):
     lines = ok(runs, "info")
     table = lines[lines.index("backends (in selection order):") + 1:]
+    table = table[:next(i for i, line in enumerate(table) if line.startswith("native launch libraries"))]
     heads = [line for line in table if line.startswith("  ") and not line.startswith("    ")]
     assert [h.split(":")[0].strip() for h in heads] == list(BACKEND_NAMES)
     assert "  reference: available" in heads
@@ -249,3 +250,25 @@ def test_import_fusedattn_imports_neither_torch_nor_jax(statement):
                             cwd=ROOT, timeout=TIMEOUT)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == ""
+
+
+def test_info_says_where_the_native_libraries_are_and_why_not(runs):
+    lines = ok(runs, "info")
+    native = lines[next(i for i, line in enumerate(lines) if line.startswith("native launch libraries")) + 1:]
+    assert [line.split(":")[0].strip() for line in native[:2]] == ["core", "torch"]
+    if importlib.util.find_spec("cudnn") is None:
+        assert "package nvidia-cudnn-frontend not installed" in native[0]
+
+
+def test_build_names_what_is_missing(capsys, monkeypatch):
+    from fusedattn.backends.cudnn.native import build
+    from fusedattn.cli import main
+
+    def missing(kind):
+        raise RuntimeError("package nvidia-cudnn-frontend not installed (import cudnn: no module)")
+
+    monkeypatch.setattr(build, "built_path", missing)
+    assert main(["build", "--kinds", "core"]) == 1
+    assert "core: cannot be built: RuntimeError: package nvidia-cudnn-frontend not installed" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["build", "--kinds", "nonsense"])

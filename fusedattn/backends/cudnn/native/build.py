@@ -44,7 +44,7 @@ def cache_dir() -> Path:
 def _command(kind: str) -> list[str]:
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if compiler is None:
-        raise RuntimeError("no C++ compiler (set CXX)")
+        raise RuntimeError("no C++ compiler found (install g++, or set CXX)")
     flags = ["-std=c++17", "-O2", "-shared", "-fPIC", "-fvisibility=hidden", "-fvisibility-inlines-hidden"]
     extra: list[str] = ["-ldl"]
     if kind == "torch":
@@ -61,12 +61,21 @@ def _command(kind: str) -> list[str]:
     return [compiler, *flags, *(f"-I{d}" for d in include_dirs(kind)), str(SOURCES[kind]), *extra]
 
 
+def _frontend():
+    """The cuDNN frontend's Python package (its wheel ships the headers the core needs)."""
+    try:
+        import cudnn
+    except ImportError as error:
+        raise RuntimeError(f"package nvidia-cudnn-frontend not installed (import cudnn: {error})") from None
+    return cudnn
+
+
 def _versions(kind: str) -> tuple:
     if kind == "torch":
         import torch
 
         return kind, torch.__version__, sys.platform
-    import cudnn
+    cudnn = _frontend()
 
     framework = __import__("jax").__version__ if kind == "jax" else ""
     return kind, cudnn.__version__, framework, sys.platform
@@ -117,7 +126,7 @@ def include_dirs(kind: str) -> list[str]:
 
         root = Path(torch.__file__).parent / "include"
         return [str(root), str(root / "torch" / "csrc" / "api" / "include")]
-    import cudnn
+    cudnn = _frontend()
 
     frontend = _first_with("cudnn_frontend.h", [Path(cudnn.__file__).parent.parent / "include"])
     cudnn_dir = _first_with("cudnn.h", _env_dirs("CUDNN_INCLUDE_DIR") + _package_dirs("cudnn")
@@ -156,7 +165,7 @@ def _first_with(header: str, dirs: list[Path]) -> Path:
 def loaded_cudnn(maps_file: str = "/proc/self/maps") -> str:
     """The libcudnn this process already uses (the frontend loads it on import), so the library and
     the graphs Python builds share one cuDNN."""
-    import cudnn  # noqa: F401  (loads libcudnn)
+    _frontend()  # loads libcudnn
 
     try:
         maps = Path(maps_file).read_text().splitlines()
