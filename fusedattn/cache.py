@@ -1,7 +1,12 @@
-"""A bounded, thread-safe LRU cache whose values are built once per key.
+"""A bounded, thread-safe LRU cache whose values are built once per key, and the registry of
+every such cache in fusedattn.
 
 Concurrent callers asking for the same missing key wait for one build; callers
 for other keys are never blocked by it (no lock is held while building).
+
+Each module-level cache registers itself where it is created (`register(name, cache)`), so
+`sizes()` shows every cache with its bound and `clear_all()` empties them all. Every cache's
+owner must tolerate a cleared (or evicted) entry at any time: the next use rebuilds it.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
-__all__ = ["LRUCache"]
+__all__ = ["LRUCache", "registry", "register", "clear_all", "sizes"]
 
 V = TypeVar("V")
 
@@ -122,3 +127,34 @@ class LRUCache(Generic[V]):
         self._items.move_to_end(key)
         while len(self._items) > self.maxsize:
             self._items.popitem(last=False)
+
+
+# name -> cache. Bounded by the modules that create caches: one entry each, registered at import.
+registry: dict[str, LRUCache] = {}
+_registry_lock = threading.Lock()
+
+
+def register(name: str, cache: LRUCache) -> LRUCache:
+    """Add a module-level cache to the registry under `name` (a module re-imported replaces its
+    entry); returns the cache."""
+    if not isinstance(cache, LRUCache):
+        raise ValueError(f"fusedattn.cache.register: expected an LRUCache (bounded) for {name!r}, "
+                         f"got {type(cache).__name__}")
+    with _registry_lock:
+        registry[name] = cache
+    return cache
+
+
+def clear_all() -> None:
+    """Empty every registered cache (builds in progress answer their callers but are not kept)."""
+    with _registry_lock:
+        caches = list(registry.values())
+    for cache in caches:
+        cache.clear()
+
+
+def sizes() -> dict[str, tuple[int, int]]:
+    """name -> (entries, maxsize) of every registered cache."""
+    with _registry_lock:
+        caches = list(registry.items())
+    return {name: (len(cache), cache.maxsize) for name, cache in caches}

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from fusedattn.backends import BACKENDS, Backend, backend_names, get_backend
-from fusedattn.cache import LRUCache
+from fusedattn.cache import LRUCache, register
 from fusedattn.config import AttentionConfig
 
 __all__ = ["Selection", "NoBackendError", "select_backend", "explain", "clear_decisions", "probe_all"]
@@ -28,10 +28,10 @@ ENV_LOG = "FUSEDATTN_LOG"
 DECISION_CACHE_SIZE = 4096
 
 logger = logging.getLogger("fusedattn")
-_decisions: LRUCache = LRUCache(DECISION_CACHE_SIZE)
+_decisions: LRUCache = register("selection.decisions", LRUCache(DECISION_CACHE_SIZE))
 # Frontends remember (config, selection) per call signature (shapes, dtypes, options) so a
 # repeated call skips validation and config building; cleared with the decisions.
-_calls: LRUCache = LRUCache(DECISION_CACHE_SIZE)
+_calls: LRUCache = register("selection.calls", LRUCache(DECISION_CACHE_SIZE))
 
 
 def recall_call(signature):

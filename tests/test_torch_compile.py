@@ -122,3 +122,51 @@ def test_a_score_mod_call_runs_eagerly_inside_a_compiled_step(ran):
     torch._dynamo.reset()
     with pytest.raises(Exception, match="with a score_mod runs eagerly inside a compiled model"):
         torch.compile(step, backend="aot_eager", fullgraph=True)(q, k, v, weight)
+
+
+@pytest.mark.parametrize("options", [dict(mask="causal"), dict(mask="none", softmax_type="learnable")],
+                         ids=["causal", "learnable-sink"])
+def test_a_loss_through_the_lse_has_the_same_gradients_eager_and_compiled(options):
+    # Under compile the LSE's gradient used to be dropped silently (the op marked it non-differentiable).
+    q, k, v = _inputs((2, 9, 4, 8), (2, 9, 2, 8), seed=11)
+    leaves, extra = [q, k, v], {}
+    if options.get("softmax_type") == "learnable":
+        extra["sink"] = torch.randn(4, requires_grad=True)
+        leaves.append(extra["sink"])
+
+    def loss(q, k, v, extra):
+        result = fat.attention(q, k, v, return_lse=True, **options, **extra)
+        return result.out.sum() + 10 * result.lse.sum()
+
+    torch._dynamo.reset()
+    eager = torch.autograd.grad(loss(q, k, v, extra), leaves)
+    compiled = torch.autograd.grad(torch.compile(loss, fullgraph=True, backend="aot_eager")(q, k, v, extra), leaves)
+    for a, b in zip(compiled, eager):
+        torch.testing.assert_close(a, b)
+    plain = torch.autograd.grad(fat.attention(q, k, v, **options, **extra).sum(), leaves)
+    assert any((a - b).abs().max() > 1e-3 for a, b in zip(eager, plain))  # the LSE term did count
+
+
+def test_a_backend_without_lse_gradient_never_drops_one_silently_under_compile(monkeypatch):
+    # cuDNN has no gradient through the LSE: eager calls raise; compiled ones (where raising would wait
+    # for the GPU) give NaN gradients when a nonzero one reaches the LSE, and exact ones when it is unused.
+    from fusedattn.backends import get_backend
+
+    monkeypatch.setattr(type(get_backend("reference")), "lse_gradient", False)
+    q, k, v = _inputs((2, 9, 4, 8), (2, 9, 2, 8), seed=12)
+
+    def through_lse(q, k, v):
+        result = fat.attention(q, k, v, mask="causal", return_lse=True)
+        return result.out.sum() + result.lse.sum()
+
+    def returned_unused(q, k, v):
+        result = fat.attention(q, k, v, mask="causal", return_lse=True)
+        return result.out.square().sum(), result.lse
+
+    torch._dynamo.reset()
+    grads = torch.autograd.grad(torch.compile(through_lse, fullgraph=True, backend="aot_eager")(q, k, v), [q, k])
+    assert all(torch.isnan(g).all() for g in grads)
+    loss, _ = torch.compile(returned_unused, fullgraph=True, backend="aot_eager")(q, k, v)
+    want = torch.autograd.grad(fat.attention(q, k, v, mask="causal").square().sum(), [q, k])
+    for got, expected in zip(torch.autograd.grad(loss, [q, k]), want):
+        torch.testing.assert_close(got, expected)

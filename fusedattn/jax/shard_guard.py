@@ -39,7 +39,10 @@ def _check_whole(api: str, name: str, axes: str, spec, backend: str) -> None:
                              "around the call, or give the inputs explicit shardings")
 
 
-@cache  # a handful of (api, name, axes, backend): one op each
+# Bounded by construction, so not an LRUCache in fusedattn.cache's registry: the keys come from fixed
+# vocabularies (api and tensor names, layout axes, backend names), a handful of ops in all; evicting
+# one would only make JAX see a new op.
+@cache
 def _identity_op(api: str, name: str, axes: str, whole_for: str = ""):
     """An identity that checks its operand's sharding when XLA partitions the program;
     whole_for names a backend that needs the operand unsharded."""

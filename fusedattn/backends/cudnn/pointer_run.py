@@ -13,7 +13,7 @@ import threading
 
 from fusedattn.backends.cudnn import raw_launch
 from fusedattn.backends.cudnn.spec import rows_without_keys, sdpa_spec
-from fusedattn.cache import LRUCache
+from fusedattn.cache import LRUCache, register
 from fusedattn.config import AttentionConfig, SoftmaxType
 from fusedattn.layout import layout_spec
 
@@ -24,8 +24,10 @@ FORWARD_INPUTS, FORWARD_OUTPUTS = ("q", "k", "v"), ("o", "stats")
 BACKWARD_INPUTS, BACKWARD_OUTPUTS = ("q", "k", "v", "o", "stats", "dO"), ("dq", "dk", "dv")
 BUFFER_NAMES = {"forward": FORWARD_INPUTS + FORWARD_OUTPUTS, "backward": BACKWARD_INPUTS + BACKWARD_OUTPUTS}
 
-_eligible: LRUCache = LRUCache(1024)
-_workspaces: dict = {}  # (device, stream) -> list of uint8 tensors, never freed (see _workspace)
+_eligible: LRUCache = register("cudnn.pointer_run.eligible", LRUCache(1024))
+# (device, stream) -> the largest workspace used there so far (see _workspace). XLA runs a few
+# streams per device, so 64 (device, stream) pairs hold every one a program uses.
+_workspaces: LRUCache = register("cudnn.pointer_run.workspaces", LRUCache(64))
 _workspace_lock = threading.Lock()
 
 
@@ -46,17 +48,28 @@ def runs_from_addresses(cfg: AttentionConfig) -> bool:
     return _eligible.get_or_build(cfg, decide)
 
 
-def _workspace(device: int, stream: int, size: int) -> int:
-    """A workspace of at least `size` bytes used only on `stream`: work on one stream runs in order,
-    so reusing it is safe; an outgrown one is kept (queued work may still read it)."""
+def _workspace(device: int, stream: int, size: int):
+    """A uint8 tensor of at least `size` bytes used only on `stream`: work on one stream runs in
+    order, so reusing it there is safe. The caller holds it until its launch is queued.
+
+    Each workspace is marked with record_stream(stream) when made: when the last reference to an
+    outgrown, evicted or cleared one goes, torch's caching allocator records an event on `stream`
+    and reuses the memory only after the stream has passed it, so queued work that still reads it
+    is never handed someone else's data. Only the largest per (device, stream) is kept. A new one
+    comes from the pool of torch's current stream, where earlier work may still use its memory:
+    `stream` waits for that stream once, when the workspace is made."""
     import torch
 
     key = (device, stream)
     with _workspace_lock:
-        kept = _workspaces.setdefault(key, [])
-        if not kept or kept[-1].numel() < size:
-            kept.append(torch.empty(max(size, 1 << 20), dtype=torch.uint8, device=device))
-        return kept[-1].data_ptr()
+        kept = _workspaces.get(key)
+        if kept is None or kept.numel() < size:
+            kept = torch.empty(max(size, 1 << 20), dtype=torch.uint8, device=device)
+            used_on = torch.cuda.ExternalStream(stream, device=device)
+            used_on.wait_stream(torch.cuda.current_stream(device))
+            kept.record_stream(used_on)
+            _workspaces.put(key, kept)
+        return kept
 
 
 class AddressRunner:
@@ -83,7 +96,8 @@ class AddressRunner:
             self._bound[key] = bound
         graph, uids, size, used = bound
         addresses = [addresses[i] for i in used]
-        workspace = _workspace(device, stream, size)
+        held = _workspace(device, stream, size)  # referenced until the launch is queued (see _workspace)
+        workspace = held.data_ptr()
         if isinstance(graph, raw_launch._RawLaunch):
             graph(addresses, workspace, handle)
             return

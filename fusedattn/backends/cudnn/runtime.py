@@ -13,11 +13,13 @@ from fusedattn.backends.cudnn import raw_launch
 from fusedattn.backends.cudnn.alignment import ALIGNMENT, aligned_copy
 from fusedattn.backends.cudnn.graphs import OUTPUT_NAMES, BuiltGraph, GraphBuildError, build_backward, build_forward
 from fusedattn.backends.cudnn.spec import graph_key, sdpa_spec
-from fusedattn.cache import LRUCache
+from fusedattn.cache import LRUCache, register
 from fusedattn.config import AttentionConfig
 
 ENV_CACHE_SIZE = "FUSEDATTN_CUDNN_CACHE_SIZE"
-_graphs: LRUCache = LRUCache(int(os.environ.get(ENV_CACHE_SIZE, "256")))
+_graphs: LRUCache = register("cudnn.graphs", LRUCache(int(os.environ.get(ENV_CACHE_SIZE, "256"))))
+# Not caches, so not in the registry: one lock per device index (bounded by the device count),
+# and per thread one cuDNN handle per device (bounded by devices; freed with the thread).
 _build_locks: dict[int, threading.Lock] = {}
 _locks_guard = threading.Lock()
 _local = threading.local()

@@ -22,7 +22,7 @@ from fusedattn.backends.cudnn.spec import (
     rows_without_keys,
     sdpa_spec,
 )
-from fusedattn.cache import LRUCache
+from fusedattn.cache import LRUCache, register
 from fusedattn.config import AttentionConfig, BiasType, Layout, SoftmaxType
 from fusedattn.layout import layout_spec
 from fusedattn.score_mods.core import MASKED, MASKED_BELOW, RuntimeScalar
@@ -40,7 +40,7 @@ class _Plan:
     grads: dict  # role -> TensorSpec of its gradient
 
 
-_plans: LRUCache = LRUCache(1024)
+_plans: LRUCache = register("cudnn.torch_run.plans", LRUCache(1024))
 
 
 def _plan(cfg: AttentionConfig) -> _Plan:

@@ -21,7 +21,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from fusedattn.cache import LRUCache
+from fusedattn.cache import LRUCache, register
 
 __all__ = ["TARGET", "WORKSPACE", "enabled", "unavailable", "plan_id"]
 
@@ -35,7 +35,8 @@ LIBRARY_NAME = "libfusedattn_cudnn_call.so"
 
 _lock = threading.Lock()
 _state: dict = {}  # "library" (ctypes.CDLL) or "reason" (str), once decided
-_plans: LRUCache = LRUCache(4096)  # (cfg, direction, buffers) -> (plan id, workspace bytes, digest)
+# (cfg, direction, buffers) -> (plan id, workspace bytes, digest)
+_plans: LRUCache = register("jax.native.plans", LRUCache(4096))
 
 
 def enabled() -> bool:

@@ -17,7 +17,7 @@ import os
 import threading
 
 from fusedattn.backends.cudnn.native import build
-from fusedattn.cache import LRUCache
+from fusedattn.cache import LRUCache, register
 from fusedattn.config import AttentionConfig, BiasType, Layout, SoftmaxType
 
 __all__ = ["ENV_SWITCH", "unavailable", "reasons", "plan_for", "forget", "plan_shape", "FORWARD_SLOTS",
@@ -36,6 +36,7 @@ PLAN_CAPACITY = 4096  # torch plans (and core plans) the library keeps; the Pyth
 _lock = threading.Lock()
 _state: dict = {}  # "library" (_Libraries) or "reason" (str), once decided
 _plans: LRUCache = LRUCache(PLAN_CAPACITY // 2)  # config -> torch plan id, or None (the operator declined)
+register("cudnn.native.torch_plans", _plans)
 
 
 def unavailable() -> str | None:
