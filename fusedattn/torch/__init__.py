@@ -1,7 +1,10 @@
-"""PyTorch frontend: `attention(...)` and the `DotProductAttention` module."""
+"""PyTorch frontend: `attention(...)`, the SDPA drop-in `scaled_dot_product_attention` and the
+`DotProductAttention` module."""
 
 from fusedattn.frontend_common import AttentionResult
+from fusedattn.torch.dropin import scaled_dot_product_attention
 from fusedattn.torch.functional import attention, small_seq_attention
 from fusedattn.torch.modules import DotProductAttention
 
-__all__ = ["attention", "small_seq_attention", "DotProductAttention", "AttentionResult"]
+__all__ = ["attention", "scaled_dot_product_attention", "small_seq_attention", "DotProductAttention",
+           "AttentionResult"]

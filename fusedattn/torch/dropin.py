@@ -1,0 +1,98 @@
+"""`scaled_dot_product_attention`: PyTorch's signature and semantics, on fusedattn's backends.
+
+A thin translation into `fusedattn.torch.attention`: (..., L, E) tensors become the bhsd layout,
+`is_causal` the top-left causal mask, and `attn_mask` a post-scale bias (a boolean mask as 0 where
+True and -inf where False, as PyTorch does). Assign it over torch.nn.functional's in a model:
+
+    >>> import torch.nn.functional as F
+    >>> import fusedattn.torch
+    >>> F.scaled_dot_product_attention = fusedattn.torch.scaled_dot_product_attention
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fusedattn.torch.functional import attention
+
+__all__ = ["scaled_dot_product_attention"]
+
+API = "fusedattn.torch.scaled_dot_product_attention"
+
+
+def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                 attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+                                 is_causal: bool = False, scale: float | None = None,
+                                 enable_gqa: bool = False) -> torch.Tensor:
+    """torch.nn.functional.scaled_dot_product_attention, run by fusedattn.
+
+    Args:
+        query: (..., Hq, L, E) (or (..., L, E): one head). key: (..., Hkv, S, E). value: (..., Hkv, S, Ev).
+            Leading (batch) dimensions broadcast against each other, as in PyTorch.
+        attn_mask: boolean (True: take part) or a float tensor of query's dtype added to the scaled
+            scores, broadcastable to (..., Hq, L, S). A row whose every key is masked gives 0.
+        dropout_p: dropout on the attention weights (seeded from torch's generator).
+        is_causal: top-left causal mask (query i sees keys j <= i); not together with attn_mask.
+        scale: multiplies q kᵀ; default 1/sqrt(E).
+        enable_gqa: allow Hkv < Hq with Hq a multiple of Hkv (grouped-query attention).
+
+    Returns:
+        (..., Hq, L, Ev), in query's dtype.
+    """
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"{API}: {name}: expected a torch.Tensor, got {type(x).__name__}")
+        if x.dim() < 2:
+            raise ValueError(f"{API}: {name}: expected at least 2 dimensions (..., L, E), got shape {tuple(x.shape)}")
+    one_head = query.dim() < 4
+    q, k, v = (x.unsqueeze(-3) if one_head else x for x in (query, key, value))
+    heads_q, heads_kv = q.shape[-3], k.shape[-3]
+    if v.shape[-3] != heads_kv:
+        raise ValueError(f"{API}: value: expected {heads_kv} heads like key, got {v.shape[-3]}")
+    if heads_q != heads_kv and not (heads_kv == 1 or (enable_gqa and heads_q % heads_kv == 0)):
+        hint = ("; pass enable_gqa=True for grouped-query attention" if not enable_gqa and heads_q % heads_kv == 0
+                else "")
+        raise ValueError(f"{API}: key/value: expected {heads_q} heads like query"
+                         f"{' or a divisor of it' if enable_gqa else ''}, got {heads_kv}{hint}")
+    try:
+        lead = torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
+    except RuntimeError:
+        raise ValueError(f"{API}: query/key/value: batch dimensions {tuple(q.shape[:-3])}, {tuple(k.shape[:-3])} "
+                         f"and {tuple(v.shape[:-3])} do not broadcast") from None
+    batch = math.prod(lead)
+    q, k, v = (x.expand(*lead, *x.shape[-3:]).reshape(batch, *x.shape[-3:]) for x in (q, k, v))
+    bias = None
+    if attn_mask is not None and is_causal:  # PyTorch documents an error (some of its kernels combine them)
+        raise ValueError(f"{API}: attn_mask: expected None with is_causal=True (PyTorch raises here too), got a "
+                         "tensor; fold the causal mask into attn_mask instead")
+    if attn_mask is not None:
+        bias = _as_bias(attn_mask, query, lead, one_head, (heads_q, q.shape[-2], k.shape[-2]))
+    out = attention(q, k, v, layout="bhsd", mask="causal" if is_causal else "none", bias=bias,
+                    dropout_p=dropout_p, scale=scale)
+    out = out.reshape(*lead, *out.shape[1:])
+    return out.squeeze(-3) if one_head else out
+
+
+def _as_bias(mask: torch.Tensor, query: torch.Tensor, lead: tuple, one_head: bool, sizes: tuple) -> torch.Tensor:
+    """attn_mask as an additive (batch|1, Hq|1, L|1, S|1) bias in query's dtype."""
+    if not isinstance(mask, torch.Tensor):
+        raise ValueError(f"{API}: attn_mask: expected a torch.Tensor or None, got {type(mask).__name__}")
+    if mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=query.dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+    elif mask.dtype != query.dtype:
+        raise ValueError(f"{API}: attn_mask: expected a bool tensor or one of query's dtype {query.dtype}, "
+                         f"got {mask.dtype}")
+    if one_head:
+        mask = mask.unsqueeze(-3)
+    full = (*lead, *sizes)
+    try:
+        torch.broadcast_shapes(mask.shape, full)
+    except RuntimeError:
+        raise ValueError(f"{API}: attn_mask: expected a shape broadcastable to {full}, got "
+                         f"{tuple(mask.shape)}") from None
+    mask = mask.reshape((1,) * (len(full) - mask.dim()) + tuple(mask.shape))
+    if len(lead) != 1:  # fold the batch dimensions into one, as the tensors were
+        mask = mask.expand(*lead, *mask.shape[-3:]).reshape(math.prod(lead), *mask.shape[-3:])
+    return mask

@@ -1,0 +1,157 @@
+"""fusedattn.torch.scaled_dot_product_attention against torch.nn.functional.scaled_dot_product_attention
+itself, on the same inputs (CPU: the reference backend): outputs and gradients in float64 and bfloat16,
+GQA, boolean and float masks of every broadcast shape, causal with L != S, scale, fully masked rows,
+the 2-D/3-D/5-D forms, and the errors SDPA raises."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fusedattn.torch as fat
+
+F64, BF16 = torch.float64, torch.bfloat16
+
+
+def _inputs(shape_q, shape_k, dv, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    make = lambda *shape: torch.randn(*shape, generator=gen, dtype=F64).to(dtype).requires_grad_(True)  # noqa: E731
+    return make(*shape_q), make(*shape_k), make(*shape_k[:-1], dv)
+
+
+def _both(q, k, v, **options):
+    """(ours, SDPA's): outputs and the gradients of q, k, v (and a float mask) for one random cotangent."""
+    results = []
+    for fn in (fat.scaled_dot_product_attention, F.scaled_dot_product_attention):
+        leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
+        mask = options.get("attn_mask")
+        extra = {}
+        if mask is not None and mask.is_floating_point():
+            extra["attn_mask"] = mask.detach().clone().requires_grad_(True)
+        out = fn(*leaves, **{**options, **extra})
+        grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=F64).to(out.dtype)
+        wrt = leaves + ([extra["attn_mask"]] if extra else [])
+        grads = torch.autograd.grad(out, wrt, grad)
+        results.append((out, grads))
+    return results
+
+
+def _close(ours, theirs, dtype):
+    tol = dict(atol=1e-10, rtol=1e-10) if dtype == F64 else dict(atol=3e-2, rtol=3e-2)
+    (out, grads), (want_out, want_grads) = ours, theirs
+    torch.testing.assert_close(out, want_out, **tol)
+    for got, want in zip(grads, want_grads):
+        torch.testing.assert_close(got, want.reshape(got.shape) if got.shape != want.shape else want, **tol)
+
+
+SHAPES = [  # (q shape, k shape, dv, enable_gqa)
+    ((2, 4, 7, 16), (2, 4, 9, 16), 16, False),
+    ((2, 4, 9, 16), (2, 4, 7, 16), 8, False),
+    ((1, 8, 5, 32), (1, 2, 5, 32), 32, True),
+    ((2, 4, 6, 16), (2, 1, 6, 16), 16, False),  # one key/value head broadcasts, as in PyTorch
+    ((3, 6, 16), (3, 8, 16), 16, False),  # (N, L, E): one head
+    ((6, 16), (8, 16), 16, False),  # (L, E)
+    ((2, 3, 2, 5, 16), (2, 3, 2, 4, 16), 16, False),  # two batch dimensions
+]
+
+
+@pytest.mark.parametrize("dtype", [F64, BF16], ids=["f64", "bf16"])
+@pytest.mark.parametrize("shape_q, shape_k, dv, gqa", SHAPES, ids=[str(s[0]) for s in SHAPES])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_matches_sdpa_without_a_mask(dtype, shape_q, shape_k, dv, gqa, is_causal):
+    q, k, v = _inputs(shape_q, shape_k, dv, dtype, seed=len(shape_q) + dv)
+    _close(*_both(q, k, v, is_causal=is_causal, enable_gqa=gqa), dtype)
+
+
+def _mask_shapes(b, h, l, s):
+    """Every broadcast shape of a (B, H, L, S) mask, and (L, S)."""
+    for keep in itertools.product((True, False), repeat=4):
+        yield tuple(n if k else 1 for n, k in zip((b, h, l, s), keep))
+    yield (l, s)
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+@pytest.mark.parametrize("dtype", [F64, BF16], ids=["f64", "bf16"])
+def test_matches_sdpa_with_masks_of_every_broadcast_shape(kind, dtype):
+    q, k, v = _inputs((2, 3, 5, 16), (2, 3, 7, 16), 16, dtype, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    for shape in _mask_shapes(2, 3, 5, 7):
+        if kind == "bool":
+            mask = torch.rand(shape, generator=gen) > 0.3
+        else:
+            mask = torch.randn(shape, generator=gen, dtype=F64).to(dtype)
+        _close(*_both(q, k, v, attn_mask=mask), dtype)
+
+
+def test_fully_masked_rows_give_zero_like_sdpa():
+    q, k, v = _inputs((1, 2, 4, 8), (1, 2, 6, 8), 8, F64, seed=5)
+    mask = torch.ones(4, 6, dtype=torch.bool)
+    mask[2] = False
+    ours, theirs = _both(q, k, v, attn_mask=mask)
+    assert torch.equal(ours[0][:, :, 2], torch.zeros_like(ours[0][:, :, 2]))
+    _close(ours, theirs, F64)
+
+
+def test_scale_and_dropout_free_defaults():
+    q, k, v = _inputs((2, 2, 5, 16), (2, 2, 5, 16), 16, F64, seed=6)
+    _close(*_both(q, k, v, scale=0.37), F64)
+
+
+def test_dropout_runs_and_is_reproducible_from_torchs_generator():
+    q, k, v = _inputs((1, 2, 8, 16), (1, 2, 8, 16), 16, torch.float32, seed=7)
+    torch.manual_seed(11)
+    a = fat.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+    torch.manual_seed(11)
+    b = fat.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+    assert torch.equal(a, b) and not torch.allclose(a, fat.scaled_dot_product_attention(q, k, v))
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda q, k, v: fat.scaled_dot_product_attention(q, k[:, :3], v[:, :3]), "expected 4 heads like query"),
+    (lambda q, k, v: fat.scaled_dot_product_attention(q, k[:, :2], v[:, :2]), "pass enable_gqa=True"),
+    (lambda q, k, v: fat.scaled_dot_product_attention(q, k[:, :3], v[:, :3], enable_gqa=True),
+     "expected 4 heads like query or a divisor of it"),
+    (lambda q, k, v: fat.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(5, 5, dtype=torch.bool),
+                                                      is_causal=True), "expected None with is_causal=True"),
+    (lambda q, k, v: fat.scaled_dot_product_attention(q, k, v, attn_mask=torch.zeros(5, 5, dtype=F64)),
+     "attn_mask: expected a bool tensor or one of query's dtype"),
+    (lambda q, k, v: fat.scaled_dot_product_attention(q, k, v, attn_mask=torch.zeros(3, 5, 5, dtype=torch.bool)),
+     "attn_mask: expected a shape broadcastable"),
+    (lambda q, k, v: fat.scaled_dot_product_attention(q[0, 0, 0], k, v), "query: expected at least 2 dimensions"),
+    (lambda q, k, v: fat.scaled_dot_product_attention(q, k[..., :8], v), "head dim"),
+])
+def test_refuses_what_sdpa_refuses_naming_the_argument(call, match):
+    q, k, v = _inputs((2, 4, 5, 16), (2, 4, 5, 16), 16, torch.float32, seed=8)
+    with pytest.raises(ValueError, match=match):
+        call(q, k, v)
+    if "is_causal" in match:
+        return  # PyTorch documents this error; its CPU math kernel combines the two instead
+    with pytest.raises((RuntimeError, ValueError)):  # SDPA refuses the same call
+        _sdpa_twin(call)(q, k, v)
+
+
+def _sdpa_twin(call):
+    """The same lambda with fusedattn's function swapped for PyTorch's."""
+    import types
+
+    globals_ = dict(call.__globals__)
+    globals_["fat"] = types.SimpleNamespace(scaled_dot_product_attention=F.scaled_dot_product_attention)
+    return types.FunctionType(call.__code__, globals_)
+
+
+def test_it_can_replace_torchs_function_in_a_model(monkeypatch):
+    monkeypatch.setattr(F, "scaled_dot_product_attention", fat.scaled_dot_product_attention)
+    layer = torch.nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, dropout=0.0, batch_first=True)
+    x = torch.randn(2, 6, 32)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    losses = []
+    for _ in range(5):
+        loss = layer(x).square().mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
