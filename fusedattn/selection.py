@@ -155,7 +155,8 @@ def _announce(cfg: AttentionConfig, selection: Selection) -> None:
         reasons = "; ".join(f"{n}: {r[0]}" for n, r in selection.rejected.items() if r)
         warnings.warn(
             f"fusedattn: no fused backend supports this call, so it runs on the unfused reference "
-            f"(slow, memory-hungry). {reasons}. Run fusedattn.explain(cfg) for the full table.",
+            f"(slow, memory-hungry). {reasons}. fusedattn.torch.explain(q, k, v, **the same keywords) (or "
+            f"fusedattn.explain(cfg)) shows the full table.",
             RuntimeWarning, stacklevel=_stacklevel_outside_package(),
         )
 

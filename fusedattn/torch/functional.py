@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
 from fusedattn import settings
 from fusedattn.arguments import ENV_THD_BUCKET, TensorMeta
+from fusedattn.config import AttentionConfig
 from fusedattn.frontend_common import (
     TENSOR_ARGUMENTS,
     AttentionResult,
@@ -26,7 +29,7 @@ from fusedattn.torch.autograd import run_attention
 from fusedattn.torch.ops import config_of, register_config
 from fusedattn.xp.torch_ops import OPS
 
-__all__ = ["attention"]
+__all__ = ["attention", "explain"]
 
 API = "fusedattn.torch.attention"
 
@@ -176,7 +179,7 @@ def attention(
          return_lse, return_max_logit, backend), offsets=() if trusted else offsets,
         score_mod=None if mod is None else (id(score_mod), id(score_mod_bprop), tuple(score_mod_tensors or ()),
                                             tuple(score_mod_bprop_tensors or ())))
-    planned = recall_call(signature) if signature is not None else None
+    planned = recall_call(signature) if signature is not None and not _explaining.get() else None
     bound = None
     if planned is not None and mod is not None:
         if needs_gradient(mod):  # tensors that learn take the full path (see prepare_call)
@@ -214,6 +217,8 @@ def attention(
             and slopes_are_standard(OPS.to_host(alibi_slopes.float())),
         )
         cfg, selection, arrays, bound = call
+        if _explaining.get():
+            return _Configured(cfg)
         native = _native_plan(cfg, selection, q) if mod is None else None
         if signature is not None:
             remember_call(signature, (cfg, selection, native))
@@ -230,6 +235,36 @@ def attention(
         seed, offset = _dropout_state(dropout_seed, dropout_offset, q)
     out, lse, max_logit = run_attention(cfg, selection.backend, bound, (*arrays, seed, offset))
     return pick_outputs(cfg, *(poisoned(check, x) for x in (out, lse, max_logit)))
+
+
+# explain(): the call goes through attention's own cold path and stops once it is configured.
+_explaining: contextvars.ContextVar = contextvars.ContextVar("fusedattn_torch_explaining", default=False)
+
+
+class _Configured(NamedTuple):
+    cfg: AttentionConfig
+
+
+def explain(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | None = None, **kwargs) -> str:
+    """The selection table for `attention(q, k, v, **kwargs)`: the call as selection sees it, the backend
+    it would run on, and every other backend's reasons. Runs nothing; bad arguments raise as in
+    `attention`. The same keywords as `attention`.
+
+    Example:
+        >>> q = k = v = torch.randn(2, 128, 8, 64)
+        >>> print(explain(q, k, v, mask="causal"))
+    """
+    from fusedattn.selection import NoBackendError
+    from fusedattn.selection import explain as explain_config
+
+    token = _explaining.set(True)
+    try:
+        configured = attention(q, k, v, **kwargs)
+    except NoBackendError as error:  # the table says why, and names the forced backend if any
+        return explain_config(error.cfg, kwargs.get("backend"))
+    finally:
+        _explaining.reset(token)
+    return explain_config(configured.cfg, kwargs.get("backend"))
 
 
 def _native_plan(cfg, selection, q) -> int | None:
