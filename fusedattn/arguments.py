@@ -16,7 +16,7 @@ from fusedattn.config import DTYPES, AttentionConfig, BiasType, Layout, Mask, So
 from fusedattn.layout import check_cu_seqlens, layout_spec
 
 __all__ = ["TensorMeta", "CallArguments", "build_config", "check_offset_tensors", "infer_max_seqlens",
-           "bucket_max_seqlens", "ENV_THD_BUCKET", "check_sequence_values"]
+           "bucket_max_seqlens", "ENV_THD_BUCKET", "check_sequence_values", "host_slopes"]
 
 INDEX_DTYPES = ("int32", "int64")
 _RAGGED_LAYOUTS = frozenset(layout.value for layout in Layout if layout.is_ragged)
@@ -33,6 +33,26 @@ class TensorMeta:
 
     def line(self, name: str) -> str:
         return f"{name}: shape {self.shape}, dtype {self.dtype}, device {self.device or self.device_kind}"
+
+
+def host_slopes(argument: str, value):
+    """ALiBi slopes given as a list, tuple or NumPy array, as a float32 NumPy array (Hq,) or (B, Hq).
+
+    None for anything else (None, a framework tensor): the frontend describes and checks those.
+    Frontends turn the result into their own array on q's device, so
+    `alibi_slopes=fusedattn.standard_alibi_slopes(Hq)` works as written.
+    """
+    if not isinstance(value, (list, tuple, np.ndarray)):
+        return None
+    try:
+        array = np.asarray(value, dtype=np.float32)
+    except (TypeError, ValueError):
+        raise ValueError(f"{argument}: expected (Hq,) or (B, Hq) real numbers, got {value!r}") from None
+    if array.ndim not in (1, 2) or array.size == 0:
+        raise ValueError(f"{argument}: expected (Hq,) or (B, Hq) real numbers, got shape {array.shape}")
+    if not np.isfinite(array).all():
+        raise ValueError(f"{argument}: expected finite slopes, got {value!r}")
+    return array
 
 
 def _other_device(a: str, b: str) -> bool:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
+import os
 import platform
 import sys
 
@@ -62,6 +64,30 @@ def _devices() -> list[str]:
     return lines or ["no framework installed to list devices"]
 
 
+def _cuda_visible() -> tuple[bool, str]:
+    """Whether torch sees a CUDA device (every GPU backend launches through torch), and if not, why."""
+    try:
+        import torch
+    except ImportError:
+        return False, "no CUDA device visible (torch not installed)"
+    if torch.cuda.is_available():
+        return True, ""
+    return False, "no CUDA device visible to torch"
+
+
+def _backend_status(backend, cuda: tuple[bool, str]) -> tuple[str, list[str]]:
+    """("available" or "unavailable", possibly with a note; reasons) for one backend on this machine."""
+    reasons = list(backend.availability())
+    visible, why = cuda
+    note = ""
+    if "cuda" in backend.devices and not visible:
+        if "cpu" not in backend.devices:
+            reasons.append(f"{why} (runs on cuda only)")
+        elif any(module == "triton" for module, _ in backend.packages):
+            note = f" (Triton interpreter on the CPU only: {why})"
+    return ("unavailable" if reasons else "available" + note), reasons
+
+
 def cmd_info(_args) -> int:
     import fusedattn
 
@@ -73,9 +99,10 @@ def cmd_info(_args) -> int:
     for line in _devices():
         print(f"  {line}")
     print("backends (in selection order):")
+    cuda = _cuda_visible()
     for backend in BACKENDS:
-        reasons = backend.availability()
-        print(f"  {backend.name}: " + ("available" if not reasons else "unavailable"))
+        status, reasons = _backend_status(backend, cuda)
+        print(f"  {backend.name}: {status}")
         for reason in reasons:
             print(f"    - {reason}")
         print(f"    runs on: {', '.join(backend.devices)}; dtypes: {', '.join(backend.dtypes)}; "
@@ -133,12 +160,62 @@ def _default_device() -> str:
         return "cpu"
 
 
+# Short dtype names people type, as in `torch.bfloat16` vs "bf16".
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32",
+                 "fp64": "float64", "double": "float64"}
+
+
+def _dtype(text: str) -> str:
+    """A dtype name or its short alias (bf16, fp16, fp32, fp64), as the canonical name."""
+    return DTYPE_ALIASES.get(text.strip().lower(), text)
+
+
 def _window(text: str) -> tuple[int, int]:
     try:
         left, right = (int(part) for part in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected LEFT,RIGHT such as 128,0 or -1,-1, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected LEFT,RIGHT such as 128,0 or -1,-1 (-1 = unbounded), "
+                                         f"got {text!r}") from None
     return left, right
+
+
+# Options whose values may start with "-" ("--window -1,-1"): argparse would read those as flags.
+_NEGATIVE_VALUE_OPTIONS = ("--window",)
+
+
+def _join_negative_values(argv: list[str]) -> list[str]:
+    """argv with `--window -1,-1` rewritten as `--window=-1,-1`, the one spelling argparse reads."""
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in _NEGATIVE_VALUE_OPTIONS and i + 1 < len(argv) and argv[i + 1].startswith("-") \
+                and argv[i + 1][1:2].isdigit():
+            out.append(f"{arg}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(arg)
+        i += 1
+    return out
+
+
+class _SubcommandParser(argparse.ArgumentParser):
+    """A subcommand's parser: its errors show its own usage and, for an unknown flag, its flags."""
+
+    def flags(self) -> list[str]:
+        return [option for action in self._actions for option in action.option_strings if option.startswith("--")]
+
+    def unknown(self, extras: list[str]):
+        """Exit 2 naming the unrecognised arguments, the closest flags, and every flag this subcommand takes."""
+        flags = self.flags()
+        hints = []
+        for extra in extras:
+            close = difflib.get_close_matches(extra.split("=", 1)[0], flags, n=1)
+            if close:
+                hints.append(f"{extra}: did you mean {close[0]}?")
+        message = f"unrecognized arguments: {' '.join(extras)}"
+        if hints:
+            message += "\n  " + "\n  ".join(hints)
+        self.error(message + f"\n{self.prog} takes: {', '.join(flags)} (see {self.prog} --help)")
 
 
 def cmd_explain(args) -> int:
@@ -168,15 +245,16 @@ def cmd_explain(args) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fusedattn", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("info", help="versions, devices and which backends are available").set_defaults(run=cmd_info)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_SubcommandParser)
+    info = sub.add_parser("info", help="versions, devices and which backends are available")
+    info.set_defaults(run=cmd_info, subparser=info)
     nb = sub.add_parser("build", help="compile the native cuDNN launch libraries now (cached per machine and version)")
-    nb.set_defaults(run=cmd_build)
+    nb.set_defaults(run=cmd_build, subparser=nb)
     nb.add_argument("--kinds", type=_kinds, default=list(NATIVE_KINDS),
                     help=f"comma-separated: {','.join(NATIVE_KINDS)} (default both)")
     nb.add_argument("--force", action="store_true", help="rebuild even when a cached build exists")
     ex = sub.add_parser("explain", help="which backend a call would use, and every other backend's reasons")
-    ex.set_defaults(run=cmd_explain)
+    ex.set_defaults(run=cmd_explain, subparser=ex)
     ex.add_argument("--layout", default="bshd", choices=[m.value for m in Layout])
     ex.add_argument("--batch", type=int, default=4, help="B (default 4)")
     ex.add_argument("--sq", type=int, default=4096, help="Sq, query length (max for THD; default 4096)")
@@ -185,9 +263,12 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--hkv", type=int, default=None, help="Hkv, key/value heads (default Hq)")
     ex.add_argument("--d", type=int, default=128, help="D, query/key head dim (default 128)")
     ex.add_argument("--dv", type=int, default=None, help="Dv, value head dim (default D)")
-    ex.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    ex.add_argument("--dtype", type=_dtype, default="bfloat16", choices=DTYPES,
+                    help="dtype of q, k, v (aliases: bf16, fp16, fp32, fp64; default bfloat16)")
     ex.add_argument("--mask", default="none", choices=[m.value for m in Mask])
-    ex.add_argument("--window", type=_window, default=(-1, -1), help="LEFT,RIGHT (-1 = unbounded)")
+    ex.add_argument("--window", type=_window, default=(-1, -1),
+                    help="LEFT,RIGHT keys visible before/after the diagonal (-1 = unbounded), "
+                    "e.g. --window 128,0 or --window -1,-1")
     ex.add_argument("--bias", default="none", choices=[m.value for m in BiasType])
     ex.add_argument("--softmax", default="vanilla", choices=[m.value for m in SoftmaxType])
     ex.add_argument("--dropout", type=float, default=0.0, help="dropout probability")
@@ -201,8 +282,23 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    return args.run(args)
+    parser = _parser()
+    argv = _join_negative_values(list(sys.argv[1:] if argv is None else argv))
+    args, extras = parser.parse_known_args(argv)
+    if extras and argv.index(extras[0]) < argv.index(args.command):
+        parser.error(f"unrecognized arguments: {' '.join(extras)} (put a subcommand's flags after it)")
+    if extras:  # the subcommand's parser says it, with its own usage and flags
+        args.subparser.unknown(extras)
+    try:
+        code = args.run(args)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader went away (`fusedattn info | head -3`): stop quietly. Later writes, including
+        # the interpreter's final flush, go to /dev/null instead of raising again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+    return code
 
 
 if __name__ == "__main__":

@@ -38,6 +38,12 @@ COMMANDS = {
     "bad-gqa": ["explain", "--hq", "16", "--hkv", "3", "--device", "cpu"],
     "bad-backend-name": ["explain", "--backend", "flash", "--device", "cpu"],
     "bad-subcommand": ["bench-everything"],
+    # first-hour spellings: short dtype names, a window starting with "-" after a space
+    "explain-aliases": ["explain", "--dtype", "bf16", "--window", "-1,-1", "--device", "cpu"],
+    "explain-fp16": ["explain", "--dtype", "fp16", "--window=-1,-1", "--device", "cpu"],
+    "explain-fp32": ["explain", "--dtype", "fp32", "--window", "-1,0", "--mask", "causal", "--device", "cpu"],
+    "bad-explain-flag": ["explain", "--windw", "4", "--device", "cpu"],
+    "bad-dtype": ["explain", "--dtype", "int8", "--device", "cpu"],
 }
 
 
@@ -198,7 +204,7 @@ def test_explain_jax_framework(runs):
 @pytest.mark.parametrize("name, message", [
     ("bad-window-causal",
      "fusedattn explain: window: right=4 looks ahead of the diagonal, which mask 'causal' forbids"),
-    ("bad-window-text", "argument --window: expected LEFT,RIGHT such as 128,0 or -1,-1, got '4'"),
+    ("bad-window-text", "argument --window: expected LEFT,RIGHT such as 128,0 or -1,-1 (-1 = unbounded), got '4'"),
     ("bad-thd-bias", "fusedattn explain: bias: a bias tensor is not defined for THD layouts"),
     ("bad-gqa", "fusedattn explain: heads: Hq=16 must be a multiple of Hkv=3"),
     ("bad-subcommand", "invalid choice: 'bench-everything'"),
@@ -210,6 +216,77 @@ def test_bad_flags_exit_2_with_the_message_on_stderr(runs, name, message):
     assert message in result.stderr
     assert "Traceback" not in result.stderr
     assert result.stdout == ""
+
+
+# --------------------------------------------------------------------------- first-hour spellings
+
+def test_explain_takes_short_dtype_names_and_a_window_written_with_a_space(runs):
+    assert ok(runs, "explain-aliases") == ok(runs, "explain-cpu")  # bf16 is the default's alias; -1,-1 the default
+    assert " dtype=float16 " in ok(runs, "explain-fp16")[0]
+    first = ok(runs, "explain-fp32")[0]
+    assert " dtype=float32 " in first and " mask=causal " in first
+
+
+def test_the_window_hint_is_a_spelling_that_parses(runs):
+    result = runs["bad-window-text"]
+    assert "such as 128,0 or -1,-1" in result.stderr
+    assert ok(runs, "explain-aliases")  # `--window -1,-1`, as the hint writes it, parses
+
+
+def test_an_unknown_explain_flag_shows_explains_usage_and_flags(runs):
+    result = runs["bad-explain-flag"]
+    assert result.returncode == 2 and result.stdout == "" and "Traceback" not in result.stderr
+    assert result.stderr.startswith("usage: fusedattn explain ")
+    assert "fusedattn explain: error: unrecognized arguments: --windw 4" in result.stderr
+    assert "--windw: did you mean --window?" in result.stderr
+    takes = next(line for line in result.stderr.splitlines() if line.startswith("fusedattn explain takes: "))
+    for flag in ("--layout", "--dtype", "--window", "--device", "--backend"):
+        assert flag in takes
+
+
+def test_a_bad_dtype_lists_the_names(runs):
+    result = runs["bad-dtype"]
+    assert result.returncode == 2
+    assert "argument --dtype: invalid choice: 'int8'" in result.stderr and "bfloat16" in result.stderr
+
+
+def test_info_into_a_reader_that_stops_early_ends_without_a_traceback():
+    # Unbuffered, so info writes line by line and meets the closed pipe (buffered, one final write could fit).
+    env = {**_env(), "PYTHONUNBUFFERED": "1"}
+    info = subprocess.Popen([sys.executable, "-m", "fusedattn", "info"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    reader = subprocess.run([sys.executable, "-c", "import sys; sys.stdin.readline()"], stdin=info.stdout,
+                            capture_output=True, timeout=TIMEOUT)
+    info.stdout.close()  # the reader's end is the only one left open: it has gone
+    err = info.communicate(timeout=TIMEOUT)[1].decode()
+    assert reader.returncode == 0
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+    assert info.returncode in (0, 1)
+
+
+def test_info_does_not_call_a_gpu_only_backend_available_without_a_gpu(runs):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    lines = ok(runs, "info")
+    start = lines.index("  small_seq: unavailable")
+    assert lines[start + 1].startswith("    - no CUDA device visible to torch")
+
+
+def test_info_says_a_backend_on_the_triton_interpreter_is_cpu_only(monkeypatch, capsys):
+    from fusedattn import cli
+    from fusedattn.backends.small_seq import ENV_ON_CPU
+
+    monkeypatch.setenv(ENV_ON_CPU, "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    backend = next(b for b in cli.BACKENDS if b.name == "small_seq")
+    status, reasons = cli._backend_status(backend, (False, "no CUDA device visible to torch"))
+    if backend.availability():
+        pytest.skip(f"small_seq unavailable here anyway: {backend.availability()}")
+    assert status == "available (Triton interpreter on the CPU only: no CUDA device visible to torch)"
+    assert reasons == []
+    status, reasons = cli._backend_status(backend, (True, ""))
+    assert status == "available"
 
 
 # --------------------------------------------------------------------------- console script, imports

@@ -66,11 +66,11 @@ def test_matches_sdpa_without_a_mask(dtype, shape_q, shape_k, dv, gqa, is_causal
     _close(*_both(q, k, v, is_causal=is_causal, enable_gqa=gqa), dtype)
 
 
-def _mask_shapes(b, h, l, s):
+def _mask_shapes(b, h, lq, s):
     """Every broadcast shape of a (B, H, L, S) mask, and (L, S)."""
     for keep in itertools.product((True, False), repeat=4):
-        yield tuple(n if k else 1 for n, k in zip((b, h, l, s), keep))
-    yield (l, s)
+        yield tuple(n if k else 1 for n, k in zip((b, h, lq, s), keep))
+    yield (lq, s)
 
 
 @pytest.mark.parametrize("kind", ["bool", "float"])

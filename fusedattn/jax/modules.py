@@ -12,20 +12,69 @@ Packed layouts are chosen internally: a fused QKV projection feeds attention as 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
 
+from fusedattn.arguments import host_slopes
+from fusedattn.backends import backend_names
+from fusedattn.config import Layout, Mask, SoftmaxType
 from fusedattn.jax.functional import attention
 
 __all__ = ["DotProductAttention", "MultiHeadAttention", "TransformerLayer"]
 
 
-def _check_positive(module: str, name: str, value) -> None:
+# Modules check their fields when constructed (in __post_init__, after Flax's own), so a
+# mistake is reported at the line that made the module and under the module's field name.
+
+def _check_positive(module: str, name: str, value, optional: bool = False) -> None:
+    if optional and value is None:
+        return
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{module}: {name}: expected an int >= 1, got {value!r}")
+        raise ValueError(f"{module}: {name}: expected an int >= 1{' (or None)' if optional else ''}, got {value!r}")
+
+
+def _check_probability(module: str, name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+        raise ValueError(f"{module}: {name}: expected a float in [0, 1), got {value!r}")
+
+
+def _check_choice(module: str, name: str, value, choices) -> None:
+    choices.parse(value, f"{module}: {name}")
+
+
+def _check_window(module: str, window) -> None:
+    if window is None:
+        return
+    pair = tuple(window) if isinstance(window, (tuple, list)) else window
+    if (not isinstance(pair, tuple) or len(pair) != 2
+            or not all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in pair)):
+        raise ValueError(f"{module}: window: expected (left, right), two integers >= -1 (-1 = unbounded), "
+                         f"got {window!r}")
+
+
+def _check_backend(module: str, backend) -> None:
+    if backend is not None and backend not in backend_names():
+        raise ValueError(f"{module}: backend: expected None or one of {', '.join(backend_names())}, got {backend!r}")
+
+
+def _check_attention_fields(module: str, *, mask, window, softmax_type, dropout_name: str, dropout_p,
+                            backend) -> None:
+    """The fields every module here hands to attention, checked under the module's own names."""
+    _check_choice(module, "mask", mask, Mask)
+    _check_window(module, window)
+    _check_choice(module, "softmax_type", softmax_type, SoftmaxType)
+    _check_probability(module, dropout_name, dropout_p)
+    _check_backend(module, backend)
+
+
+def _slopes(module: str, kwargs: dict) -> dict:
+    """Call keywords with list/tuple/NumPy alibi_slopes made a float32 JAX array."""
+    slopes = host_slopes(f"{module}: alibi_slopes", kwargs.get("alibi_slopes"))
+    return kwargs if slopes is None else {**kwargs, "alibi_slopes": jnp.asarray(slopes)}
 
 
 class DotProductAttention(nn.Module):
@@ -45,13 +94,31 @@ class DotProductAttention(nn.Module):
     backend: str | None = None
     shard_axes: Any = None  # {"batch": mesh axis, "heads": mesh axis}: see fusedattn.jax.attention
 
+    def __post_init__(self):
+        super().__post_init__()
+        name = type(self).__name__
+        _check_choice(name, "layout", self.layout, Layout)
+        _check_attention_fields(name, mask=self.mask, window=self.window, softmax_type=self.softmax_type,
+                                dropout_name="dropout_p", dropout_p=self.dropout_p, backend=self.backend)
+        if self.softmax_type == "learnable":
+            _check_positive(name, "num_heads (needed by softmax_type='learnable')", self.num_heads)
+        _check_positive(name, "num_heads", self.num_heads, optional=True)
+        if self.scale is not None and (isinstance(self.scale, bool) or not isinstance(self.scale, (int, float))
+                                       or not math.isfinite(self.scale) or self.scale <= 0):
+            raise ValueError(f"{name}: scale: expected a finite float > 0 (or None for 1/sqrt(D)), "
+                             f"got {self.scale!r}")
+
     @nn.compact
     def __call__(self, q, k=None, v=None, *, deterministic: bool = True, mask: str | None = None,
                  layout: str | None = None, **kwargs):
-        """mask and layout override the module's for this call; other keywords go to `attention`."""
+        """mask and layout override the module's for this call; other keywords go to `attention`.
+
+        alibi_slopes may be a JAX array, or a list, tuple or NumPy array (such as
+        `fusedattn.standard_alibi_slopes(Hq)`), made a float32 array.
+        """
+        kwargs = _slopes(type(self).__name__, kwargs)
         sink = None
         if self.softmax_type == "learnable":
-            _check_positive("DotProductAttention", "num_heads (needed by softmax_type='learnable')", self.num_heads)
             sink = self.param("sink", nn.initializers.zeros, (self.num_heads,), jnp.float32)
         dropout = 0.0 if deterministic else self.dropout_p
         rng = self.make_rng("dropout") if dropout > 0.0 else None
@@ -82,18 +149,26 @@ class MultiHeadAttention(nn.Module):
     backend: str | None = None
     shard_axes: Any = None
 
+    def __post_init__(self):
+        super().__post_init__()
+        name = type(self).__name__
+        _check_positive(name, "num_heads", self.num_heads)
+        _check_positive(name, "head_dim", self.head_dim)
+        _check_positive(name, "num_kv_heads", self.num_kv_heads, optional=True)
+        if self.num_kv_heads is not None and self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{name}: num_kv_heads: expected a divisor of num_heads={self.num_heads}, "
+                             f"got {self.num_kv_heads}")
+        _check_attention_fields(name, mask=self.mask, window=self.window, softmax_type=self.softmax_type,
+                                dropout_name="dropout_p", dropout_p=self.dropout_p, backend=self.backend)
+
     def _dense(self, features: int, name: str):
         return nn.Dense(features, use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype, name=name)
 
     @nn.compact
     def __call__(self, x, kv_input=None, *, deterministic: bool = True, **kwargs):
-        _check_positive("MultiHeadAttention", "num_heads", self.num_heads)
-        _check_positive("MultiHeadAttention", "head_dim", self.head_dim)
         heads, dim = self.num_heads, self.head_dim
         kv_heads = self.num_kv_heads or heads
-        if heads % kv_heads:
-            raise ValueError(f"MultiHeadAttention: num_kv_heads: expected a divisor of num_heads={heads}, "
-                             f"got {kv_heads}")
+        kwargs = _slopes(type(self).__name__, kwargs)
         batch, seqlen = x.shape[:2]
         core = DotProductAttention(mask=self.mask, window=self.window, softmax_type=self.softmax_type,
                                    num_heads=heads, dropout_p=self.dropout_p, backend=self.backend,
@@ -139,14 +214,36 @@ class TransformerLayer(nn.Module):
     backend: str | None = None
     shard_axes: Any = None
 
+    def __post_init__(self):
+        super().__post_init__()
+        name = type(self).__name__
+        _check_positive(name, "hidden_size", self.hidden_size)
+        _check_positive(name, "num_heads", self.num_heads)
+        _check_positive(name, "head_dim", self.head_dim, optional=True)
+        if self.head_dim is None and self.hidden_size % self.num_heads:
+            raise ValueError(f"{name}: hidden_size: expected a multiple of num_heads={self.num_heads} (head_dim is "
+                             f"hidden_size // num_heads), got {self.hidden_size}; change one, or pass head_dim")
+        _check_positive(name, "num_kv_heads", self.num_kv_heads, optional=True)
+        if self.num_kv_heads is not None and self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{name}: num_kv_heads: expected a divisor of num_heads={self.num_heads}, "
+                             f"got {self.num_kv_heads}")
+        _check_positive(name, "mlp_hidden_size", self.mlp_hidden_size, optional=True)
+        if self.layernorm not in ("pre", "post"):
+            raise ValueError(f"{name}: layernorm: expected 'pre' or 'post', got {self.layernorm!r}")
+        _check_attention_fields(name, mask=self.mask, window=self.window, softmax_type="vanilla",
+                                dropout_name="attention_dropout", dropout_p=self.attention_dropout,
+                                backend=self.backend)
+        _check_probability(name, "hidden_dropout", self.hidden_dropout)
+        if not callable(self.activation):
+            raise ValueError(f"{name}: activation: expected a callable such as nn.gelu, got {self.activation!r}")
+
     @nn.compact
     def __call__(self, x, *, deterministic: bool = True, **kwargs):
-        if self.layernorm not in ("pre", "post"):
-            raise ValueError(f"TransformerLayer: layernorm: expected 'pre' or 'post', got {self.layernorm!r}")
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"TransformerLayer: x: expected a last axis of hidden_size={self.hidden_size}, "
                              f"got shape {tuple(x.shape)}")
         head_dim = self.head_dim or self.hidden_size // self.num_heads
+        kwargs = _slopes(type(self).__name__, kwargs)
         attend = MultiHeadAttention(num_heads=self.num_heads, head_dim=head_dim, num_kv_heads=self.num_kv_heads,
                                     fused_qkv=self.fused_qkv, mask=self.mask, window=self.window,
                                     dropout_p=self.attention_dropout, dtype=self.dtype, backend=self.backend,

@@ -9,7 +9,7 @@ from typing import NamedTuple
 import torch
 
 from fusedattn import settings
-from fusedattn.arguments import ENV_THD_BUCKET, TensorMeta
+from fusedattn.arguments import ENV_THD_BUCKET, TensorMeta, host_slopes
 from fusedattn.config import AttentionConfig
 from fusedattn.frontend_common import (
     TENSOR_ARGUMENTS,
@@ -108,7 +108,8 @@ def attention(
             The diagonal is top-left for causal and padding_causal, bottom-right otherwise.
         bias: tensor broadcastable to (B|1, Hq|1, Sq, Skv), added after scaling
             (bias_type 'post_scale', the default) or before ('pre_scale'); has a gradient.
-        alibi_slopes: (Hq,) or (B, Hq) ALiBi slopes: adds -slope * |i - j| (diagonal-aligned).
+        alibi_slopes: (Hq,) or (B, Hq) ALiBi slopes: adds -slope * |i - j| (diagonal-aligned); a tensor, or a
+            list/tuple/NumPy array such as fusedattn.standard_alibi_slopes(Hq).
         softmax_type: 'vanilla', 'off_by_one' (an extra zero logit in the denominator) or
             'learnable' (per-head `sink` logits of shape (Hq,), with gradient).
         dropout_p: probability of dropping an attention weight. The mask comes from
@@ -143,6 +144,9 @@ def attention(
         >>> q = k = v = torch.randn(2, 128, 8, 64)
         >>> out = attention(q, k, v, mask="causal")
     """
+    if alibi_slopes is not None and not isinstance(alibi_slopes, torch.Tensor):
+        # a list such as fusedattn.standard_alibi_slopes(Hq), or a NumPy array
+        alibi_slopes = torch.as_tensor(host_slopes(f"{API}: alibi_slopes", alibi_slopes), device=q.device)
     if score_mod is not None and torch.compiler.is_compiling():
         return _score_mod_call_outside_graph(
             q, k, v, layout=layout, mask=mask, window=window, bias=bias, bias_type=bias_type,

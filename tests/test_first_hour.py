@@ -1,0 +1,240 @@
+"""Stumbles of a first hour with fusedattn, each pinned: ALiBi slopes from standard_alibi_slopes,
+and modules that check their arguments when made, under their own argument names.
+
+(The command-line stumbles are in test_cli.py.)"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import fusedattn
+from fusedattn.arguments import host_slopes
+
+H = 4
+STANDARD = fusedattn.standard_alibi_slopes(H)
+# Every form a user may hold slopes in, before any framework is involved.
+HOST_FORMS = {"list": STANDARD, "tuple": tuple(STANDARD), "numpy": np.array(STANDARD),
+              "numpy64": np.array(STANDARD, dtype=np.float64)}
+# The functional entry points turn host slopes into arrays in fusedattn/torch/functional.py and
+# fusedattn/jax/functional.py, and score_mods.alibi in fusedattn/score_mods/builtins.py; until
+# those land these cases are expected to fail (drop the marks then).
+NEEDS_FRONTEND = pytest.mark.xfail(reason="host slopes not yet converted by the functional frontends",
+                                   raises=ValueError, strict=False)
+NEEDS_SCORE_MODS = pytest.mark.xfail(reason="score_mods.alibi does not yet take host slopes",
+                                     raises=ValueError, strict=False)
+
+
+# --------------------------------------------------------------------------- ALiBi slopes
+
+def test_standard_slopes_are_a_plain_list_of_floats():
+    assert isinstance(STANDARD, list) and all(isinstance(s, float) for s in STANDARD)
+    assert STANDARD == [2.0 ** -2, 2.0 ** -4, 2.0 ** -6, 2.0 ** -8]
+
+
+@pytest.mark.parametrize("form", HOST_FORMS)
+def test_host_slopes_become_float32_arrays(form):
+    values = host_slopes("alibi_slopes", HOST_FORMS[form])
+    assert values.dtype == np.float32 and values.shape == (H,)
+    np.testing.assert_array_equal(values, np.float32(STANDARD))
+
+
+def test_host_slopes_leave_tensors_and_none_to_the_frontend():
+    assert host_slopes("alibi_slopes", None) is None
+    torch = pytest.importorskip("torch")
+    assert host_slopes("alibi_slopes", torch.tensor(STANDARD)) is None
+
+
+@pytest.mark.parametrize("value, match", [
+    ([], r"expected \(Hq,\) or \(B, Hq\) real numbers, got shape \(0,\)"),
+    ([[[0.5]]], r"got shape \(1, 1, 1\)"),
+    (["a", "b"], "expected \\(Hq,\\) or \\(B, Hq\\) real numbers, got \\['a', 'b'\\]"),
+    ([[0.5, 0.25], [0.5]], "real numbers"),
+    ([0.5, float("nan")], "expected finite slopes"),
+])
+def test_bad_host_slopes_name_the_argument(value, match):
+    with pytest.raises(ValueError, match=f"^DotProductAttention: alibi_slopes: .*{match}"):
+        host_slopes("DotProductAttention: alibi_slopes", value)
+
+
+def _torch_qkv():
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    return torch, torch.randn(2, 8, H, 16)
+
+
+def _torch_expected(torch, q):
+    return fusedattn.torch.attention(q, q, q, alibi_slopes=torch.tensor(STANDARD))
+
+
+@pytest.mark.parametrize("form", HOST_FORMS)
+def test_torch_module_takes_standard_slopes(form):
+    torch, q = _torch_qkv()
+    import fusedattn.torch as ft
+
+    out = ft.DotProductAttention()(q, q, q, alibi_slopes=HOST_FORMS[form])
+    torch.testing.assert_close(out, _torch_expected(torch, q))
+
+
+@NEEDS_FRONTEND
+@pytest.mark.parametrize("form", HOST_FORMS)
+def test_torch_attention_takes_standard_slopes(form):
+    torch, q = _torch_qkv()
+    torch.testing.assert_close(fusedattn.torch.attention(q, q, q, alibi_slopes=HOST_FORMS[form]),
+                               _torch_expected(torch, q))
+
+
+@NEEDS_SCORE_MODS
+def test_torch_score_mod_alibi_takes_standard_slopes():
+    torch, q = _torch_qkv()
+    from fusedattn import score_mods
+
+    out = fusedattn.torch.attention(q, q, q, score_mod=score_mods.alibi(STANDARD))
+    expected = fusedattn.torch.attention(q, q, q, score_mod=score_mods.alibi(torch.tensor(STANDARD)))
+    torch.testing.assert_close(out, expected)
+
+
+def _jax_qkv():
+    jax = pytest.importorskip("jax")
+    return jax, jax.random.normal(jax.random.key(0), (2, 8, H, 16))
+
+
+def _jax_expected(q):
+    import jax.numpy as jnp
+
+    return fusedattn.jax.attention(q, q, q, alibi_slopes=jnp.asarray(STANDARD, jnp.float32))
+
+
+@pytest.mark.parametrize("form", HOST_FORMS)
+def test_flax_module_takes_standard_slopes(form):
+    pytest.importorskip("flax")
+    jax, q = _jax_qkv()
+    import fusedattn.jax as fj
+
+    module = fj.DotProductAttention()
+    params = module.init(jax.random.key(1), q, q, q, alibi_slopes=HOST_FORMS[form])
+    out = module.apply(params, q, q, q, alibi_slopes=HOST_FORMS[form])
+    np.testing.assert_allclose(np.asarray(out), np.asarray(_jax_expected(q)), rtol=1e-6, atol=1e-6)
+
+
+@NEEDS_FRONTEND
+@pytest.mark.parametrize("form", ["list", "tuple"])
+def test_jax_attention_takes_standard_slopes(form):
+    jax, q = _jax_qkv()
+    out = fusedattn.jax.attention(q, q, q, alibi_slopes=HOST_FORMS[form])
+    np.testing.assert_allclose(np.asarray(out), np.asarray(_jax_expected(q)), rtol=1e-6, atol=1e-6)
+
+
+@NEEDS_SCORE_MODS
+def test_jax_score_mod_alibi_takes_standard_slopes():
+    jax, q = _jax_qkv()
+    import jax.numpy as jnp
+
+    from fusedattn import score_mods
+
+    out = fusedattn.jax.attention(q, q, q, score_mod=score_mods.alibi(STANDARD))
+    expected = fusedattn.jax.attention(q, q, q, score_mod=score_mods.alibi(jnp.asarray(STANDARD)))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(expected), rtol=1e-6, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- torch.nn module arguments
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"num_heads": 0}, "num_heads: expected an int >= 1 (or None), got 0"),
+    ({"num_heads": -2}, "num_heads: expected an int >= 1 (or None), got -2"),
+    ({"num_heads": 4.0}, "num_heads: expected an int >= 1 (or None), got 4.0"),
+    ({"softmax_type": "learnable"}, "num_heads: expected an int >= 1 for softmax_type='learnable'"),
+    ({"dropout_p": 1.0}, "dropout_p: expected a float in [0, 1), got 1.0"),
+    ({"dropout_p": -0.1}, "dropout_p: expected a float in [0, 1), got -0.1"),
+    ({"dropout_p": True}, "dropout_p: expected a float in [0, 1), got True"),
+    ({"mask": "casual"}, "mask: expected one of 'none', 'causal'"),
+    ({"layout": "bhsd3"}, "layout: expected one of 'bshd'"),
+    ({"softmax_type": "sparse"}, "softmax_type: expected one of 'vanilla'"),
+    ({"window": (128,)}, "window: expected (left, right), two integers >= -1"),
+    ({"window": (-2, 0)}, "window: expected (left, right), two integers >= -1"),
+    ({"scale": 0.0}, "scale: expected a finite float > 0"),
+    ({"backend": "flash"}, "backend: expected None or one of small_seq, cudnn, triton, reference, got 'flash'"),
+])
+def test_torch_module_refuses_bad_arguments_when_made(kwargs, match):
+    pytest.importorskip("torch")
+    import fusedattn.torch as ft
+
+    with pytest.raises(ValueError) as error:
+        ft.DotProductAttention(**kwargs)
+    assert str(error.value).startswith("DotProductAttention: ")
+    assert match in str(error.value)
+
+
+def test_torch_module_keeps_good_arguments():
+    pytest.importorskip("torch")
+    import fusedattn.torch as ft
+
+    module = ft.DotProductAttention(8, mask="causal", window=[64, 0], softmax_type="learnable", dropout_p=0.1)
+    assert (module.mask, module.window, module.dropout_p) == ("causal", (64, 0), 0.1)
+    assert module.sink.shape == (8,)
+
+
+# --------------------------------------------------------------------------- Flax module arguments
+
+def _flax():
+    pytest.importorskip("jax")
+    pytest.importorskip("flax")
+    import fusedattn.jax as fj
+
+    return fj
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda fj: fj.TransformerLayer(hidden_size=100, num_heads=16),
+     "TransformerLayer: hidden_size: expected a multiple of num_heads=16 (head_dim is hidden_size // num_heads), "
+     "got 100; change one, or pass head_dim"),
+    (lambda fj: fj.TransformerLayer(hidden_size=0, num_heads=4), "TransformerLayer: hidden_size: expected an int >= 1"),
+    (lambda fj: fj.TransformerLayer(hidden_size=64, num_heads=-4), "TransformerLayer: num_heads: expected an int >= 1"),
+    (lambda fj: fj.TransformerLayer(hidden_size=64, num_heads=4, head_dim=0),
+     "TransformerLayer: head_dim: expected an int >= 1 (or None), got 0"),
+    (lambda fj: fj.TransformerLayer(hidden_size=64, num_heads=4, num_kv_heads=3),
+     "TransformerLayer: num_kv_heads: expected a divisor of num_heads=4, got 3"),
+    (lambda fj: fj.TransformerLayer(hidden_size=64, num_heads=4, mlp_hidden_size=0),
+     "TransformerLayer: mlp_hidden_size: expected an int >= 1"),
+    (lambda fj: fj.TransformerLayer(hidden_size=64, num_heads=4, attention_dropout=1.0),
+     "TransformerLayer: attention_dropout: expected a float in [0, 1), got 1.0"),
+    (lambda fj: fj.TransformerLayer(hidden_size=64, num_heads=4, hidden_dropout=-0.5),
+     "TransformerLayer: hidden_dropout: expected a float in [0, 1), got -0.5"),
+    (lambda fj: fj.TransformerLayer(hidden_size=64, num_heads=4, mask="casual"),
+     "TransformerLayer: mask: expected one of 'none', 'causal'"),
+    (lambda fj: fj.TransformerLayer(hidden_size=64, num_heads=4, window=(4, 4, 4)),
+     "TransformerLayer: window: expected (left, right)"),
+    (lambda fj: fj.TransformerLayer(hidden_size=64, num_heads=4, backend="flash"),
+     "TransformerLayer: backend: expected None or one of"),
+    (lambda fj: fj.MultiHeadAttention(num_heads=4, head_dim=0), "MultiHeadAttention: head_dim: expected an int >= 1"),
+    (lambda fj: fj.MultiHeadAttention(num_heads=4, head_dim=8, num_kv_heads=0),
+     "MultiHeadAttention: num_kv_heads: expected an int >= 1 (or None), got 0"),
+    (lambda fj: fj.MultiHeadAttention(num_heads=4, head_dim=8, dropout_p=2),
+     "MultiHeadAttention: dropout_p: expected a float in [0, 1), got 2"),
+    (lambda fj: fj.MultiHeadAttention(num_heads=4, head_dim=8, softmax_type="sparse"),
+     "MultiHeadAttention: softmax_type: expected one of 'vanilla'"),
+    (lambda fj: fj.DotProductAttention(num_heads=0), "DotProductAttention: num_heads: expected an int >= 1"),
+    (lambda fj: fj.DotProductAttention(layout="bhsd3"), "DotProductAttention: layout: expected one of 'bshd'"),
+    (lambda fj: fj.DotProductAttention(dropout_p=1.5), "DotProductAttention: dropout_p: expected a float in [0, 1)"),
+    (lambda fj: fj.DotProductAttention(scale=-1.0), "DotProductAttention: scale: expected a finite float > 0"),
+])
+def test_flax_modules_refuse_bad_arguments_when_made(make, message):
+    fj = _flax()
+    with pytest.raises(ValueError) as error:
+        make(fj)
+    assert message in str(error.value)
+
+
+def test_flax_modules_still_init_apply_and_clone():
+    fj = _flax()
+    import jax
+
+    layer = fj.TransformerLayer(hidden_size=32, num_heads=4, num_kv_heads=2, attention_dropout=0.1)
+    x = jax.random.normal(jax.random.key(0), (2, 6, 32))
+    params = layer.init(jax.random.key(1), x)
+    assert layer.apply(params, x).shape == (2, 6, 32)
+    assert layer.clone(num_heads=8).num_heads == 8
+    with pytest.raises(ValueError, match="TransformerLayer: num_kv_heads: expected a divisor of num_heads=2"):
+        layer.clone(num_heads=2, num_kv_heads=4)
+    explicit = fj.TransformerLayer(hidden_size=100, num_heads=16, head_dim=8)  # head_dim given: no divisibility
+    assert explicit.init(jax.random.key(2), jax.random.normal(jax.random.key(3), (1, 4, 100)))
