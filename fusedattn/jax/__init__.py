@@ -1,10 +1,11 @@
 """JAX frontend: `attention(...)`, differentiable with jax.grad, usable under jit and vmap."""
 
 from fusedattn.frontend_common import AttentionResult
+from fusedattn.jax.dropin import dot_product_attention
 from fusedattn.jax.functional import attention, small_seq_attention
 
-__all__ = ["attention", "small_seq_attention", "AttentionResult", "DotProductAttention", "MultiHeadAttention",
-           "TransformerLayer"]
+__all__ = ["attention", "small_seq_attention", "dot_product_attention", "AttentionResult", "DotProductAttention",
+           "MultiHeadAttention", "TransformerLayer"]
 
 _MODULES = ("DotProductAttention", "MultiHeadAttention", "TransformerLayer")
 

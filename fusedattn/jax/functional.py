@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
-from fusedattn.arguments import TensorMeta
+from fusedattn.arguments import TensorMeta, host_slopes
 from fusedattn.backends import get_backend
 from fusedattn.backends.base import ARRAY_NAMES, DIFFERENTIABLE, AttentionInputs, AttentionOutputs
 from fusedattn.frontend_common import (
@@ -41,10 +41,36 @@ def _is_concrete(x) -> bool:
 def _meta(x, name: str) -> TensorMeta | None:
     if x is None:
         return None
+    if _is_torch(x):  # named, never printed: a tensor's repr is its whole contents
+        raise ValueError(f"{API}: {name}: expected a JAX array, got {_type_name(x)}; convert it once with "
+                         "jax.dlpack.from_dlpack(tensor) or jnp.asarray(tensor.numpy()), or call "
+                         "fusedattn.torch.attention")
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise ValueError(f"{API}: {name}: expected a JAX array, got {type(x).__name__}")
     x = x if isinstance(x, jax.Array) else jnp.asarray(x)
     return TensorMeta(tuple(x.shape), OPS.dtype_name(x), OPS.device_label(x), OPS.device_kind(x))
+
+
+def _is_torch(x) -> bool:
+    return type(x).__module__.split(".")[0] == "torch"
+
+
+def _type_name(x) -> str:
+    """The type as users spell it: torch.Tensor, jax.Array, numpy.ndarray, int."""
+    kind = type(x)
+    if _is_torch(x) and kind.__name__ == "Tensor":
+        return "torch.Tensor"
+    if isinstance(x, jax.Array):
+        return "jax.Array"
+    module = kind.__module__.split(".")[0]
+    return kind.__qualname__ if module == "builtins" else f"{module}.{kind.__qualname__}"
+
+
+def _describe_value(x) -> str:
+    """A short description of an argument (type, shape, dtype), never its contents."""
+    if _is_torch(x) or not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        return _type_name(x)
+    return f"{_type_name(x)} of shape {tuple(x.shape)}, dtype {x.dtype}"
 
 
 def _inputs(arrays, score_mod) -> AttentionInputs:
@@ -109,7 +135,13 @@ _attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
 def _dropout_state(rng, seed, offset):
     """(seed, offset) uint32 scalars from a PRNG key, or from the given integers."""
     if rng is not None:
-        bits = jax.random.bits(rng, (2,), jnp.uint32)
+        expected = "a jax.random key (jax.random.key(...), or a legacy jax.random.PRNGKey)"
+        if _is_torch(rng) or not hasattr(rng, "dtype"):
+            raise ValueError(f"{API}: dropout_rng: expected {expected}, got {_describe_value(rng)}")
+        try:
+            bits = jax.random.bits(rng, (2,), jnp.uint32)
+        except (TypeError, ValueError):  # JAX's message prints the key data and its implementation
+            raise ValueError(f"{API}: dropout_rng: expected {expected}, got {_describe_value(rng)}") from None
         return bits[0], bits[1]
     if seed is None:
         raise ValueError(f"{API}: dropout_rng: expected a PRNG key (or dropout_seed) when dropout_p > 0, got None")
@@ -185,6 +217,9 @@ def attention(
         >>> out = attention(q, k, v, mask="causal")
         >>> grads = jax.grad(lambda q: attention(q, k, v).sum())(q)
     """
+    slopes = host_slopes(f"{API}: alibi_slopes", alibi_slopes)
+    if slopes is not None:  # a list such as fusedattn.standard_alibi_slopes(Hq), or a NumPy array
+        alibi_slopes = jnp.asarray(slopes)
     mod = as_score_mod(API, score_mod, score_mod_bprop, score_mod_tensors, score_mod_bprop_tensors)
     q, k, v = check_shard_axes(API, layout, q, k, v)
     segments_violated = None

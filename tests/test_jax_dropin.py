@@ -1,0 +1,284 @@
+"""fusedattn.jax.dot_product_attention against jax.nn.dot_product_attention(implementation="xla").
+
+Same inputs, same arguments: float32 forward (tight), bfloat16 forward (error against a float32
+jax.nn run within a small multiple of jax.nn's own bfloat16 error), gradients of query, key,
+value and bias under jax.jit; jax.nn's input errors are ours too. Also the JAX frontend's errors
+for torch tensors and bad dropout keys (named, never printed).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+
+import fusedattn.jax as fj  # noqa: E402
+from fusedattn.jax import dropin  # noqa: E402
+
+B, N, H = 2, 4, 8
+
+
+def _lengths(*values):
+    return jnp.array(values, jnp.int32)
+
+
+def _mask(shape, seed=7, p=0.6):
+    m = np.array(jax.random.bernoulli(jax.random.key(seed), p, shape))
+    m[..., 0, :] = False  # one fully masked row (where the shape has rows)
+    return jnp.asarray(m)
+
+
+def _bias(shape, seed=8):
+    return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+
+
+# (id, T, S, K, keywords); bias/mask are shapes filled in by _case (keyword "bias"/"mask").
+CASES = [
+    ("plain-T<S", 3, 5, N, {}),
+    ("plain-T>S-scale", 6, 4, N, {"scale": 0.3}),
+    ("gqa", 4, 5, 2, {}),
+    ("mqa-causal-T<S", 3, 6, 1, {"is_causal": True}),
+    ("causal-T>S", 6, 4, 2, {"is_causal": True}),
+    ("bias-BNTS", 3, 5, 2, {"bias": (B, N, 3, 5)}),
+    ("bias-1NTS", 3, 5, N, {"bias": (1, N, 3, 5)}),
+    ("bias-TS", 4, 5, 2, {"bias": (4, 5)}),
+    ("bias-11T1", 4, 5, N, {"bias": (1, 1, 4, 1)}),
+    ("mask-B1TS", 3, 5, N, {"mask": (B, 1, 3, 5)}),
+    ("mask-1NTS-gqa", 5, 3, 2, {"mask": (1, N, 5, 3)}),
+    ("mask-11T1", 4, 5, N, {"mask": (1, 1, 4, 1)}),
+    ("mask-bias-causal", 5, 4, 2, {"mask": (B, 1, 5, 4), "bias": (1, N, 5, 4), "is_causal": True}),
+    ("kv-lengths-zero", 3, 5, N, {"key_value_seq_lengths": (0, 3)}),
+    ("lengths-causal", 4, 6, N, {"query_seq_lengths": (3, 0), "key_value_seq_lengths": (2, 6), "is_causal": True}),
+    ("lengths-window", 5, 4, N, {"query_seq_lengths": (4, 2), "key_value_seq_lengths": (3, 4),
+                                 "local_window_size": (1, 2)}),
+    ("lengths-mask", 4, 4, N, {"key_value_seq_lengths": (1, 4), "mask": (B, N, 4, 4)}),
+    ("window-int-T<S", 3, 6, N, {"local_window_size": 1}),
+    ("window-int-T>S", 7, 4, 2, {"local_window_size": 1}),
+    ("window-left-T>S", 6, 4, N, {"local_window_size": (2, 0)}),
+    ("window-causal", 5, 5, N, {"local_window_size": (1, 3), "is_causal": True}),
+    ("window-negative", 4, 6, N, {"local_window_size": (-1, 3)}),
+    ("window-bias", 4, 5, N, {"local_window_size": (2, 1), "bias": (B, N, 4, 5)}),
+]
+
+
+def _case(t, s, k, options, dtype=jnp.float32, three_d=False):
+    keys = jax.random.split(jax.random.key(t * 100 + s * 10 + k), 3)
+    batch = () if three_d else (B,)
+    q = jax.random.normal(keys[0], (*batch, t, N, H), jnp.float32).astype(dtype)
+    kk = jax.random.normal(keys[1], (*batch, s, k, H), jnp.float32).astype(dtype)
+    v = jax.random.normal(keys[2], (*batch, s, k, H), jnp.float32).astype(dtype)
+    kwargs = dict(options)
+    for name in ("query_seq_lengths", "key_value_seq_lengths"):
+        if name in kwargs:
+            kwargs[name] = _lengths(*kwargs[name])
+    if "mask" in kwargs:
+        kwargs["mask"] = _mask(kwargs["mask"])
+    if "bias" in kwargs:
+        kwargs["bias"] = _bias(kwargs["bias"]).astype(dtype)
+    return q, kk, v, kwargs
+
+
+def _both(q, k, v, kwargs):
+    ours = fj.dot_product_attention(q, k, v, **kwargs)
+    theirs = jax.nn.dot_product_attention(q, k, v, implementation="xla", **kwargs)
+    return ours, theirs
+
+
+def _jax_nn(*args, **kwargs):
+    return jax.nn.dot_product_attention(*args, implementation="xla", **kwargs)
+
+
+GRAD_CASES = {"gqa", "causal-T>S", "bias-1NTS", "bias-11T1", "mask-bias-causal", "lengths-causal", "lengths-window",
+              "window-int-T>S", "window-negative", "window-bias"}
+
+
+@pytest.mark.parametrize("t, s, k, options", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_float32_forward_and_gradients(request, t, s, k, options):
+    q, kk, v, kwargs = _case(t, s, k, options)
+    # Under jit, arguments closed over (concrete): eager JAX compiles every op on CPU.
+    ours, theirs = jax.jit(lambda *a: (fj.dot_product_attention(*a, **kwargs), _jax_nn(*a, **kwargs)))(q, kk, v)
+    assert ours.shape == theirs.shape and ours.dtype == theirs.dtype
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+    if request.node.callspec.id not in GRAD_CASES:
+        return
+
+    bias = kwargs.pop("bias", None)
+    cotangent = jax.random.normal(jax.random.key(3), q.shape, jnp.float32)
+    argnums = (0, 1, 2, 3) if bias is not None else (0, 1, 2)
+
+    def grads(fn, *args):
+        def loss(q, k, v, bias):
+            out = fn(q, k, v, bias, **kwargs) if bias is not None else fn(q, k, v, **kwargs)
+            return jnp.sum(out * cotangent)
+        return jax.grad(loss, argnums=argnums)(*args)
+
+    # One compiled program for both: JAX compiles slowly on CPU.
+    ours, theirs = jax.jit(lambda *a: (grads(fj.dot_product_attention, *a), grads(_jax_nn, *a)))(q, kk, v, bias)
+    for name, a, b in zip("q k v bias".split(), ours, theirs):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=f"gradient of {name}")
+
+
+BF16_CASES = [c for c in CASES if c[0] in ("gqa", "mask-bias-causal", "lengths-causal", "window-bias")]
+
+
+@pytest.mark.parametrize("t, s, k, options", [c[1:] for c in BF16_CASES], ids=[c[0] for c in BF16_CASES])
+def test_bfloat16_forward(t, s, k, options):
+    q, kk, v, kwargs = _case(t, s, k, options, dtype=jnp.bfloat16)
+    ours, theirs = _both(q, kk, v, kwargs)
+    assert ours.dtype == theirs.dtype == jnp.bfloat16
+    up = {n: x.astype(jnp.float32) if n == "bias" else x for n, x in kwargs.items()}
+    truth = jax.nn.dot_product_attention(*(x.astype(jnp.float32) for x in (q, kk, v)), implementation="xla", **up)
+    ours_err = float(jnp.max(jnp.abs(ours.astype(jnp.float32) - truth)))
+    theirs_err = float(jnp.max(jnp.abs(theirs.astype(jnp.float32) - truth)))
+    assert ours_err <= 2 * theirs_err + 1e-2, (ours_err, theirs_err)
+
+
+def test_three_d_form_under_jit():
+    q, k, v, kwargs = _case(5, 4, 2, {"is_causal": True, "local_window_size": 2}, three_d=True)
+    kwargs["bias"] = _bias((N, 5, 4))
+    ours = jax.jit(lambda *a: fj.dot_product_attention(*a, **kwargs))(q, k, v)
+    theirs = jax.nn.dot_product_attention(q, k, v, implementation="xla", **kwargs)
+    assert ours.shape == q.shape
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_traced_lengths_and_mask_under_jit():
+    q, k, v, kwargs = _case(4, 6, 2, {"key_value_seq_lengths": (0, 5), "query_seq_lengths": (4, 3),
+                                      "mask": (B, 1, 4, 6), "local_window_size": (1, 1)})
+    ours = jax.jit(lambda q, k, v, kv, ql, m: fj.dot_product_attention(
+        q, k, v, mask=m, key_value_seq_lengths=kv, query_seq_lengths=ql, local_window_size=(1, 1)))(
+        q, k, v, kwargs["key_value_seq_lengths"], kwargs["query_seq_lengths"], kwargs["mask"])
+    theirs = jax.nn.dot_product_attention(q, k, v, implementation="xla", **kwargs)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_fully_masked_rows_give_the_mean_of_value_as_jax_nn():
+    q, k, v, kwargs = _case(3, 5, N, {"mask": (B, 1, 3, 5)})
+    ours, theirs = _both(q, k, v, kwargs)
+    np.testing.assert_allclose(ours[:, 0], jnp.broadcast_to(v.mean(axis=1), ours[:, 0].shape), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def _spy(monkeypatch):
+    seen = {}
+    original = dropin.attention
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(dropin, "attention", spy)
+    return seen
+
+
+@pytest.mark.parametrize("t, s, options, mask, window, has_bias", [
+    (4, 6, {"is_causal": True}, "causal", None, False),
+    (6, 4, {"is_causal": True, "local_window_size": (2, 5)}, "causal", (2, 0), False),
+    (6, 4, {"local_window_size": (2, 0)}, "causal", (2, 0), False),
+    (3, 6, {"local_window_size": (1, 4)}, "none", (4, 1), False),  # bottom-right: shifted by S - T = 3
+    (4, 4, {"key_value_seq_lengths": (1, 4), "is_causal": True}, "padding_causal", None, False),
+    (4, 4, {"key_value_seq_lengths": (1, 4), "local_window_size": 1}, "padding", None, True),
+    (6, 4, {"local_window_size": 1}, "none", None, True),  # bottom-right would need left = -1
+], ids=["causal", "causal-window", "right0-is-causal", "window-bottom-right", "padding-causal",
+        "padding-window-as-bias", "window-as-bias"])
+def test_translation_uses_native_masks(monkeypatch, ran, t, s, options, mask, window, has_bias):
+    seen = _spy(monkeypatch)
+    q, k, v, kwargs = _case(t, s, N, options)
+    ours, theirs = _both(q, k, v, kwargs)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+    assert (seen["mask"], seen["window"], seen["bias"] is not None) == (mask, window, has_bias)
+    assert {name for name, _, _ in ran} == {"reference"}
+
+
+def test_implementation(monkeypatch):
+    seen = _spy(monkeypatch)
+    q, k, v, _ = _case(3, 3, N, {})
+    fj.dot_product_attention(q, k, v, implementation="xla")
+    assert seen["backend"] == "reference"
+    fj.dot_product_attention(q, k, v)
+    assert seen["backend"] is None
+    with pytest.raises(ValueError, match="cudnn"):  # forced, and no GPU here: its reasons raise
+        fj.dot_product_attention(q, k, v, implementation="cudnn")
+    assert seen["backend"] == "cudnn"
+    with pytest.raises(ValueError, match="implementation: expected None, 'xla' or 'cudnn', got 'flash'"):
+        fj.dot_product_attention(q, k, v, implementation="flash")
+    with pytest.raises(ValueError):
+        jax.nn.dot_product_attention(q, k, v, implementation="flash")
+
+
+def _bad_inputs():
+    x = jnp.zeros((B, 4, N, H))
+    kv3 = jnp.zeros((B, 4, 3, H))
+    return {
+        "heads-not-multiple": ((x, kv3, kv3), {}),
+        "query-rank-5": ((x[None], x, x), {}),
+        "key-rank-5": ((x, x[None], x[None]), {}),
+        "value-shape": ((x, x, x[:, :3]), {}),
+        "value-dtype": ((x, x, x.astype(jnp.bfloat16)), {}),
+        "head-dim": ((x[..., :4], x, x), {}),
+        "batch": ((x[:1], x, x), {}),
+        "mask-dtype": ((x, x, x), {"mask": jnp.ones((4, 4), jnp.float32)}),
+        "mask-rank-5": ((x, x, x), {"mask": jnp.ones((1, 1, 1, 4, 4), bool)}),
+        "bias-rank-5": ((x, x, x), {"bias": jnp.ones((1, 1, 1, 4, 4))}),
+        "lengths-dtype": ((x, x, x), {"key_value_seq_lengths": jnp.array([1.0, 2.0])}),
+        "lengths-shape": ((x, x, x), {"query_seq_lengths": jnp.array([1, 2, 3], jnp.int32)}),
+    }
+
+
+@pytest.mark.parametrize("name", list(_bad_inputs()))
+def test_errors_as_jax_nn(name):
+    args, kwargs = _bad_inputs()[name]
+    with pytest.raises(ValueError):
+        jax.nn.dot_product_attention(*args, implementation="xla", **kwargs)
+    with pytest.raises(ValueError, match="fusedattn.jax.dot_product_attention: "):
+        fj.dot_product_attention(*args, **kwargs)
+
+
+def test_bias_heads_neither_one_nor_n():
+    x = jnp.zeros((B, 4, N, H))
+    with pytest.raises(ValueError, match=r"bias: expected a shape broadcastable to \(B, N, T, S\)"):
+        fj.dot_product_attention(x, x, x, bias=jnp.zeros((1, 3, 4, 4)))
+
+
+def test_torch_tensors_are_named_not_printed():
+    torch = pytest.importorskip("torch")
+    x = jnp.zeros((1, 4, 2, 8))
+    t = torch.ones(1, 4, 2, 8)
+    with pytest.raises(ValueError) as info:
+        fj.attention(t, x, x)
+    assert str(info.value).startswith("fusedattn.jax.attention: q: expected a JAX array, got torch.Tensor")
+    assert "tensor(" not in str(info.value) and "1., 1." not in str(info.value)
+    with pytest.raises(ValueError, match="fusedattn.jax.attention: v: expected a JAX array, got torch.Tensor"):
+        fj.attention(x, x, t)
+    with pytest.raises(ValueError, match="fusedattn.jax.dot_product_attention: key: expected a JAX array, "
+                                         "got torch.Tensor"):
+        fj.dot_product_attention(x, t, x)
+
+
+@pytest.mark.parametrize("rng, got", [
+    (123, "got int"),
+    ("key", "got str"),
+    (np.ones((2,), np.float32), "got numpy.ndarray of shape (2,), dtype float32"),
+    (jnp.ones((3, 4)), "got jax.Array of shape (3, 4), dtype float32"),
+    (jax.random.split(jax.random.key(0), 3), "got jax.Array of shape (3,), dtype key<fry>"),
+    ("torch", "got torch.Tensor"),
+], ids=["int", "str", "numpy-float", "float-array", "batched-keys", "torch"])
+def test_bad_dropout_rng_is_named_not_printed(rng, got):
+    if isinstance(rng, str) and rng == "torch":
+        rng = pytest.importorskip("torch").ones(2)
+    x = jnp.zeros((1, 4, 2, 8))
+    with pytest.raises(ValueError) as info:
+        fj.attention(x, x, x, dropout_p=0.1, dropout_rng=rng)
+    message = str(info.value)
+    assert message.startswith("fusedattn.jax.attention: dropout_rng: expected a jax.random key "
+                              "(jax.random.key(...), or a legacy jax.random.PRNGKey), ")
+    assert message.endswith(got), message
+    assert len(message) < 200
+
+
+def test_good_dropout_rngs_still_run():
+    x = jnp.ones((1, 4, 2, 8))
+    for rng in (jax.random.key(1), jax.random.PRNGKey(1)):
+        assert fj.attention(x, x, x, dropout_p=0.1, dropout_rng=rng).shape == x.shape
