@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib
+import importlib.util
 import os
 import platform
 import sys
@@ -113,7 +114,7 @@ def cmd_info(_args) -> int:
     return 0
 
 
-NATIVE_KINDS = ("core", "torch")  # the launch core, and the torch operator over it
+NATIVE_KINDS = ("core", "torch", "jax")  # the launch core, the torch operator over it, the XLA FFI handler
 
 
 def _native_status(kind: str) -> str:
@@ -138,7 +139,8 @@ def _kinds(text: str) -> list[str]:
 def cmd_build(args) -> int:
     from fusedattn.backends.cudnn.native import build
 
-    for kind in args.kinds:
+    kinds = args.kinds or [k for k in NATIVE_KINDS if k == "core" or importlib.util.find_spec(k) is not None]
+    for kind in kinds:
         try:
             target = build.built_path(kind)
             if target.exists() and not args.force:
@@ -250,8 +252,8 @@ def _parser() -> argparse.ArgumentParser:
     info.set_defaults(run=cmd_info, subparser=info)
     nb = sub.add_parser("build", help="compile the native cuDNN launch libraries now (cached per machine and version)")
     nb.set_defaults(run=cmd_build, subparser=nb)
-    nb.add_argument("--kinds", type=_kinds, default=list(NATIVE_KINDS),
-                    help=f"comma-separated: {','.join(NATIVE_KINDS)} (default both)")
+    nb.add_argument("--kinds", type=_kinds, default=None,
+                    help=f"comma-separated: {','.join(NATIVE_KINDS)} (default: those whose framework is installed)")
     nb.add_argument("--force", action="store_true", help="rebuild even when a cached build exists")
     ex = sub.add_parser("explain", help="which backend a call would use, and every other backend's reasons")
     ex.set_defaults(run=cmd_explain, subparser=ex)

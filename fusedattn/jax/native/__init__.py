@@ -14,13 +14,10 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
-import shutil
-import subprocess
-import sys
-import tempfile
 import threading
 from pathlib import Path
 
+from fusedattn.backends.cudnn.native import build
 from fusedattn.cache import LRUCache, register
 
 __all__ = ["TARGET", "WORKSPACE", "enabled", "unavailable", "plan_id"]
@@ -28,10 +25,8 @@ __all__ = ["TARGET", "WORKSPACE", "enabled", "unavailable", "plan_id"]
 TARGET = "fusedattn_cudnn_execute"
 ENV_SWITCH = "FUSEDATTN_JAX_NATIVE"
 ENV_LIBRARY = "FUSEDATTN_NATIVE_LIB"
-ENV_CACHE = "FUSEDATTN_CACHE_DIR"
-SOURCE = Path(__file__).with_name("cudnn_call.cc")
+ENV_CACHE = build.ENV_CACHE
 UNBOUND, WORKSPACE = -1, -2  # cudnn_call.cc's uids for a buffer the graph skips, and for the workspace
-LIBRARY_NAME = "libfusedattn_cudnn_call.so"
 
 _lock = threading.Lock()
 _state: dict = {}  # "library" (ctypes.CDLL) or "reason" (str), once decided
@@ -106,89 +101,13 @@ def _load() -> ctypes.CDLL:
     return library
 
 
-def _loaded_cudnn(maps_file: str = "/proc/self/maps") -> str:
-    """The libcudnn this process already uses (the frontend loads it on import), so the library
-    and the graphs Python builds share one cuDNN."""
-    import cudnn  # noqa: F401  (loads libcudnn)
-
-    try:
-        maps = Path(maps_file).read_text().splitlines()
-    except OSError:
-        maps = []
-    for line in maps:
-        if line.rstrip().endswith("libcudnn.so.9"):
-            return line.split(maxsplit=5)[-1].strip()
-    return "libcudnn.so.9"
-
-
 def _built_library() -> Path:
-    """The compiled handler, built once per (source, headers' versions, compiler) and cached."""
-    includes = _include_dirs()
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if compiler is None:
-        raise RuntimeError("no C++ compiler (set CXX)")
-    # Hidden symbols and -Bsymbolic: the frontend's inline code must bind to this library's copy,
-    # never to another frontend version already in the process (torch bundles one).
-    command = [compiler, "-std=c++17", "-O2", "-shared", "-fPIC", "-fvisibility=hidden", "-fvisibility-inlines-hidden",
-               "-Wl,-Bsymbolic", "-Wl,--exclude-libs,ALL", "-static-libstdc++", "-static-libgcc",
-               "-DNV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING", *(f"-I{d}" for d in includes), str(SOURCE)]
-    key = hashlib.sha256(SOURCE.read_bytes() + repr((command, _versions())).encode()).hexdigest()[:16]
-    target = _cache_dir() / key / LIBRARY_NAME
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        built = Path(scratch) / LIBRARY_NAME
-        result = subprocess.run([*command, "-o", str(built), "-ldl"], capture_output=True, text=True)
-        if result.returncode != 0:
-            raise RuntimeError(f"compiling {SOURCE.name} failed: {result.stderr.strip()[-2000:]}")
-        os.replace(built, target)  # atomic: a concurrent builder's copy is as good
-    return target
+    """The compiled handler (the shared builder: cached per source, command and versions; a line says
+    when it compiles)."""
+    return build.library_path("jax")
 
 
-def _cache_dir() -> Path:
-    if os.environ.get(ENV_CACHE):
-        return Path(os.environ[ENV_CACHE]) / "native"
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fusedattn" / "native"
-
-
-def _versions() -> tuple:
-    import cudnn
-    import jax
-
-    return cudnn.__version__, jax.__version__, sys.platform
-
-
-def _include_dirs() -> list[str]:
-    """Header folders: the cuDNN frontend's (its wheel ships them), cuDNN's, CUDA's (runtime, NVRTC,
-    CCCL) and XLA's FFI (jax ships it). Environment overrides first."""
-    import cudnn
-    import jax
-
-    frontend = _first_with("cudnn_frontend.h", [Path(cudnn.__file__).parent.parent / "include"])
-    cudnn_dir = _first_with("cudnn.h", _env_dirs("CUDNN_INCLUDE_DIR") + _package_dirs("cudnn")
-                            + [Path("/usr/include"), Path("/usr/local/cuda/include")])
-    cuda_roots = [*_env_dirs("CUDA_HOME", "include"), *_env_dirs("CUDA_PATH", "include"),
-                  Path("/usr/local/cuda/include"), *_package_dirs("cu13"), *_package_dirs("cuda_runtime"),
-                  *_package_dirs("cuda_nvrtc")]
-    cuda = _first_with("cuda_runtime_api.h", cuda_roots)
-    nvrtc = _first_with("nvrtc.h", [cuda, *cuda_roots])
-    dirs = [frontend, cudnn_dir, cuda, nvrtc, Path(jax.ffi.include_dir())]
-    return list(dict.fromkeys(str(d) for d in dirs))
-
-
-def _env_dirs(name: str, sub: str = "") -> list[Path]:
-    value = os.environ.get(name)
-    return [Path(value) / sub] if value else []
-
-
-def _package_dirs(name: str) -> list[Path]:
-    """include/ folders of NVIDIA's pip packages (nvidia/<name>/include) on sys.path."""
-    return [Path(entry) / "nvidia" / name / "include" for entry in sys.path if entry]
-
-
-def _first_with(header: str, dirs: list[Path]) -> Path:
-    for folder in dirs:
-        if (folder / header).is_file():
-            return folder
-    raise FileNotFoundError(f"{header} not found in {', '.join(str(d) for d in dirs[:6]) or 'any folder'}")
+# The header search, the cache folder and the loaded cuDNN are the shared builder's.
+_loaded_cudnn = build.loaded_cudnn
+_cache_dir = build.cache_dir
+_first_with = build._first_with
