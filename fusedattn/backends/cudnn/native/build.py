@@ -24,6 +24,7 @@ from pathlib import Path
 __all__ = ["KINDS", "library_path", "built_path", "build", "include_dirs", "cache_dir", "loaded_cudnn"]
 
 HERE = Path(__file__).resolve().parent
+HEADERS = (HERE / "bounded.h",)  # included by the core and the operator: part of their cache keys
 KINDS = ("core", "torch", "jax")
 SOURCES = {"core": HERE / "launch_core.cc", "torch": HERE / "torch_op.cc",
            "jax": HERE.parents[2] / "jax" / "native" / "cudnn_call.cc"}
@@ -84,7 +85,8 @@ def _versions(kind: str) -> tuple:
 def built_path(kind: str) -> Path:
     """Where the library for this machine's packages is (or would be) cached."""
     command = _command(kind)
-    digest = hashlib.sha256(SOURCES[kind].read_bytes() + repr((command, _versions(kind))).encode()).hexdigest()[:16]
+    sources = SOURCES[kind].read_bytes() + b"".join(header.read_bytes() for header in HEADERS)
+    digest = hashlib.sha256(sources + repr((command, _versions(kind))).encode()).hexdigest()[:16]
     return cache_dir() / digest / NAMES[kind]
 
 
@@ -125,7 +127,7 @@ def include_dirs(kind: str) -> list[str]:
         import torch
 
         root = Path(torch.__file__).parent / "include"
-        return [str(root), str(root / "torch" / "csrc" / "api" / "include")]
+        return [str(root), str(root / "torch" / "csrc" / "api" / "include"), str(HERE)]
     cudnn = _frontend()
 
     frontend = _first_with("cudnn_frontend.h", [Path(cudnn.__file__).parent.parent / "include"])
@@ -135,7 +137,7 @@ def include_dirs(kind: str) -> list[str]:
                   Path("/usr/local/cuda/include"), *_package_dirs("cu13"), *_package_dirs("cuda_runtime"),
                   *_package_dirs("cuda_nvrtc"), *_package_dirs("cuda_nvcc"), *_package_dirs("cuda_cccl")]
     cuda = _first_with("cuda_runtime_api.h", cuda_roots)
-    dirs = [frontend, cudnn_dir, cuda, _first_with("nvrtc.h", [cuda, *cuda_roots])]
+    dirs = [frontend, cudnn_dir, cuda, _first_with("nvrtc.h", [cuda, *cuda_roots]), HERE]
     for header in ("crt/host_defines.h", "nv/target"):  # what cuda_runtime_api.h includes in turn
         dirs += [d for d in [cuda, *cuda_roots] if (d / header).exists()][:1]
     if kind == "jax":

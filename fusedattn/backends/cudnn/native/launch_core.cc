@@ -6,7 +6,7 @@
 // Python builds a graph, serializes it and registers the bytes with the uid each of the call's
 // buffer slots binds to. A launch is then: find the plan, take its graph on this device
 // (deserialized on first use there), map slot pointers to uids, execute on the caller's stream.
-// The registry is bounded (Bounded below): the least recently registered-or-used plan goes first;
+// The registry is bounded (Bounded, bounded.h): the least recently registered-or-used plan goes first;
 // callers that keep a plan alive hold a shared_ptr to it.
 
 #include <dlfcn.h>
@@ -17,7 +17,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <list>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -26,6 +25,8 @@
 
 #include <cuda_runtime_api.h>
 #include <cudnn_frontend.h>
+
+#include "bounded.h"
 
 namespace cudnn_frontend {
 // The frontend's dynamic-loading shim calls cuDNN through this handle; fusedattn_core_init sets it to
@@ -62,57 +63,6 @@ inline void trace(const std::string &step) {
     }();
     if (on) std::fprintf(stderr, "fusedattn native: %s\n", step.c_str());
 }
-
-// Objects by id, at most `capacity` of them: adding one past the bound drops the least recently
-// added-or-found. Holders of a shared_ptr keep theirs alive.
-template <typename T>
-class Bounded {
-   public:
-    int64_t add(std::shared_ptr<T> item) {
-        std::lock_guard<std::mutex> lock(mutex_);
-        int64_t id = next_id_++;
-        order_.push_front(id);
-        items_[id] = {std::move(item), order_.begin()};
-        shrink();
-        return id;
-    }
-
-    std::shared_ptr<T> find(int64_t id) {
-        std::lock_guard<std::mutex> lock(mutex_);
-        auto found = items_.find(id);
-        if (found == items_.end()) return nullptr;
-        order_.splice(order_.begin(), order_, found->second.position);
-        return found->second.item;
-    }
-
-    void set_capacity(int64_t capacity) {
-        std::lock_guard<std::mutex> lock(mutex_);
-        capacity_ = std::max<int64_t>(1, capacity);
-        shrink();
-    }
-
-    int64_t size() {
-        std::lock_guard<std::mutex> lock(mutex_);
-        return static_cast<int64_t>(items_.size());
-    }
-
-   private:
-    void shrink() {
-        while (static_cast<int64_t>(items_.size()) > capacity_) {
-            items_.erase(order_.back());
-            order_.pop_back();
-        }
-    }
-    struct Entry {
-        std::shared_ptr<T> item;
-        typename std::list<int64_t>::iterator position;
-    };
-    std::mutex mutex_;
-    std::unordered_map<int64_t, Entry> items_;
-    std::list<int64_t> order_;  // most recently used first
-    int64_t next_id_ = 0;
-    int64_t capacity_ = 4096;
-};
 
 // The process-wide state: cuDNN's library, one handle per device, the registered plans.
 class Registry {

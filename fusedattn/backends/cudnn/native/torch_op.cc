@@ -11,9 +11,7 @@
 #include <dlfcn.h>
 
 #include <atomic>
-#include <list>
 #include <mutex>
-#include <unordered_map>
 
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
@@ -21,6 +19,8 @@
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+
+#include "bounded.h"
 
 namespace {
 
@@ -71,53 +71,8 @@ struct TorchPlan {
     }
 };
 
-// Torch plans by id, at most `capacity` (the least recently added-or-used goes first).
-class TorchPlans {
-   public:
-    int64_t add(std::shared_ptr<TorchPlan> plan) {
-        std::lock_guard<std::mutex> lock(mutex_);
-        int64_t id = next_id_++;
-        order_.push_front(id);
-        plans_[id] = {std::move(plan), order_.begin()};
-        shrink();
-        return id;
-    }
-
-    std::shared_ptr<TorchPlan> find(int64_t id) {
-        std::lock_guard<std::mutex> lock(mutex_);
-        auto found = plans_.find(id);
-        if (found == plans_.end()) return nullptr;
-        order_.splice(order_.begin(), order_, found->second.position);
-        return found->second.plan;
-    }
-
-    int64_t bound(int64_t capacity) {
-        std::lock_guard<std::mutex> lock(mutex_);
-        if (capacity > 0) capacity_ = capacity;
-        shrink();
-        return static_cast<int64_t>(plans_.size());
-    }
-
-   private:
-    void shrink() {
-        while (static_cast<int64_t>(plans_.size()) > capacity_) {
-            plans_.erase(order_.back());
-            order_.pop_back();
-        }
-    }
-    struct Entry {
-        std::shared_ptr<TorchPlan> plan;
-        std::list<int64_t>::iterator position;
-    };
-    std::mutex mutex_;
-    std::unordered_map<int64_t, Entry> plans_;
-    std::list<int64_t> order_;  // most recently used first
-    int64_t next_id_ = 0;
-    int64_t capacity_ = 4096;
-};
-
-TorchPlans &torch_plans() {
-    static TorchPlans plans;
+fusedattn_native::Bounded<TorchPlan> &torch_plans() {
+    static fusedattn_native::Bounded<TorchPlan> plans;
     return plans;
 }
 
@@ -418,7 +373,10 @@ int64_t fusedattn_torch_plan(int64_t forward, int64_t backward, const int64_t *s
 }
 
 // Sets the torch plans' bound (when capacity > 0); the number of plans held.
-int64_t fusedattn_torch_bounds(int64_t capacity) { return torch_plans().bound(capacity); }
+int64_t fusedattn_torch_bounds(int64_t capacity) {
+    if (capacity > 0) torch_plans().set_capacity(capacity);
+    return torch_plans().size();
+}
 
 }  // extern "C"
 
