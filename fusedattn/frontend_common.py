@@ -20,6 +20,7 @@ from fusedattn.config import standard_alibi_slopes
 from fusedattn.layout import offsets_violated, split_packed
 from fusedattn.score_mods.core import bind, needs_gradient
 from fusedattn.selection import NoBackendError, select_backend
+from fusedattn.xp import namespace
 
 __all__ = ["AttentionResult", "pick_outputs", "prepare_call", "PreparedCall", "TENSOR_ARGUMENTS", "on_backend_only",
            "UnreadOffsetsCheck", "check_unread_offsets", "poisoned", "guard_inputs"]
@@ -89,8 +90,6 @@ def prepare_call(api: str, framework: str, tensors: dict, *, describe, host_copy
                              "use a padded layout without alibi_slopes")
         # An added term that must learn: the same sum as a post-scale bias, which has a gradient
         # (in q's dtype, as every bias; the cast passes the gradient back to the term's own dtype).
-        from fusedattn.xp import namespace
-
         term = mod.as_bias(dict(mod.tensors), cfg.seqlen_q, cfg.seqlen_kv)
         ops = namespace(term)
         if ops.dtype_name(term) != cfg.dtype:
@@ -165,8 +164,6 @@ def check_unread_offsets(cfg, passed: tuple, offsets: dict, violated=None) -> Un
         bad = this if bad is None else bad | this
     if bad is None:
         return None
-    from fusedattn.xp import namespace
-
     ops = namespace(passed[0])
     safe = {name: None if x is None else ops.where(bad, 0, x) for name, x in offsets.items()}
     return UnreadOffsetsCheck(ops.where(bad, float("nan"), 1.0), safe)
@@ -179,8 +176,6 @@ def poisoned(check: UnreadOffsetsCheck | None, x):
     v (even of tokens the broken offsets made the kernel skip) is NaN for a broken call."""
     if check is None or x is None:
         return x
-    from fusedattn.xp import namespace
-
     ops = namespace(x)
     return x * ops.astype(check.factor, ops.dtype_name(x))
 

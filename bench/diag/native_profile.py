@@ -1,25 +1,13 @@
 """Where the host time of a forward call goes (run with FUSEDATTN_NATIVE_PROFILE=1: the launch core prints
 its steps at exit). B1 S128 H8 D64 causal bf16 under no_grad: the public call, the operator, the forward
 operator, SDPA default and SDPA on cuDNN, each timed alone."""
-import time
 
 import torch
+from native_smoke import per_call_us  # this folder: the same timing loop
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fusedattn.torch as fat
 from fusedattn.backends.cudnn.native import torch_plans
-
-
-def per_call_us(fn, n=2000):
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(n):
-        fn()
-    host = (time.perf_counter() - start) / n * 1e6
-    torch.cuda.synchronize()
-    return host
 
 
 def main():
@@ -36,9 +24,10 @@ def main():
                 "empty_like": lambda: torch.empty_like(q),
                 "sdpa": lambda: sdpa(qt, kt, vt, is_causal=True)}
         for name, fn in rows.items():
-            print(f"{name:>12}: {per_call_us(fn):6.1f} us/call (host)", flush=True)
+            print(f"{name:>12}: {per_call_us(fn, n=2000)[0]:6.1f} us/call (host)", flush=True)
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            print(f"{'sdpa cudnn':>12}: {per_call_us(lambda: sdpa(qt, kt, vt, is_causal=True)):6.1f} us/call (host)")
+            host = per_call_us(lambda: sdpa(qt, kt, vt, is_causal=True), n=2000)[0]
+            print(f"{'sdpa cudnn':>12}: {host:6.1f} us/call (host)")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import torch
 
 from fusedattn import settings
 from fusedattn.arguments import ENV_THD_BUCKET, TensorMeta, host_slopes
+from fusedattn.backends.cudnn.spec import ALIGNMENT
 from fusedattn.config import AttentionConfig
 from fusedattn.frontend_common import (
     TENSOR_ARGUMENTS,
@@ -43,9 +44,9 @@ def _meta(x, name: str) -> TensorMeta | None:
 
 
 def _unaligned(**tensors) -> tuple[str, ...]:
-    """Names of the GPU tensors whose address is not a multiple of 16 bytes (cuDNN copies those)."""
+    """Names of the GPU tensors whose address is not a multiple of ALIGNMENT bytes (cuDNN copies those)."""
     return tuple(name for name, x in tensors.items()
-                 if isinstance(x, torch.Tensor) and x.is_cuda and x.data_ptr() % 16)
+                 if isinstance(x, torch.Tensor) and x.is_cuda and x.data_ptr() % ALIGNMENT)
 
 
 def _dropout_state(seed, offset, like: torch.Tensor):

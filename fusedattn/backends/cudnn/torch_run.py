@@ -182,10 +182,9 @@ def _score_mod_buffers(cfg: AttentionConfig, inputs: AttentionInputs, buffers: d
     buffers.update({name: _host_scalar(value, "int32") for name, value in plan.scalar_bounds(cfg).items()})
 
 
-def _empty_sides(inputs: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B,) booleans: sequences with no query, and sequences with no key."""
-    lengths = [getattr(inputs, f"cu_seqlens_{side}") for side in ("q", "kv")]
-    return tuple((cu[1:] - cu[:-1]) == 0 for cu in lengths)
+def _empty_sides(buffers: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B,) booleans: sequences with no query, and sequences with no key (from the lengths bound)."""
+    return buffers["seq_len_q"].view(-1) == 0, buffers["seq_len_kv"].view(-1) == 0
 
 
 def _tokens_of(inputs: AttentionInputs, side: str, flags: torch.Tensor, tokens: int) -> torch.Tensor:
@@ -206,33 +205,26 @@ def _lse_without_keys(cfg: AttentionConfig, inputs: AttentionInputs, heads_axis_
     return torch.full(heads_axis_shape, value, dtype=torch.float32, device=inputs.q.device)
 
 
-def _clear_rows_without_keys(cfg: AttentionConfig, inputs: AttentionInputs, out: torch.Tensor,
+def _clear_rows_without_keys(cfg: AttentionConfig, inputs: AttentionInputs, buffers: dict, out: torch.Tensor,
                              lse: torch.Tensor) -> torch.Tensor:
     """Queries of a sequence with no key: output 0 and the LSE of an empty row, whatever cuDNN left
     there (a THD row of such a sequence came back with a finite LSE on cuDNN 9.19). Returns the LSE."""
-    _, no_keys = _empty_sides(inputs)
+    _, no_keys = _empty_sides(buffers)
     if cfg.layout.is_ragged:
         rows = _tokens_of(inputs, "q", no_keys, out.shape[0])
         out.masked_fill_(rows.view(-1, 1, 1), 0)
         return torch.where(rows.view(-1, 1), _lse_without_keys(cfg, inputs, (1, cfg.heads_q)), lse)
     out_bhsd = out.permute(_plan(cfg).to_bhsd)
     out_bhsd.masked_fill_(no_keys.view(-1, 1, 1, 1), 0)
-    rows = no_keys.view(-1, 1, 1, 1) & _is_query_rows(cfg, inputs)
+    rows = no_keys.view(-1, 1, 1, 1) & _is_query(cfg, buffers)
     return torch.where(rows, _lse_without_keys(cfg, inputs, (1, cfg.heads_q, 1, 1)), lse)
-
-
-def _is_query_rows(cfg: AttentionConfig, inputs: AttentionInputs) -> torch.Tensor:
-    """(B, 1, Sq, 1) True for rows inside their sequence (padded layouts)."""
-    lengths = (inputs.cu_seqlens_q[1:] - inputs.cu_seqlens_q[:-1]).reshape(-1, 1, 1, 1)
-    rows = torch.arange(cfg.seqlen_q, device=lengths.device).reshape(1, 1, -1, 1)
-    return rows < lengths
 
 
 def _clear_gradients_of_empty_sequences(cfg: AttentionConfig, inputs: AttentionInputs, grads: dict,
                                         buffers: dict) -> None:
     """No gradient for queries of a sequence with no key, nor for keys/values of one with no query (cuDNN
     9.19 left garbage there for a zero-length sequence under a padding mask)."""
-    no_queries, no_keys = _empty_sides(inputs)
+    no_queries, no_keys = _empty_sides(buffers)
     empty = no_queries | no_keys
     if cfg.layout.is_ragged:
         for role, side in (("q", "q"), ("k", "kv"), ("v", "kv")):
@@ -277,7 +269,7 @@ def forward(cfg: AttentionConfig, inputs: AttentionInputs, into: AttentionOutput
         execute(get_graph(cfg, "forward", device.index), buffers, device.index, raw=True)
         if spec.score_mod:
             lse = _clear_empty_rows(out, lse)
-        lse = _clear_rows_without_keys(cfg, inputs, out, lse)
+        lse = _clear_rows_without_keys(cfg, inputs, buffers, out, lse)
         return AttentionOutputs(out, lse, torch.empty(0, dtype=torch.float32, device=device))
     # With padding, rows past a sequence's end are not written: start from zeros.
     out, buffers["o"] = _empty_bhsd(spec.o, plan, inputs.q.dtype, device, zero=spec.padding, into=into.out)
@@ -301,7 +293,7 @@ def forward(cfg: AttentionConfig, inputs: AttentionInputs, into: AttentionOutput
         max_logit = torch.empty(0, dtype=torch.float32, device=device)  # not requested
     if spec.padding:  # rows past a sequence's end are not queries: lse -inf, as the reference says
         lse = lse.masked_fill(~_is_query(cfg, buffers), float("-inf"))
-        lse = _clear_rows_without_keys(cfg, inputs, out, lse)
+        lse = _clear_rows_without_keys(cfg, inputs, buffers, out, lse)
     return AttentionOutputs(out, lse.view(cfg.batch, cfg.heads_q, cfg.seqlen_q), max_logit)
 
 
