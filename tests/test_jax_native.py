@@ -1,23 +1,29 @@
-"""The native cuDNN custom call's Python side (fusedattn/jax/native), without a GPU.
+"""The native cuDNN custom call's Python side (fusedattn.jax.native) and its handler's build, without
+a GPU.
 
-The handler itself runs in tests/gpu/test_jax.py. Here: when the path says it is unavailable
-and why, how a pass is registered (the uid of every buffer, then the workspace; one
-registration per config, direction and buffer count), what happens when cuDNN cannot rebuild
-a graph, and the header search's errors.
+The handler runs in tests/gpu/test_jax.py. Here: when the path says it is unavailable and why, how
+a pass is registered with the launch core (the uid of every buffer, then the workspace; one
+registration per config, direction and buffer count; the bytes, uids and digest as the call's
+attributes), what happens when cuDNN cannot rebuild a graph, the handler library building from
+XLA's headers alone and finding the core's functions, and the header search's errors.
 """
 
 from __future__ import annotations
 
+import ctypes
+import shutil
+import subprocess
 import sys
 import types
 
+import numpy as np
 import pytest
 
 pytest.importorskip("jax")
 
+from fusedattn.backends.cudnn.native import build, core  # noqa: E402
 from fusedattn.cache import LRUCache  # noqa: E402
 from fusedattn.jax import native  # noqa: E402
-
 
 @pytest.fixture
 def fresh(monkeypatch):
@@ -28,23 +34,16 @@ def fresh(monkeypatch):
     return native
 
 
-class FakeLibrary:
-    """The C entry points, recording what Python hands them."""
+class FakeCore:
+    """core.register, recording what Python hands it."""
 
-    def __init__(self, workspace=4096, error=b""):
-        self.registered, self.prepared = [], []
+    def __init__(self, workspace=4096, error=None):
+        self.registered = []
         self.workspace, self.error = workspace, error
 
-    def fusedattn_register(self, data, size, uids, count, digest):
-        self.registered.append((bytes(data)[:size], list(uids)[:count], digest))
-        return len(self.registered) - 1
-
-    def fusedattn_prepare(self, plan, device):
-        self.prepared.append((plan, device))
-        return self.workspace
-
-    def fusedattn_last_error(self):
-        return self.error
+    def __call__(self, blob, uids, device):
+        self.registered.append((blob, uids, device))
+        return self.error if self.error is not None else (core.digest(blob, uids), self.workspace)
 
 
 class FakeRunner:
@@ -74,55 +73,104 @@ def test_a_failed_load_is_a_reason_not_an_error(fresh, monkeypatch):
     assert native.plan_id(FakeRunner(), "forward", 0, 6) is None
 
 
-def test_registration_binds_every_buffer_then_the_workspace_once_per_pass(fresh):
-    library = FakeLibrary(workspace=4096)
-    native._state["library"] = library
+def test_registration_binds_every_buffer_then_the_workspace_once_per_pass(fresh, monkeypatch):
+    fake = FakeCore(workspace=4096)
+    monkeypatch.setattr(core, "register", fake)
+    native._state["library"] = object()
     runner = FakeRunner()
     # forward: q, k, v, then out, lse, max_logit: the graph binds five, max_logit is unbound
     forward = native.plan_id(runner, "forward", 3, 6)
-    assert forward[:2] == (0, 4096)
-    assert native.plan_id(runner, "forward", 3, 6) == forward  # cached: no second registration
+    assert forward.workspace == 4096
+    assert native.plan_id(runner, "forward", 3, 6) is forward  # cached: no second registration
     backward = native.plan_id(runner, "backward", 3, 9)
-    assert backward[:2] == (1, 4096)
-    assert runner.serialized_calls == 2
-    (blob, uids, digest), (_, backward_uids, backward_digest) = library.registered
-    assert (forward[2], backward[2]) == (digest, backward_digest) and digest != backward_digest
-    assert -2**63 <= digest < 2**63
-    assert blob == b"graph-forward"
-    assert uids == [11, 12, 13, 14, 15, native.UNBOUND, native.WORKSPACE]
-    assert backward_uids == [11, 12, 13, 14, 15, 16, native.UNBOUND, native.UNBOUND, native.UNBOUND,
-                             native.WORKSPACE]
-    assert library.prepared == [(0, 3), (1, 3)]  # deserialized on the tracing device at once
-    assert native.plan_id(FakeRunner("cfg-b"), "forward", 3, 6)[:2] == (2, 4096)  # another config
+    assert runner.serialized_calls == 2 and len(fake.registered) == 2
+    (blob, uids, device), (_, backward_uids, _) = fake.registered
+    assert blob == b"graph-forward" and device == 3  # deserialized on the tracing device at once
+    assert uids == (11, 12, 13, 14, 15, core.UNBOUND, core.WORKSPACE)
+    assert backward_uids == (11, 12, 13, 14, 15, 16, core.UNBOUND, core.UNBOUND, core.UNBOUND, core.WORKSPACE)
+    # the call carries what the handler needs to register the plan again: bytes, uids, digest
+    attributes = forward.attributes
+    assert set(attributes) == {"plan", "blob", "uids"}
+    assert attributes["blob"].dtype == np.uint8 and attributes["blob"].tobytes() == blob
+    assert attributes["uids"].dtype == np.int64 and tuple(attributes["uids"]) == uids
+    assert attributes["plan"] == core.digest(blob, uids) != backward.attributes["plan"]
+    assert native.plan_id(FakeRunner("cfg-b"), "forward", 3, 6) is not forward  # another config
+    assert len(fake.registered) == 3
 
 
-def test_a_graph_cudnn_cannot_rebuild_keeps_the_callback_with_a_warning(fresh):
-    library = FakeLibrary(workspace=-1, error=b"deserialize: no engine")
-    native._state["library"] = library
+def test_digests_are_non_negative_and_name_the_content():
+    digests = {core.digest(bytes([i]) * 7, (1, 2, i)) for i in range(200)}
+    assert len(digests) == 200 and all(0 <= d < 2**63 for d in digests)
+    assert core.digest(b"abc", (1, 2)) == core.digest(b"abc", (1, 2)) != core.digest(b"abc", (2, 1))
+
+
+def test_a_graph_cudnn_cannot_rebuild_keeps_the_callback_with_a_warning(fresh, monkeypatch):
+    monkeypatch.setattr(core, "register", FakeCore(error="deserialize: no engine"))
+    native._state["library"] = object()
     with pytest.warns(RuntimeWarning, match="could not rebuild the forward graph .*no engine.*Python callback"):
         assert native.plan_id(FakeRunner(), "forward", 0, 6) is None
+
+
+_FAKE_CORE = r"""
+#include <stdint.h>
+const char *fusedattn_core_last_error(void) { return "fake"; }
+int64_t fusedattn_core_register(const uint8_t *b, int64_t n, const int64_t *u, int64_t c, int64_t d) { return d; }
+int64_t fusedattn_core_prepare(int64_t p, int32_t d) { return 0; }
+""" + "{last}"
+
+
+@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None, reason="no C++ compiler")
+def test_the_handler_builds_from_xla_headers_alone_and_finds_the_cores_functions(tmp_path, monkeypatch):
+    monkeypatch.setenv(build.ENV_CACHE, str(tmp_path / "cache"))
+    messages = []
+    path = build.library_path("jax", announce=messages.append)
+    assert len(messages) == 2 and "compiling" in messages[0] and "built in" in messages[1]
+    import jax
+
+    # XLA's FFI headers and our own, no cuDNN or CUDA: the core owns the only copy of the frontend
+    assert build.include_dirs("jax") == [jax.ffi.include_dir(), str(build.HERE)]
+    handler = ctypes.CDLL(str(path))
+    assert handler.fusedattn_cudnn_execute  # the FFI symbol JAX registers
+    handler.fusedattn_jax_init.argtypes = [ctypes.c_char_p]
+    handler.fusedattn_jax_last_error.restype = ctypes.c_char_p
+
+    def fake_core(name, with_execute):
+        source = tmp_path / f"{name}.c"
+        execute = ("int fusedattn_core_execute(int64_t p, int32_t d, void *s, void *const *x, int64_t n, void *w, "
+                   "int64_t b) { return 0; }") if with_execute else ""
+        source.write_text(_FAKE_CORE.replace("{last}", execute))
+        target = tmp_path / f"lib{name}.so"
+        compiler = shutil.which("cc") or shutil.which("gcc") or shutil.which("c++")
+        subprocess.run([compiler, "-x", "c", "-shared", "-fPIC", str(source), "-o", str(target)], check=True)
+        return str(target).encode()
+
+    assert handler.fusedattn_jax_init(str(tmp_path / "missing.so").encode()) == 1
+    assert b"missing.so" in handler.fusedattn_jax_last_error()
+    assert handler.fusedattn_jax_init(fake_core("partial", with_execute=False)) == 1
+    assert b"lacks its functions" in handler.fusedattn_jax_last_error()
+    assert handler.fusedattn_jax_init(fake_core("whole", with_execute=True)) == 0
 
 
 def test_a_missing_header_names_it_and_where_it_was_looked_for(tmp_path):
     (tmp_path / "here").mkdir()
     (tmp_path / "here" / "found.h").write_text("")
-    assert native._first_with("found.h", [tmp_path / "nowhere", tmp_path / "here"]) == tmp_path / "here"
+    assert build._first_with("found.h", [tmp_path / "nowhere", tmp_path / "here"]) == tmp_path / "here"
     with pytest.raises(FileNotFoundError, match=r"missing\.h not found in .*nowhere"):
-        native._first_with("missing.h", [tmp_path / "nowhere"])
+        build._first_with("missing.h", [tmp_path / "nowhere"])
 
 
 def test_the_cache_folder_follows_the_environment(monkeypatch, tmp_path):
-    monkeypatch.setenv(native.ENV_CACHE, str(tmp_path))
-    assert native._cache_dir() == tmp_path / "native"
-    monkeypatch.delenv(native.ENV_CACHE)
+    monkeypatch.setenv(build.ENV_CACHE, str(tmp_path))
+    assert build.cache_dir() == tmp_path / "native"
+    monkeypatch.delenv(build.ENV_CACHE)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert native._cache_dir() == tmp_path / "xdg" / "fusedattn" / "native"
+    assert build.cache_dir() == tmp_path / "xdg" / "fusedattn" / "native"
 
 
 def test_the_loaded_cudnn_is_read_from_the_process_maps(monkeypatch, tmp_path):
     maps = tmp_path / "maps"
     maps.write_text("7f00-7f01 r-xp 00000000 08:01 123 /site/nvidia/cudnn/lib/libcudnn.so.9\n")
     monkeypatch.setitem(sys.modules, "cudnn", types.ModuleType("cudnn"))
-    assert native._loaded_cudnn(str(maps)) == "/site/nvidia/cudnn/lib/libcudnn.so.9"
+    assert build.loaded_cudnn(str(maps)) == "/site/nvidia/cudnn/lib/libcudnn.so.9"
     maps.write_text("7f00-7f01 r-xp 00000000 08:01 123 /usr/lib/libc.so.6\n")
-    assert native._loaded_cudnn(str(maps)) == "libcudnn.so.9"  # not loaded yet: by name
+    assert build.loaded_cudnn(str(maps)) == "libcudnn.so.9"  # not loaded yet: by name

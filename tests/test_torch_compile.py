@@ -148,25 +148,31 @@ def test_a_loss_through_the_lse_has_the_same_gradients_eager_and_compiled(option
 
 
 def test_a_backend_without_lse_gradient_never_drops_one_silently_under_compile(monkeypatch):
-    # cuDNN has no gradient through the LSE: eager calls raise; compiled ones (where raising would wait
-    # for the GPU) give NaN gradients when a nonzero one reaches the LSE, and exact ones when it is unused.
+    # cuDNN has no gradient through the LSE: eager and compiled calls raise the same error when a nonzero
+    # one reaches it, and give exact gradients when the LSE is returned but unused (a compiled graph
+    # hands it a zero tangent) or used with weight zero.
     from fusedattn.backends import get_backend
 
     monkeypatch.setattr(type(get_backend("reference")), "lse_gradient", False)
     q, k, v = _inputs((2, 9, 4, 8), (2, 9, 2, 8), seed=12)
 
-    def through_lse(q, k, v):
+    def through_lse(q, k, v, weight=1.0):
         result = fat.attention(q, k, v, mask="causal", return_lse=True)
-        return result.out.sum() + result.lse.sum()
+        return result.out.square().sum() + weight * result.lse.sum()
 
     def returned_unused(q, k, v):
         result = fat.attention(q, k, v, mask="causal", return_lse=True)
         return result.out.square().sum(), result.lse
 
     torch._dynamo.reset()
-    grads = torch.autograd.grad(torch.compile(through_lse, fullgraph=True, backend="aot_eager")(q, k, v), [q, k])
-    assert all(torch.isnan(g).all() for g in grads)
-    loss, _ = torch.compile(returned_unused, fullgraph=True, backend="aot_eager")(q, k, v)
+    message = "the reference backend has no gradient through the returned lse"
+    with pytest.raises(NotImplementedError, match=message):
+        torch.autograd.grad(through_lse(q, k, v), [q, k])
+    with pytest.raises(NotImplementedError, match=message):
+        torch.autograd.grad(torch.compile(through_lse, fullgraph=True, backend="aot_eager")(q, k, v), [q, k])
     want = torch.autograd.grad(fat.attention(q, k, v, mask="causal").square().sum(), [q, k])
+    loss, _ = torch.compile(returned_unused, fullgraph=True, backend="aot_eager")(q, k, v)
     for got, expected in zip(torch.autograd.grad(loss, [q, k]), want):
+        torch.testing.assert_close(got, expected)
+    for got, expected in zip(torch.autograd.grad(through_lse(q, k, v, weight=0.0), [q, k]), want):
         torch.testing.assert_close(got, expected)

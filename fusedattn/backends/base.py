@@ -85,7 +85,7 @@ class Backend:
     # "any": forward/backward work on the arrays of any framework (written with fusedattn.xp);
     # "torch": they take torch tensors, and JAX calls reach them through buffer callbacks.
     array_framework: str = "any"
-    # Whether backward takes a gradient of the returned lse (grad_lse).
+    # Whether backward takes a gradient of the returned lse (grad_lse); see no_lse_gradient.
     lse_gradient: bool = True
 
     def availability(self) -> list[str]:
@@ -157,3 +157,21 @@ class Backend:
 
     def __repr__(self) -> str:
         return f"<fusedattn backend {self.name}>"
+
+
+def no_lse_gradient(api: str, backend_name: str) -> NotImplementedError:
+    """The error for a gradient reaching the LSE of a backend without one (lse_gradient False): the same
+    in eager and compiled calls, torch and JAX (torch_op.cc spells it for the native operator)."""
+    return NotImplementedError(f"{api}: the {backend_name} backend has no gradient through the returned lse; "
+                               "use backend='reference' for losses that depend on lse")
+
+
+def lse_gradient_for(backend: Backend, grad_lse, api: str):
+    """grad_lse as `backend` takes it: itself when the backend has an LSE gradient; else None when it is
+    absent or all zeros (a compiled graph hands every returned output a tangent, zeros when unused), and
+    the refusal for any other (one host read, in that case only)."""
+    if grad_lse is None or backend.lse_gradient:
+        return grad_lse
+    if bool((grad_lse != 0).any()):
+        raise no_lse_gradient(api, backend.name)
+    return None

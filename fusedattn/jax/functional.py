@@ -11,7 +11,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from fusedattn.arguments import TensorMeta, host_slopes
 from fusedattn.backends import get_backend
-from fusedattn.backends.base import ARRAY_NAMES, DIFFERENTIABLE, AttentionInputs, AttentionOutputs
+from fusedattn.backends.base import ARRAY_NAMES, DIFFERENTIABLE, AttentionInputs, AttentionOutputs, no_lse_gradient
 from fusedattn.frontend_common import (
     TENSOR_ARGUMENTS,
     check_unread_offsets,
@@ -118,8 +118,7 @@ def _attention_bwd(cfg, backend_name, score_mod, split, residuals, cotangents):
     grad_out, grad_lse, _ = (None if isinstance(c, SymbolicZero) else c for c in cotangents)
     backend = get_backend(backend_name)
     if grad_lse is not None and not backend.lse_gradient:
-        raise NotImplementedError(f"{API}: the {backend.name} backend has no gradient through the returned lse; "
-                                  "use backend='reference' for losses that depend on lse")
+        raise no_lse_gradient(API, backend.name)
     if backend.array_framework == "torch":
         grads = torch_bridge.backward(cfg, backend, score_mod, arrays, out, lse, grad_out, grad_lse, split)
     else:

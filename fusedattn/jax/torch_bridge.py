@@ -133,11 +133,10 @@ def _device(buffer) -> int:
 
 
 def _native_call(lean, direction: str, operands, shapes):
-    """The pass as a native XLA custom call (fusedattn/jax/native) when the lean path applies and
+    """The pass as a native XLA custom call (fusedattn.jax.native) when the lean path applies and
     the native library runs here: no Python at run time. None otherwise."""
     if lean is None:
         return None
-    import numpy as np
     import torch
 
     from fusedattn.jax import native
@@ -145,10 +144,9 @@ def _native_call(lean, direction: str, operands, shapes):
     plan = native.plan_id(lean, direction, torch.cuda.current_device(), len(operands) + len(shapes))
     if plan is None:
         return None
-    plan, workspace, digest = plan
-    call = jax.ffi.ffi_call(native.TARGET, (*shapes, jax.ShapeDtypeStruct((max(workspace, 1),), jnp.uint8)),
-                            vmap_method="sequential")
-    return call(*operands, plan=np.int64(plan), digest=np.int64(digest))[:-1]
+    workspace = jax.ShapeDtypeStruct((max(plan.workspace, 1),), jnp.uint8)
+    call = jax.ffi.ffi_call(native.TARGET, (*shapes, workspace), vmap_method="sequential")
+    return call(*operands, **plan.attributes)[:-1]
 
 
 def _lean_callback(lean, direction: str, outputs: int):

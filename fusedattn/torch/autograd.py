@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from fusedattn.backends.base import ARRAY_NAMES, DIFFERENTIABLE, AttentionInputs, AttentionOutputs
+from fusedattn.backends.base import ARRAY_NAMES, DIFFERENTIABLE, AttentionInputs, AttentionOutputs, lse_gradient_for
 
 
 class _Attention(torch.autograd.Function):
@@ -24,6 +24,7 @@ class _Attention(torch.autograd.Function):
     def backward(ctx, grad_out, grad_lse, _grad_max_logit):
         *arrays, out, lse = ctx.saved_tensors
         inputs = AttentionInputs(**dict(zip(ARRAY_NAMES, arrays)), score_mod=ctx.score_mod)
+        grad_lse = lse_gradient_for(ctx.backend, grad_lse, "fusedattn.torch.attention")
         grads = ctx.backend.backward(ctx.cfg, inputs, ctx.saved, AttentionOutputs(out, lse),
                                      grad_out, grad_lse)
         needed = dict(zip(ARRAY_NAMES, ctx.needs_input_grad[3:]))

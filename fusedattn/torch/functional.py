@@ -275,11 +275,15 @@ def explain(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | No
 def _native_plan(cfg, selection, q) -> int | None:
     """The native operator's plan for a cuDNN call (registered once per config), or None: the Python
     path runs it (another backend, a feature the operator does not run, or no native library here)."""
-    if selection.name != "cudnn" or not q.is_cuda:
+    return _native_plan_on(cfg, selection.name, q.device)
+
+
+def _native_plan_on(cfg, backend_name: str, device: torch.device) -> int | None:
+    if backend_name != "cudnn" or device.type != "cuda":
         return None
     from fusedattn.backends.cudnn.native import torch_plans
 
-    return torch_plans.plan_for(cfg, q.device.index)
+    return torch_plans.plan_for(cfg, device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _native_call(plan: int, signature, planned, q, k, v, sink, dropout_seed, dropout_offset):
@@ -372,6 +376,16 @@ def _compile_time_plan(described: tuple, options: tuple, backend, grad_enabled: 
     return register_config(cfg, selection.name)
 
 
+@torch._dynamo.assume_constant_result
+def _compile_time_native(key: str, device: torch.device) -> int:
+    """The native operator's plan for a compiled call (registered while tracing, as eager calls register
+    theirs), or -1: the call runs as the Python custom op. Dynamo bakes the id into the graph."""
+    from fusedattn.torch.ops import backend_of
+
+    plan = _native_plan_on(config_of(key), backend_of(key), device)
+    return -1 if plan is None else plan
+
+
 def _compiled_attention(tensors: tuple, options: dict, backend, dropout_seed, dropout_offset):
     described = tuple(None if x is None else (tuple(x.shape), x.dtype, x.device, x.requires_grad) for x in tensors)
     key = _compile_time_plan(described, tuple(options.items()), backend, torch.is_grad_enabled())
@@ -388,7 +402,13 @@ def _compiled_attention(tensors: tuple, options: dict, backend, dropout_seed, dr
         seed = (torch.randint(0, 2**31 - 1, (), dtype=torch.int64, device=q.device) if dropout_seed is None
                 else torch.as_tensor(dropout_seed, dtype=torch.int64, device=q.device))
         offset = torch.as_tensor(dropout_offset, dtype=torch.int64, device=q.device)
-    out, lse, max_logit = (poisoned(check, x) for x in torch.ops.fusedattn.attention_fwd(key, *arrays, seed, offset))
+    native = _compile_time_native(key, q.device)
+    if native >= 0:  # the eager warm path's operator, its autograd traced by AOTAutograd
+        out, lse = torch.ops.fusedattn_native.attention.default(native, *unpacked, tensors[5], seed, offset)
+        max_logit = None
+    else:
+        out, lse, max_logit = (poisoned(check, x)
+                               for x in torch.ops.fusedattn.attention_fwd(key, *arrays, seed, offset))
     if not (options["return_lse"] or options["return_max_logit"]):
         return out
     return AttentionResult(out, lse if options["return_lse"] else None,

@@ -21,11 +21,11 @@ import hashlib
 import torch
 
 from fusedattn.backends import get_backend
-from fusedattn.backends.base import ARRAY_NAMES, AttentionInputs, AttentionOutputs
+from fusedattn.backends.base import ARRAY_NAMES, AttentionInputs, AttentionOutputs, lse_gradient_for
 from fusedattn.cache import LRUCache, register
 from fusedattn.config import AttentionConfig
 
-__all__ = ["register_config", "config_of", "attention_fwd", "attention_bwd"]
+__all__ = ["register_config", "config_of", "backend_of", "attention_fwd", "attention_bwd"]
 
 CONFIG_CACHE_SIZE = 4096
 # key -> (config, backend name). Keys come from the config's contents, never from id().
@@ -108,6 +108,11 @@ def config_of(key: str) -> AttentionConfig:
     return _entry(key)[0]
 
 
+def backend_of(key: str) -> str:
+    """The backend name a key returned by register_config names."""
+    return _entry(key)[1]
+
+
 def _inputs(q, k, v, bias, alibi_slopes, sink, cu_q, cu_kv, cu_q_padded, cu_kv_padded, seed, offset):
     return AttentionInputs(q, k, v, bias, alibi_slopes, sink, cu_q, cu_kv, cu_q_padded, cu_kv_padded, seed, offset)
 
@@ -151,12 +156,7 @@ def attention_bwd(key: str, grad_out: torch.Tensor, grad_lse: torch.Tensor | Non
     inputs = _inputs(q, k, v, bias, alibi_slopes, sink, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
                      cu_seqlens_kv_padded, dropout_seed, dropout_offset)
     backend = get_backend(name)
-    poison = None
-    if grad_lse is not None and not backend.lse_gradient:
-        # Eager calls raise here; a compiled graph hands every returned output a tangent (zeros when
-        # unused), and telling zeros apart would wait for the GPU: a nonzero one makes the gradients NaN.
-        poison = torch.where((grad_lse != 0).any(), float("nan"), 0.0)
-        grad_lse = None
+    grad_lse = lse_gradient_for(backend, grad_lse, "fusedattn.torch.attention")
     with _autograd_enabled():  # the reference backend differentiates by autograd, even inside this op
         grads = backend.backward(cfg, inputs, None, AttentionOutputs(out, lse), grad_out, grad_lse)
     result = []
@@ -166,7 +166,7 @@ def attention_bwd(key: str, grad_out: torch.Tensor, grad_lse: torch.Tensor | Non
             result.append(q.new_empty((0,)))
             continue
         grad = grad.contiguous() if grad.shape == source.shape else grad.reshape(source.shape)
-        result.append(grad if poison is None else grad + poison.to(grad.dtype))
+        result.append(grad)
     return result
 
 

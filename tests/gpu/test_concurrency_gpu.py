@@ -125,7 +125,7 @@ CASES = [  # (Sq, Skv, options, with gradients)
     (128, 128, dict(mask="causal", deterministic=True), True),
     (80, 144, dict(deterministic=True), True),
 ]
-THREADS, CALLS = 8, 100
+THREADS, CALLS = 8, 500
 
 
 def _call(case, inputs):

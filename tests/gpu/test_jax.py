@@ -860,6 +860,28 @@ def test_native_custom_call_gives_the_callback_paths_bits(cudnn_calls, monkeypat
         np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16), err_msg=name)
 
 
+def test_native_programs_survive_the_cores_eviction():
+    """The launch core keeps plans by digest in a bounded registry. With room for one plan, two
+    compiled programs that alternate (each evicting the other's plans) still run, from the bytes
+    they carry, and give their first bits."""
+    from fusedattn.backends.cudnn.native import core
+
+    keys = jax.random.split(jax.random.key(3), 3)
+    q = jax.random.normal(keys[0], (2, 192, 4, 64), jnp.bfloat16)
+    k, v = (jax.random.normal(key, (2, 192, 2, 64), jnp.bfloat16) for key in keys[1:])
+    programs = [jax.jit(_plain_step(mask)) for mask in ("causal", "none")]
+    first = [[np.asarray(x) for x in program(q, k, v)] for program in programs]
+    try:
+        core.bounds(1)
+        for _ in range(3):
+            for program, expected in zip(programs, first):
+                for a, b in zip(program(q, k, v), expected):
+                    np.testing.assert_array_equal(np.asarray(a).view(np.uint16), b.view(np.uint16))
+        assert core.bounds() == 1
+    finally:
+        core.bounds(core.PLAN_CAPACITY)
+
+
 def test_native_custom_call_matches_the_reference_under_vmap_and_inference():
     """The native path against the float64 reference: a vmapped training step and a forward that
     nothing differentiates (the inference graph, no stats buffer bound)."""

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fusedattn.backends.base import AttentionInputs, AttentionOutputs
+from fusedattn.backends.base import AttentionInputs, AttentionOutputs, no_lse_gradient
 from fusedattn.backends.cudnn.runtime import execute, get_graph
 from fusedattn.backends.cudnn.score_mod_graph import aux_name, mask_plan
 from fusedattn.backends.cudnn.spec import (
@@ -308,9 +308,7 @@ def backward(cfg: AttentionConfig, inputs: AttentionInputs, outputs: AttentionOu
     """into: preallocated {"q"|"k"|"v": buffer} the gradients are written into where they fit."""
     into = into or {}
     if grad_lse is not None:
-        raise NotImplementedError(
-            "fusedattn: the cudnn backend has no gradient through the returned lse; "
-            "use backend='reference' for losses that depend on lse")
+        raise no_lse_gradient("fusedattn.torch.attention", "cudnn")
     if rows_without_keys(cfg):
         return _backward_rows_with_keys(cfg, inputs, outputs, grad_out)
     device = inputs.q.device

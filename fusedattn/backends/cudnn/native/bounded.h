@@ -17,13 +17,24 @@ namespace fusedattn_native {
 template <typename T>
 class Bounded {
    public:
+    // Adds `item` under a new id (counting from 0); the id.
     int64_t add(std::shared_ptr<T> item) {
         std::lock_guard<std::mutex> lock(mutex_);
         int64_t id = next_id_++;
-        order_.push_front(id);
-        items_[id] = {std::move(item), order_.begin()};
-        shrink();
+        insert(id, std::move(item));
         return id;
+    }
+
+    // Adds `item` under the caller's `key` (a content digest) unless that key is held; the key.
+    int64_t add(int64_t key, std::shared_ptr<T> item) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        auto found = items_.find(key);
+        if (found != items_.end()) {
+            order_.splice(order_.begin(), order_, found->second.position);
+        } else {
+            insert(key, std::move(item));
+        }
+        return key;
     }
 
     std::shared_ptr<T> find(int64_t id) {
@@ -46,6 +57,11 @@ class Bounded {
     }
 
    private:
+    void insert(int64_t id, std::shared_ptr<T> item) {
+        order_.push_front(id);
+        items_[id] = {std::move(item), order_.begin()};
+        shrink();
+    }
     void shrink() {
         while (static_cast<int64_t>(items_.size()) > capacity_) {
             items_.erase(order_.back());

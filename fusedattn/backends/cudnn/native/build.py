@@ -4,8 +4,8 @@ Each library is one C++ file compiled with the system C++ compiler against heade
 packages ship. "core" (launch_core.cc) is the launch core: the only code that includes the cuDNN
 frontend (its wheel's headers, cuDNN's and CUDA's from NVIDIA's wheels or a CUDA toolkit), built with
 hidden symbols and its own libstdc++ so no other frontend copy in the process can bind to it.
-"torch" (torch_op.cc) is the operator over it, built against torch's headers alone. "jax" is the XLA
-FFI handler (fusedattn/jax/native/cudnn_call.cc). Each result is cached under ~/.cache/fusedattn/native,
+"torch" (torch_op.cc) is the operator over it, built against torch's headers alone; "jax" (jax_call.cc)
+is the XLA FFI handler over it, built against XLA's FFI headers (jaxlib ships them) alone. Each result is cached under ~/.cache/fusedattn/native,
 keyed by the source, the command and the packages' versions, so a new version of anything rebuilds.
 FUSEDATTN_CACHE_DIR moves the cache; FUSEDATTN_NATIVE_LIB_<KIND> (CORE, TORCH, JAX) names a prebuilt one.
 """
@@ -24,10 +24,9 @@ from pathlib import Path
 __all__ = ["KINDS", "library_path", "built_path", "build", "include_dirs", "cache_dir", "loaded_cudnn"]
 
 HERE = Path(__file__).resolve().parent
-HEADERS = (HERE / "bounded.h",)  # included by the core and the operator: part of their cache keys
+HEADERS = (HERE / "bounded.h", HERE / "core_api.h")  # included by the libraries: part of their cache keys
 KINDS = ("core", "torch", "jax")
-SOURCES = {"core": HERE / "launch_core.cc", "torch": HERE / "torch_op.cc",
-           "jax": HERE.parents[2] / "jax" / "native" / "cudnn_call.cc"}
+SOURCES = {"core": HERE / "launch_core.cc", "torch": HERE / "torch_op.cc", "jax": HERE / "jax_call.cc"}
 NAMES = {"core": "libfusedattn_core.so", "torch": "libfusedattn_torch.so", "jax": "libfusedattn_cudnn_call.so"}
 ENV_CACHE = "FUSEDATTN_CACHE_DIR"
 
@@ -57,8 +56,9 @@ def _command(kind: str) -> list[str]:
     else:
         # Hidden symbols, -Bsymbolic and a static libstdc++: the frontend's inline code must bind to this
         # library's copy, never to another frontend version already in the process (torch bundles one).
-        flags += ["-Wl,-Bsymbolic", "-Wl,--exclude-libs,ALL", "-static-libstdc++", "-static-libgcc",
-                  "-DNV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING"]
+        flags += ["-Wl,-Bsymbolic", "-Wl,--exclude-libs,ALL", "-static-libstdc++", "-static-libgcc"]
+    if kind == "core":
+        flags.append("-DNV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING")
     return [compiler, *flags, *(f"-I{d}" for d in include_dirs(kind)), str(SOURCES[kind]), *extra]
 
 
@@ -76,10 +76,11 @@ def _versions(kind: str) -> tuple:
         import torch
 
         return kind, torch.__version__, sys.platform
-    cudnn = _frontend()
+    if kind == "jax":
+        import jax
 
-    framework = __import__("jax").__version__ if kind == "jax" else ""
-    return kind, cudnn.__version__, framework, sys.platform
+        return kind, jax.__version__, sys.platform
+    return kind, _frontend().__version__, sys.platform
 
 
 def built_path(kind: str) -> Path:
@@ -121,13 +122,17 @@ def build(kind: str, announce=None) -> tuple[Path, float]:
 
 
 def include_dirs(kind: str) -> list[str]:
-    """Header folders. torch: torch's own. core and jax: the cuDNN frontend's (its wheel ships them),
-    cuDNN's and CUDA's (runtime, NVRTC, CCCL), environment first; jax adds XLA's FFI (jax ships it)."""
+    """Header folders. torch: torch's own. jax: XLA's FFI (jaxlib ships it). core: the cuDNN frontend's
+    (its wheel ships them), cuDNN's and CUDA's (runtime, NVRTC, CCCL), environment first."""
     if kind == "torch":
         import torch
 
         root = Path(torch.__file__).parent / "include"
         return [str(root), str(root / "torch" / "csrc" / "api" / "include"), str(HERE)]
+    if kind == "jax":
+        import jax
+
+        return [str(Path(jax.ffi.include_dir())), str(HERE)]
     cudnn = _frontend()
 
     frontend = _first_with("cudnn_frontend.h", [Path(cudnn.__file__).parent.parent / "include"])
@@ -140,10 +145,6 @@ def include_dirs(kind: str) -> list[str]:
     dirs = [frontend, cudnn_dir, cuda, _first_with("nvrtc.h", [cuda, *cuda_roots]), HERE]
     for header in ("crt/host_defines.h", "nv/target"):  # what cuda_runtime_api.h includes in turn
         dirs += [d for d in [cuda, *cuda_roots] if (d / header).exists()][:1]
-    if kind == "jax":
-        import jax
-
-        dirs.append(Path(jax.ffi.include_dir()))
     return list(dict.fromkeys(str(d) for d in dirs))
 
 

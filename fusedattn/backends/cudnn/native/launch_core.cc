@@ -27,6 +27,7 @@
 #include <cudnn_frontend.h>
 
 #include "bounded.h"
+#include "core_api.h"
 
 namespace cudnn_frontend {
 // The frontend's dynamic-loading shim calls cuDNN through this handle; fusedattn_core_init sets it to
@@ -37,9 +38,6 @@ void *cudnn_dlhandle = nullptr;
 namespace fusedattn_native {
 
 namespace fe = cudnn_frontend;
-
-constexpr int64_t kUnbound = -1;    // a slot the graph does not read or write
-constexpr int64_t kWorkspace = -2;  // the slot that serves as cuDNN's workspace (JAX: a result buffer)
 
 struct Plan {
     int64_t digest = 0;  // of the bytes and uids: who names the plan also names what it holds
@@ -276,10 +274,17 @@ int fusedattn_core_init(const char *path) {
     return core_error.empty() ? 0 : 1;
 }
 
-// Registers a serialized graph, the uid of each slot and their digest; the plan's id.
+// Registers a serialized graph and the uid of each slot under their digest (a non-negative number
+// that names the content: registering it again, from either framework, finds the same plan); the
+// plan's id, which is the digest.
 int64_t fusedattn_core_register(const uint8_t *blob, int64_t size, const int64_t *uids, int64_t count,
                                 int64_t digest) {
-    return fusedattn_native::Registry::get().plans.add(fusedattn_native::make_plan(blob, size, uids, count, digest));
+    if (digest < 0) {
+        core_error = "a plan's digest is a non-negative number, got " + std::to_string(digest);
+        return -1;
+    }
+    return fusedattn_native::Registry::get().plans.add(digest,
+                                                       fusedattn_native::make_plan(blob, size, uids, count, digest));
 }
 
 // Deserializes a plan on `device` now: its workspace bytes, or -1 with the reason in the last error.
@@ -297,13 +302,14 @@ int64_t fusedattn_core_prepare(int64_t plan_id, int32_t device) {
     }
 }
 
-// Executes a plan with one pointer per slot on `stream`. 0 on success, else -1 (reason in the last error).
+// Executes a plan with one pointer per slot on `stream`. 0 on success; kNotRegistered when the plan is
+// not held (never registered here, or evicted: register it again), else -1; the reason in the last error.
 int fusedattn_core_execute(int64_t plan_id, int32_t device, void *stream, void *const *slots, int64_t count,
                            void *workspace, int64_t workspace_bytes) {
     auto plan = fusedattn_native::Registry::get().plans.find(plan_id);
     if (plan == nullptr) {
         core_error = "native plan " + std::to_string(plan_id) + " is not registered in this process";
-        return -1;
+        return fusedattn_native::kNotRegistered;
     }
     try {
         core_error = fusedattn_native::execute(plan.get(), device, static_cast<cudaStream_t>(stream),

@@ -8,8 +8,6 @@
 // torch's caching allocator and launch the deserialized graph on torch's current stream.
 // Meta kernels give the output shapes from the plan, so torch.compile traces the same operator.
 
-#include <dlfcn.h>
-
 #include <atomic>
 #include <mutex>
 
@@ -21,6 +19,7 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include "bounded.h"
+#include "core_api.h"
 
 namespace {
 
@@ -29,14 +28,8 @@ using c10::optional;
 
 // The launch core (launch_core.cc), a separate library with its own copy of the cuDNN frontend:
 // its C functions, found when Python calls fusedattn_torch_init with its path.
-struct Core {
-    const char *(*last_error)() = nullptr;
-    int64_t (*prepare)(int64_t, int32_t) = nullptr;
-    int (*execute)(int64_t, int32_t, void *, void *const *, int64_t, void *, int64_t) = nullptr;
-};
-
-Core &core() {
-    static Core functions;
+fusedattn_native::CoreApi &core() {
+    static fusedattn_native::CoreApi functions;
     return functions;
 }
 
@@ -189,12 +182,24 @@ std::vector<Tensor> backward_outputs(const TorchPlan &plan, const Tensor &q, con
     return grads;
 }
 
-std::vector<Tensor> backward_cuda(int64_t plan_id, const Tensor &grad_out, const Tensor &q, const Tensor &k,
-                                  const Tensor &v, const Tensor &out, const Tensor &lse,
-                                  const optional<Tensor> &sink, const optional<Tensor> &seed,
+// cuDNN's backward has no term for a gradient reaching the LSE. One that is absent or all zeros (a
+// compiled graph passes zeros for a returned LSE the loss does not use) changes nothing; any other is
+// refused, in eager and compiled calls alike, at the cost of one host read in that case only. The text
+// is the Python paths' (backends/base.py: no_lse_gradient).
+void refuse_lse_gradient(const optional<Tensor> &grad_lse) {
+    if (!grad_lse.has_value() || !grad_lse->defined()) return;
+    TORCH_CHECK_NOT_IMPLEMENTED(!grad_lse->ne(0).any().item<bool>(),
+                                "fusedattn.torch.attention: the cudnn backend has no gradient through the returned "
+                                "lse; use backend='reference' for losses that depend on lse");
+}
+
+std::vector<Tensor> backward_cuda(int64_t plan_id, const Tensor &grad_out, const optional<Tensor> &grad_lse,
+                                  const Tensor &q, const Tensor &k, const Tensor &v, const Tensor &out,
+                                  const Tensor &lse, const optional<Tensor> &sink, const optional<Tensor> &seed,
                                   const optional<Tensor> &offset) {
     auto plan = find_plan(plan_id);
     TORCH_CHECK(plan->backward >= 0, "fusedattn: native plan ", plan_id, " was registered for inference");
+    refuse_lse_gradient(grad_lse);
     c10::DeviceGuard guard(q.device());
     Tensor qs = conform(q, plan->sizes[0], plan->strides[0], "q");
     Tensor ks = conform(k, plan->sizes[1], plan->strides[1], "k");
@@ -220,9 +225,9 @@ std::vector<Tensor> backward_cuda(int64_t plan_id, const Tensor &grad_out, const
     return grads;
 }
 
-std::vector<Tensor> backward_meta(int64_t plan_id, const Tensor &grad_out, const Tensor &q, const Tensor &k,
-                                  const Tensor &v, const Tensor &out, const Tensor &lse,
-                                  const optional<Tensor> &sink, const optional<Tensor> &seed,
+std::vector<Tensor> backward_meta(int64_t plan_id, const Tensor &grad_out, const optional<Tensor> &grad_lse,
+                                  const Tensor &q, const Tensor &k, const Tensor &v, const Tensor &out,
+                                  const Tensor &lse, const optional<Tensor> &sink, const optional<Tensor> &seed,
                                   const optional<Tensor> &offset) {
     auto plan = find_plan(plan_id);
     check_shapes(*plan, q, k, v);
@@ -238,14 +243,14 @@ std::vector<Tensor> call_forward(int64_t plan, const Tensor &q, const Tensor &k,
     return op.call(plan, q, k, v, sink, seed, offset);
 }
 
-std::vector<Tensor> call_backward(int64_t plan, const Tensor &grad_out, const Tensor &q, const Tensor &k,
-                                  const Tensor &v, const Tensor &out, const Tensor &lse,
-                                  const optional<Tensor> &sink, const optional<Tensor> &seed,
+std::vector<Tensor> call_backward(int64_t plan, const Tensor &grad_out, const optional<Tensor> &grad_lse,
+                                  const Tensor &q, const Tensor &k, const Tensor &v, const Tensor &out,
+                                  const Tensor &lse, const optional<Tensor> &sink, const optional<Tensor> &seed,
                                   const optional<Tensor> &offset) {
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("fusedattn_native::backward", "")
                          .typed<decltype(backward_cuda)>();
-    return op.call(plan, grad_out, q, k, v, out, lse, sink, seed, offset);
+    return op.call(plan, grad_out, grad_lse, q, k, v, out, lse, sink, seed, offset);
 }
 
 Tensor defined_or_empty(const optional<Tensor> &x) { return x.has_value() ? *x : Tensor(); }
@@ -267,14 +272,11 @@ class Attention : public torch::autograd::Function<Attention> {
     }
 
     static std::vector<Tensor> backward(torch::autograd::AutogradContext *ctx, std::vector<Tensor> grads) {
-        TORCH_CHECK(!grads[1].defined(),
-                    "fusedattn: the cudnn backend has no gradient through the returned lse; use backend='reference' "
-                    "for losses that depend on lse");
         auto saved = ctx->get_saved_variables();
         Tensor grad_out = grads[0].defined() ? grads[0] : at::zeros_like(saved[3]);
-        auto result = call_backward(ctx->saved_data["plan"].toInt(), grad_out, saved[0], saved[1], saved[2],
-                                    saved[3], saved[4], as_optional(saved[5]), as_optional(saved[6]),
-                                    as_optional(saved[7]));
+        auto result = call_backward(ctx->saved_data["plan"].toInt(), grad_out, as_optional(grads[1]), saved[0],
+                                    saved[1], saved[2], saved[3], saved[4], as_optional(saved[5]),
+                                    as_optional(saved[6]), as_optional(saved[7]));
         Tensor dsink;  // learnable sinks only: an off-by-one sink is no input
         if (saved[5].defined() && result[3].numel()) dsink = result[3].reshape({-1}).to(saved[5].scalar_type());
         return {Tensor(), result[0], result[1], result[2], dsink, Tensor(), Tensor()};
@@ -293,8 +295,8 @@ TORCH_LIBRARY(fusedattn_native, m) {
     m.def("attention(int plan, Tensor q, Tensor k, Tensor v, Tensor? sink, Tensor? seed, Tensor? offset) "
           "-> Tensor[]");
     m.def("forward(int plan, Tensor q, Tensor k, Tensor v, Tensor? sink, Tensor? seed, Tensor? offset) -> Tensor[]");
-    m.def("backward(int plan, Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? sink, "
-          "Tensor? seed, Tensor? offset) -> Tensor[]");
+    m.def("backward(int plan, Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor out, "
+          "Tensor lse, Tensor? sink, Tensor? seed, Tensor? offset) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(fusedattn_native, Autograd, m) { m.impl("attention", &attention_autograd); }
@@ -320,23 +322,8 @@ const char *fusedattn_torch_last_error() { return fusedattn_error.c_str(); }
 
 // Finds the launch core's functions in the library at `core_path` (already loaded by Python). 0 on success.
 int fusedattn_torch_init(const char *core_path) {
-    void *library = dlopen(core_path, RTLD_NOW | RTLD_LOCAL);
-    if (library == nullptr) {
-        const char *reason = dlerror();
-        fusedattn_error = std::string("dlopen ") + core_path + ": " + (reason ? reason : "unknown error");
-        return 1;
-    }
-    Core functions;
-    functions.last_error = reinterpret_cast<const char *(*)()>(dlsym(library, "fusedattn_core_last_error"));
-    functions.prepare = reinterpret_cast<int64_t (*)(int64_t, int32_t)>(dlsym(library, "fusedattn_core_prepare"));
-    functions.execute = reinterpret_cast<int (*)(int64_t, int32_t, void *, void *const *, int64_t, void *, int64_t)>(
-        dlsym(library, "fusedattn_core_execute"));
-    if (!functions.last_error || !functions.prepare || !functions.execute) {
-        fusedattn_error = std::string("the launch core at ") + core_path + " lacks its functions";
-        return 1;
-    }
-    core() = functions;
-    return 0;
+    fusedattn_error = fusedattn_native::load_core(core_path, &core());
+    return fusedattn_error.empty() ? 0 : 1;
 }
 
 // A torch plan from two core plans (backward -1 for inference) and its shapes, flattened:

@@ -12,11 +12,10 @@ FUSEDATTN_TORCH_NATIVE=0 turns the operator off.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 import threading
 
-from fusedattn.backends.cudnn.native import build
+from fusedattn.backends.cudnn.native import build, core
 from fusedattn.cache import LRUCache, register
 from fusedattn.config import AttentionConfig, BiasType, Layout, SoftmaxType
 
@@ -31,10 +30,10 @@ BACKWARD_SLOTS = ("q", "k", "v", "o", "dO", "stats", "sink", "dropout_seed", "dr
 _SINK_KINDS = {SoftmaxType.VANILLA: 0, SoftmaxType.OFF_BY_ONE: 1, SoftmaxType.LEARNABLE: 2}
 _SCALAR_TYPES = {"float16": 5, "bfloat16": 15}  # c10::ScalarType codes
 _FROM_BHSD = {Layout.BSHD: (0, 2, 1, 3), Layout.SBHD: (2, 0, 1, 3), Layout.BHSD: (0, 1, 2, 3)}
-PLAN_CAPACITY = 4096  # torch plans (and core plans) the library keeps; the Python cache below is smaller
+PLAN_CAPACITY = core.PLAN_CAPACITY  # torch plans the operator keeps; the Python cache below is smaller
 
 _lock = threading.Lock()
-_state: dict = {}  # "library" (_Libraries) or "reason" (str), once decided
+_state: dict = {}  # "library" (the operator, ctypes) or "reason" (str), once decided
 _plans: LRUCache = LRUCache(PLAN_CAPACITY // 2)  # config -> torch plan id, or None (the operator declined)
 register("cudnn.native.torch_plans", _plans)
 
@@ -72,31 +71,14 @@ def reasons(cfg: AttentionConfig) -> list[str]:
     return found
 
 
-class _Libraries:
-    """The launch core (ctypes) and the operator library (loaded into torch, and through ctypes)."""
-
-    def __init__(self, core: ctypes.CDLL, operator: ctypes.CDLL):
-        self.core, self.operator = core, operator
-
-
-def _load() -> _Libraries:
+def _load() -> ctypes.CDLL:
+    """The operator library, loaded into torch and (for its C functions) through ctypes, over the core."""
     import torch
 
     if not torch.cuda.is_available():
         raise RuntimeError("torch sees no CUDA device")
-    core_path, torch_path = build.library_path("core"), build.library_path("torch")
-    core = ctypes.CDLL(str(core_path))
-    core.fusedattn_core_register.restype = ctypes.c_int64
-    core.fusedattn_core_register.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                                             ctypes.c_int64]
-    core.fusedattn_core_prepare.restype = ctypes.c_int64
-    core.fusedattn_core_prepare.argtypes = [ctypes.c_int64, ctypes.c_int32]
-    core.fusedattn_core_last_error.restype = ctypes.c_char_p
-    core.fusedattn_core_init.argtypes = [ctypes.c_char_p]
-    core.fusedattn_core_bounds.restype = ctypes.c_int64
-    core.fusedattn_core_bounds.argtypes = [ctypes.c_int64]
-    if core.fusedattn_core_init(build.loaded_cudnn().encode()) != 0:
-        raise RuntimeError(core.fusedattn_core_last_error().decode())
+    core.library()
+    torch_path = build.library_path("torch")
     torch.ops.load_library(str(torch_path))
     operator = ctypes.CDLL(str(torch_path))
     operator.fusedattn_torch_plan.restype = ctypes.c_int64
@@ -105,22 +87,17 @@ def _load() -> _Libraries:
     operator.fusedattn_torch_init.argtypes = [ctypes.c_char_p]
     operator.fusedattn_torch_bounds.restype = ctypes.c_int64
     operator.fusedattn_torch_bounds.argtypes = [ctypes.c_int64]
-    if operator.fusedattn_torch_init(str(core_path).encode()) != 0:
+    if operator.fusedattn_torch_init(str(core.path()).encode()) != 0:
         raise RuntimeError(operator.fusedattn_torch_last_error().decode())
-    libraries = _Libraries(core, operator)
-    _bounds(libraries, PLAN_CAPACITY)
-    return libraries
-
-
-def _bounds(libraries: _Libraries, capacity: int) -> tuple[int, int]:
-    return libraries.core.fusedattn_core_bounds(capacity), libraries.operator.fusedattn_torch_bounds(capacity)
+    operator.fusedattn_torch_bounds(PLAN_CAPACITY)
+    return operator
 
 
 def registry_sizes() -> tuple[int, int]:
     """(core plans, torch plans) the libraries hold now (each at most PLAN_CAPACITY)."""
     if unavailable() is not None:
         return 0, 0
-    return _bounds(_state["library"], 0)
+    return core.bounds(), _state["library"].fusedattn_torch_bounds(0)
 
 
 def plan_for(cfg: AttentionConfig, device: int) -> int | None:
@@ -137,17 +114,15 @@ def forget(cfg: AttentionConfig) -> None:
     _plans.pop(cfg)
 
 
-def _core_plan(core, built, names: tuple, device: int) -> int | None:
+def _core_plan(built, names: tuple, device: int) -> int | None:
     blob = bytes(built.graph.serialize(as_bytes=True))
-    uids = tuple(built.tensors[n].get_uid() if n in built.tensors else -1 for n in names)
-    digest = int.from_bytes(hashlib.sha256(blob + repr(uids).encode()).digest()[:8], "little", signed=True)
-    data = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
-    plan = core.fusedattn_core_register(data, len(blob), (ctypes.c_int64 * len(uids))(*uids), len(uids), digest)
-    if core.fusedattn_core_prepare(plan, device) < 0:
-        _warn(f"cuDNN could not rebuild a graph from its bytes ({core.fusedattn_core_last_error().decode()}); "
-              "this configuration keeps the Python launch path")
+    uids = tuple(built.tensors[n].get_uid() if n in built.tensors else core.UNBOUND for n in names)
+    registered = core.register(blob, uids, device)
+    if isinstance(registered, str):
+        _warn(f"cuDNN could not rebuild a graph from its bytes ({registered}); this configuration keeps the "
+              "Python launch path")
         return None
-    return plan
+    return registered[0]
 
 
 def _warn(message: str) -> None:
@@ -159,16 +134,15 @@ def _warn(message: str) -> None:
 def _register(cfg: AttentionConfig, device: int) -> int | None:
     from fusedattn.backends.cudnn.runtime import get_graph
 
-    libraries = _state["library"]
     forward = get_graph(cfg, "forward", device)
-    forward_plan = _core_plan(libraries.core, forward, FORWARD_SLOTS, device)
+    forward_plan = _core_plan(forward, FORWARD_SLOTS, device)
     backward_plan = -1
     if cfg.is_training:
-        backward_plan = _core_plan(libraries.core, get_graph(cfg, "backward", device), BACKWARD_SLOTS, device)
+        backward_plan = _core_plan(get_graph(cfg, "backward", device), BACKWARD_SLOTS, device)
     if forward_plan is None or backward_plan is None:
         return None
     shape = plan_shape(cfg, "stats" in forward.tensors)
-    plan = libraries.operator.fusedattn_torch_plan(forward_plan, backward_plan,
+    plan = _state["library"].fusedattn_torch_plan(forward_plan, backward_plan,
                                                    (ctypes.c_int64 * len(shape))(*shape), len(shape))
     return plan if plan >= 0 else None
 

@@ -1,0 +1,76 @@
+"""The launch core as Python sees it: loaded once per process, shared by the torch operator and the
+JAX custom call (both find its functions by the path this module loaded).
+
+A plan is a serialized graph plus the uid each of the call's slots binds to (UNBOUND for a slot the
+graph skips, WORKSPACE for JAX's workspace result); its id is the digest of both, so registering the
+same graph from either framework finds one plan. The registry is bounded (PLAN_CAPACITY).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import threading
+from pathlib import Path
+
+from fusedattn.backends.cudnn.native import build
+
+__all__ = ["UNBOUND", "WORKSPACE", "PLAN_CAPACITY", "library", "path", "digest", "register", "bounds"]
+
+UNBOUND, WORKSPACE = -1, -2  # core_api.h's kUnbound and kWorkspace
+PLAN_CAPACITY = 4096  # plans the core keeps (least recently used go first)
+
+_lock = threading.Lock()
+_loaded: dict = {}  # "library" (ctypes.CDLL) and "path", once loaded
+
+
+def library() -> ctypes.CDLL:
+    """The core, built once per machine and loaded once per process with cuDNN set up (raises why not)."""
+    with _lock:
+        if "library" not in _loaded:
+            core_path = build.library_path("core")
+            core = ctypes.CDLL(str(core_path))
+            core.fusedattn_core_register.restype = ctypes.c_int64
+            core.fusedattn_core_register.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                                     ctypes.c_int64, ctypes.c_int64]
+            core.fusedattn_core_prepare.restype = ctypes.c_int64
+            core.fusedattn_core_prepare.argtypes = [ctypes.c_int64, ctypes.c_int32]
+            core.fusedattn_core_last_error.restype = ctypes.c_char_p
+            core.fusedattn_core_init.argtypes = [ctypes.c_char_p]
+            core.fusedattn_core_bounds.restype = ctypes.c_int64
+            core.fusedattn_core_bounds.argtypes = [ctypes.c_int64]
+            if core.fusedattn_core_init(build.loaded_cudnn().encode()) != 0:
+                raise RuntimeError(core.fusedattn_core_last_error().decode())
+            core.fusedattn_core_bounds(PLAN_CAPACITY)
+            _loaded.update(library=core, path=core_path)
+        return _loaded["library"]
+
+
+def path() -> Path:
+    """The loaded core's file (the operator and the custom call open the same one)."""
+    library()
+    return _loaded["path"]
+
+
+def digest(blob: bytes, uids: tuple[int, ...]) -> int:
+    """A plan's id: 63 bits of the SHA-256 of its bytes and uids (non-negative, as the core requires)."""
+    return int.from_bytes(hashlib.sha256(blob + repr(tuple(uids)).encode()).digest()[:8], "little") >> 1
+
+
+def register(blob: bytes, uids: tuple[int, ...], device: int) -> tuple[int, int] | str:
+    """Registers a plan and deserializes it on `device`: (its id, workspace bytes there), or the reason
+    cuDNN could not rebuild the graph from its bytes."""
+    core = library()
+    plan_id = digest(blob, uids)
+    data = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
+    registered = core.fusedattn_core_register(data, len(blob), (ctypes.c_int64 * len(uids))(*uids), len(uids),
+                                              plan_id)
+    workspace = core.fusedattn_core_prepare(plan_id, device) if registered == plan_id else -1
+    if workspace < 0:
+        return core.fusedattn_core_last_error().decode()
+    return plan_id, workspace
+
+
+def bounds(capacity: int = 0) -> int:
+    """Sets the registry's bound (when capacity > 0); the number of plans held."""
+    return library().fusedattn_core_bounds(capacity)
