@@ -57,8 +57,15 @@ def _dropout_state(seed, offset, like: torch.Tensor):
         if not (isinstance(value, int) or (isinstance(value, torch.Tensor) and value.numel() == 1
                                            and not value.is_floating_point())):
             raise ValueError(f"{API}: {name}: expected an int or a one-element integer tensor, got {value!r}")
-    as_tensor = lambda v: torch.as_tensor(v, dtype=torch.int64).reshape(()).to(like.device)  # noqa: E731
-    return as_tensor(seed), as_tensor(offset)
+    return _device_scalar(seed, like.device), _device_scalar(offset, like.device)
+
+
+def _device_scalar(value, device: torch.device) -> torch.Tensor:
+    """An int64 scalar tensor on `device`. A host value is filled in by a kernel, not copied: a copy from
+    pageable memory would make the warm path wait for the device."""
+    if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+        return value.to(device=device, dtype=torch.int64).reshape(())
+    return torch.full((), int(value), dtype=torch.int64, device=device)
 
 
 def attention(

@@ -87,13 +87,17 @@ def test_ten_thousand_calls_keep_memory_flat_after_warm_up():
         _step(i, tensors, train=False)
     builds = graph_cache().builds
     allocated, reserved = _settled_memory()
+    checkpoints = []
     for i in range(MANY):
         _step(i, tensors, train=i % 10 == 0)
         if i % 1000 == 999:
             now_allocated, now_reserved = _settled_memory()
-            assert now_allocated == allocated, f"call {i}: {now_allocated - allocated} bytes more allocated"
+            assert now_allocated <= allocated, f"call {i}: {now_allocated - allocated} bytes more allocated"
             assert now_reserved <= reserved + 16 * MIB, f"call {i}: {(now_reserved - reserved) / MIB:.1f} MiB more"
             _assert_within_bounds(f"call {i}")
+            checkpoints.append(now_allocated)
+    # flat: the same bytes at every checkpoint after the first thousand calls
+    assert len(set(checkpoints[1:])) == 1, [c - checkpoints[1] for c in checkpoints]
     assert graph_cache().builds == builds, "a warm configuration rebuilt its graph"
 
 

@@ -904,12 +904,11 @@ def test_native_custom_call_matches_the_reference_under_vmap_and_inference():
     assert_close_to_exact("inference out", as_torch_tensor(inference), same, exact)
 
 
-def test_a_program_naming_a_plan_this_process_did_not_register_is_refused():
-    """The native call names its plan by id and digest; a program whose digest is not this process's
-    plan (compiled elsewhere, e.g. through jax.export) fails with a clear error instead of running
-    another graph."""
+def test_a_call_whose_buffers_do_not_match_its_plan_is_refused():
+    """The native call carries its plan's uids, one per buffer; a call with another number of buffers
+    fails with a clear error instead of binding the wrong ones."""
     q = jax.random.normal(jax.random.key(3), (2, 128, 4, 64), jnp.bfloat16)
-    np.asarray(jax.jit(lambda q: fj.attention(q, q, q, backend="cudnn"))(q))  # registers plan(s) here
     stray = jax.ffi.ffi_call(native.TARGET, (jax.ShapeDtypeStruct((1,), jnp.uint8),), vmap_method="sequential")
-    with pytest.raises(Exception, match="which this process did not register"):
-        np.asarray(jax.jit(lambda q: stray(q, plan=np.int64(0), digest=np.int64(12345))[0])(q))
+    attributes = {"plan": np.int64(12345), "blob": np.zeros(4, np.uint8), "uids": np.asarray([1, 2, 3], np.int64)}
+    with pytest.raises(Exception, match="binds 3 buffers, the call has 2"):
+        np.asarray(jax.jit(lambda q: stray(q, **attributes)[0])(q))
