@@ -57,6 +57,7 @@ except ImportError:  # python bench/profile_overhead.py
 
 SUITE = "overhead"
 PEER = "sdpa"
+CUDNN_PEER = "sdpa_cudnn"  # SDPA forced to cuDNN (GPU only): the same kernels as ours, torch's own launch
 HOLD_MARGIN_US = 2000.0  # the spin outlasts twice the plain loop's enqueue time by this much
 
 
@@ -153,9 +154,19 @@ class Contestant:
     samples: dict[str, list] = field(default_factory=lambda: {"host": [], "wait": [], "loop": [], "gpu": [],
                                                               "held": []})
 
+    sdpa_backend: object = None  # an SDPBackend to force around the loop
+
     def context(self) -> contextlib.AbstractContextManager:
-        """The forward runs under no_grad (entered once around a loop, not per call)."""
-        return torch.no_grad() if self.mode == common.FWD else contextlib.nullcontext()
+        """The forward runs under no_grad, a forced SDPA backend under sdpa_kernel (entered once around a
+        loop, not per call)."""
+        stack = contextlib.ExitStack()
+        if self.mode == common.FWD:
+            stack.enter_context(torch.no_grad())
+        if self.sdpa_backend is not None:
+            from torch.nn.attention import sdpa_kernel
+
+            stack.enter_context(sdpa_kernel(self.sdpa_backend))
+        return stack
 
     def call(self) -> Callable[[], object]:
         return self.impl.call if self.mode == common.FWD else self.impl.step(common.FWD_BWD)
@@ -169,7 +180,12 @@ def contestants(x: bench_cudnn.Inputs, mode: str, ours_backend: str | None) -> l
     sdpa = common.Impl(PEER, partial(torch.nn.functional.scaled_dot_product_attention, x.qt, x.kt, x.vt,
                                      is_causal=True), (x.qt, x.kt, x.vt), x.grad_out.transpose(1, 2),
                        to_reference=lambda t: t.transpose(1, 2), forward_no_grad=True)
-    return [Contestant("ours", ours, mode), Contestant(PEER, sdpa, mode)]
+    peers = [Contestant("ours", ours, mode), Contestant(PEER, sdpa, mode)]
+    if x.q.is_cuda:
+        from torch.nn.attention import SDPBackend
+
+        peers.append(Contestant(CUDNN_PEER, sdpa, mode, sdpa_backend=SDPBackend.CUDNN_ATTENTION))
+    return peers
 
 
 def sample(contestant: Contestant, calls: int, device: torch.device, cycles_per_us: float | None) -> None:
@@ -249,8 +265,8 @@ def run_row(shape: Shape, mode: str, args, device: torch.device, cycles_per_us: 
         if contestant.name == "ours":
             params["fusedattn_selection"] = [f"{config} -> {backend}" for config, backend in made]
             params["ours_backend"] = args.ours_backend or ",".join(sorted({b for _, b in made})) or "default"
-    if len(live) == 2:
-        _check(live, mode, params)
+    if len(live) >= 2:
+        _check(live[:2], mode, params)
     for index in range(args.rounds):
         for contestant in live[::-1] if index % 2 else live:
             if contestant.name in entries:
@@ -264,10 +280,12 @@ def run_row(shape: Shape, mode: str, args, device: torch.device, cycles_per_us: 
     del live, x
     common.release_memory(device)
     ours = {"backend": params.get("ours_backend", args.ours_backend or "default"), **entries["ours"]}
-    peers = {PEER: entries[PEER]}
-    ratio = common.best_peer_ratio(ours, peers)
+    peers = {name: entries[name] for name in (PEER, CUDNN_PEER) if name in entries}
+    ratio = common.best_peer_ratio(ours, {PEER: peers[PEER]})  # the target: SDPA's default dispatch
+    cudnn_ratio = common.best_peer_ratio(ours, {CUDNN_PEER: peers[CUDNN_PEER]}) if CUDNN_PEER in peers else None
     return {"workload": f"{shape.name}-{mode}", "params": params, "metric": "tflops", "ours": ours, "peers": peers,
-            "ratio_vs_best_peer": None if ratio is None else round(ratio, 4)}
+            "ratio_vs_best_peer": None if ratio is None else round(ratio, 4),
+            "ratio_vs_sdpa_cudnn": None if cudnn_ratio is None else round(cudnn_ratio, 4)}
 
 
 # --- output ------------------------------------------------------------------------------------------------------
@@ -281,9 +299,11 @@ def _ratio_text(row: dict, key: str) -> str:
 
 def print_row(row: dict, seconds: float) -> None:
     held = " ".join(str(entry_.get("gpu_held") or "-") for entry_ in (row["ours"], row["peers"][PEER]))
+    cudnn = row["peers"].get(CUDNN_PEER, {}).get("host_us")
+    cudnn_text = f" | sdpa_cudnn host {cudnn:.1f} us" if isinstance(cudnn, float) else ""
     print(f"{row['workload']:<40} " + " | ".join(_ratio_text(row, key) for key in ("host_us", "gpu_us", "loop_us"))
-          + f" | {held:>11}  [{seconds:.1f} s]", flush=True)
-    for name, entry_ in (("ours", row["ours"]), (PEER, row["peers"][PEER])):
+          + f" | {held:>11}{cudnn_text}  [{seconds:.1f} s]", flush=True)
+    for name, entry_ in (("ours", row["ours"]), *row["peers"].items()):
         if "error" in entry_:
             print(f"    ! {name}: {entry_['error'][:300]}", flush=True)
 

@@ -7,10 +7,10 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 FUSEDATTN_CACHE_DIR=/tmp/fusedattn-cache
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 names=(core:libfusedattn_core.so torch:libfusedattn_torch.so jax:libfusedattn_cudnn_call.so)
-if [ -f .native-libs/libfusedattn_core.so ]; then
+if [ -f .native-libs/libfusedattn_core.so ]; then  # carried: those present are used, the others built on first use
   for entry in "${names[@]}"; do
     kind=${entry%%:*}
-    export FUSEDATTN_NATIVE_LIB_${kind^^}=$PWD/.native-libs/${entry#*:}
+    [ -f .native-libs/${entry#*:} ] && export FUSEDATTN_NATIVE_LIB_${kind^^}=$PWD/.native-libs/${entry#*:}
   done
   env | grep FUSEDATTN_NATIVE_LIB
 else

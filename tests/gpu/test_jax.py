@@ -907,6 +907,7 @@ def test_native_custom_call_matches_the_reference_under_vmap_and_inference():
 def test_a_call_whose_buffers_do_not_match_its_plan_is_refused():
     """The native call carries its plan's uids, one per buffer; a call with another number of buffers
     fails with a clear error instead of binding the wrong ones."""
+    assert native.unavailable() is None, native.unavailable()  # loads the handler and registers its target
     q = jax.random.normal(jax.random.key(3), (2, 128, 4, 64), jnp.bfloat16)
     stray = jax.ffi.ffi_call(native.TARGET, (jax.ShapeDtypeStruct((1,), jnp.uint8),), vmap_method="sequential")
     attributes = {"plan": np.int64(12345), "blob": np.zeros(4, np.uint8), "uids": np.asarray([1, 2, 3], np.int64)}

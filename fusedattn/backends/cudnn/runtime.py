@@ -80,14 +80,13 @@ def _relevant(cfg: AttentionConfig) -> str:
             f"deterministic={cfg.deterministic}")
 
 
-def execute(built: BuiltGraph, buffers: dict, device: int, raw: bool = False) -> None:
+def execute(built: BuiltGraph, buffers: dict, device: int) -> None:
     """Run a graph with {our name: tensor} on torch's current stream.
 
-    raw=True passes device pointers instead of tensors: THD tensors are (T, H, D) in torch
-    but logical (B, H, S, D) in the graph, so only their addresses mean the same thing.
-    After one public execute, calls that bind the same names on the GPU launch from their
-    addresses (raw_launch.py): the buffers' strides are fixed by the config, which the graph
-    was built for, so the public execute's inspection of them would only repeat itself.
+    cuDNN gets device pointers (THD tensors are (T, H, D) in torch but logical (B, H, S, D) in
+    the graph, so only their addresses mean the same thing). After one public execute, calls that
+    bind the same names on the GPU launch from their addresses (raw_launch.py): the buffers'
+    strides are fixed by the config, which the graph was built for.
     """
     handle = _handle(device)
     workspace = torch.empty(max(built.workspace, 1), dtype=torch.uint8, device=device)
@@ -99,14 +98,12 @@ def execute(built: BuiltGraph, buffers: dict, device: int, raw: bool = False) ->
     if launcher is not None:
         launcher([buffers[name].data_ptr() for name in names], workspace.data_ptr(), handle)
         return
-    # Tensors reach cuDNN through DLPack, which may order work on the legacy stream: not
-    # allowed while a CUDA graph is being captured. Device pointers avoid it.
-    if raw or torch.cuda.is_current_stream_capturing():
-        pack = {built.tensors[name]: buffers[name].data_ptr() for name in names}
-        built.graph.execute(pack, workspace.data_ptr(), handle=handle)
-    else:
-        pack = {built.tensors[name]: buffers[name] for name in names}
-        built.graph.execute(pack, workspace, handle=handle)
+    # Addresses, not tensors (a pass-by-value scalar's is a host address): tensors reach cuDNN
+    # through DLPack, which may order work on the legacy stream (not allowed while a CUDA graph is
+    # captured), and the frontend's bindings kept such a call's tensors alive past it (device memory
+    # grew with every graph rebuilt).
+    pack = {built.tensors[name]: buffers[name].data_ptr() for name in names}
+    built.graph.execute(pack, workspace.data_ptr(), handle=handle)
     if names not in built.launchers:
         built.launchers[names] = _raw_launcher(built, names, buffers, workspace)
 

@@ -266,7 +266,7 @@ def forward(cfg: AttentionConfig, inputs: AttentionInputs, into: AttentionOutput
         buffers["o"] = out = _contiguous_target((tokens, cfg.heads_q, cfg.head_dim_v), inputs.q.dtype, device,
                                                 into.out)
         buffers["stats"] = lse = _contiguous_target((tokens, cfg.heads_q), torch.float32, device, into.lse)
-        execute(get_graph(cfg, "forward", device.index), buffers, device.index, raw=True)
+        execute(get_graph(cfg, "forward", device.index), buffers, device.index)
         if spec.score_mod:
             lse = _clear_empty_rows(out, lse)
         lse = _clear_rows_without_keys(cfg, inputs, buffers, out, lse)
@@ -344,7 +344,7 @@ def backward(cfg: AttentionConfig, inputs: AttentionInputs, outputs: AttentionOu
         buffers["dbias"] = torch.empty(spec.bias.dim, dtype=inputs.q.dtype, device=device)
     if "dsink" in built.tensors:
         buffers["dsink"] = torch.empty(1, cfg.heads_q, 1, 1, dtype=torch.float32, device=device)
-    execute(built, buffers, device.index, raw=spec.ragged)
+    execute(built, buffers, device.index)
     if spec.padding:
         _clear_gradients_of_empty_sequences(cfg, inputs, grads, buffers)
     if "dbias" in buffers:
