@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import gc
 import random
 import threading
 import time
@@ -48,7 +49,9 @@ def _inputs(sq, skv, seed, dtype=torch.bfloat16, grad=False):
 
 
 def _settled_memory() -> tuple[int, int]:
-    """(allocated, reserved) bytes once the device is idle and freed blocks are back in the pool."""
+    """(allocated, reserved) bytes once the device is idle, unreachable objects are collected (an evicted
+    graph's frontend objects may sit in reference cycles until then) and freed blocks are back in the pool."""
+    gc.collect()
     torch.cuda.synchronize()
     torch.empty(1, device="cuda")  # lets the allocator process events of blocks freed with record_stream
     return torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
