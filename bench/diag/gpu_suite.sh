@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call: the native libraries (carried prebuilt ones in .native-libs/, else built now and
 # copied to $OUT/native-libs for the next call), then the GPU suite (fuzz file apart; PYTEST_ARGS
-# narrows it, SUITE=0 skips it), the fuzzer (FUZZ=1) and any extra command (EXTRA).
+# replaces its paths, SUITE=0 skips it), the fuzzer (FUZZ=1) and any extra command (EXTRA).
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 FUSEDATTN_CACHE_DIR=/tmp/fusedattn-cache
@@ -18,8 +18,8 @@ else
   mkdir -p $OUT/native-libs && find $FUSEDATTN_CACHE_DIR -name "*.so" -exec cp {} $OUT/native-libs/ \;
 fi
 if [ "${SUITE:-1}" = "1" ]; then
-  timeout ${SUITE_SECONDS:-420} python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider \
-    --ignore=tests/gpu/test_fuzz_gpu.py ${PYTEST_ARGS:-} 2>&1 | tee $OUT/gpu-tests.txt | grep -E "passed|failed|^FAILED|^ERROR"
+  timeout ${SUITE_SECONDS:-420} python3 -m pytest -q -m gpu -p no:cacheprovider \
+    --ignore=tests/gpu/test_fuzz_gpu.py ${PYTEST_ARGS:-tests/gpu} 2>&1 | tee $OUT/gpu-tests.txt | grep -E "passed|failed|^FAILED|^ERROR"
 fi
 if [ "${FUZZ:-0}" = "1" ]; then
   FUZZ_SUMMARY=$OUT/fuzz-gpu.txt FUSEDATTN_GIT_REV=${FUSEDATTN_GIT_REV:-unknown} timeout ${FUZZ_SECONDS:-120} \
