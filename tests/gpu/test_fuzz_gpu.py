@@ -41,6 +41,9 @@ DEFAULT_SUMMARY = ROOT / "bench" / "results" / "fuzz-gpu.txt"
 
 
 def _revision() -> str:
+    """The commit tested: FUSEDATTN_GIT_REV where the machine's copy of the checkout has stale git data."""
+    if os.environ.get("FUSEDATTN_GIT_REV"):
+        return os.environ["FUSEDATTN_GIT_REV"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                               check=False).stdout.strip() or "unknown"
