@@ -25,6 +25,7 @@ from fusedattn.backends.cudnn.native import build, core  # noqa: E402
 from fusedattn.cache import LRUCache  # noqa: E402
 from fusedattn.jax import native  # noqa: E402
 
+
 @pytest.fixture
 def fresh(monkeypatch):
     """A native module with no decision taken and no plans registered."""

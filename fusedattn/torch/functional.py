@@ -328,7 +328,7 @@ def _signature(tensors: tuple, options: tuple, *, offsets, score_mod):
     if any(x is not None for x in offsets):
         return None
     try:
-        described = tuple(None if x is None else (x.shape, x.dtype, x.device, x.requires_grad) for x in tensors)
+        described = tuple([None if x is None else (x.shape, x.dtype, x.device, x.requires_grad) for x in tensors])
         window = options[2]
         signature = (described, options, tuple(map(type, options)),
                      tuple(map(type, window)) if isinstance(window, (tuple, list)) else None, score_mod,

@@ -5,9 +5,10 @@ packages ship. "core" (launch_core.cc) is the launch core: the only code that in
 frontend (its wheel's headers, cuDNN's and CUDA's from NVIDIA's wheels or a CUDA toolkit), built with
 hidden symbols and its own libstdc++ so no other frontend copy in the process can bind to it.
 "torch" (torch_op.cc) is the operator over it, built against torch's headers alone; "jax" (jax_call.cc)
-is the XLA FFI handler over it, built against XLA's FFI headers (jaxlib ships them) alone. Each result is cached under ~/.cache/fusedattn/native,
-keyed by the source, the command and the packages' versions, so a new version of anything rebuilds.
-FUSEDATTN_CACHE_DIR moves the cache; FUSEDATTN_NATIVE_LIB_<KIND> (CORE, TORCH, JAX) names a prebuilt one.
+is the XLA FFI handler over it, built against XLA's FFI headers (jaxlib ships them) alone. Each result
+is cached under ~/.cache/fusedattn/native, keyed by the source, the command and the packages'
+versions, so a new version of anything rebuilds. FUSEDATTN_CACHE_DIR moves the cache;
+FUSEDATTN_NATIVE_LIB_<KIND> (CORE, TORCH, JAX) names a prebuilt one.
 """
 
 from __future__ import annotations
