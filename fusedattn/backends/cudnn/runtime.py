@@ -100,8 +100,7 @@ def execute(built: BuiltGraph, buffers: dict, device: int) -> None:
         return
     # Addresses, not tensors (a pass-by-value scalar's is a host address): tensors reach cuDNN
     # through DLPack, which may order work on the legacy stream (not allowed while a CUDA graph is
-    # captured), and the frontend's bindings kept such a call's tensors alive past it (device memory
-    # grew with every graph rebuilt).
+    # captured), and hold references the frontend's objects keep for as long as they live.
     pack = {built.tensors[name]: buffers[name].data_ptr() for name in names}
     built.graph.execute(pack, workspace.data_ptr(), handle=handle)
     if names not in built.launchers:
