@@ -87,16 +87,23 @@ SMOKE_SHAPES = (Shape(2, 4, 64, 16), Shape(1, 2, 16, 16))
 
 # --- timing ------------------------------------------------------------------------------------------------------
 
-def per_call_us(fn, n=300) -> float:
-    """Wall time per call of n back-to-back calls, synchronized after (profile_jax_overhead uses it too)."""
+def host_and_total_us(fn, n=300) -> tuple[float, float]:
+    """Per call of n back-to-back calls: the host's enqueue time, and the wall time once the device has
+    synchronized (bench/diag uses both)."""
     for _ in range(20):
         fn()
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(n):
         fn()
+    host = (time.perf_counter() - start) / n * 1e6
     torch.cuda.synchronize()
-    return (time.perf_counter() - start) / n * 1e6
+    return host, (time.perf_counter() - start) / n * 1e6
+
+
+def per_call_us(fn, n=300) -> float:
+    """Wall time per call of n back-to-back calls, synchronized after (profile_jax_overhead uses it too)."""
+    return host_and_total_us(fn, n)[1]
 
 
 def _synchronize(device: torch.device) -> None:

@@ -38,13 +38,7 @@ def operator(tmp_path_factory):
             os.environ.pop(build.ENV_CACHE)
         else:
             os.environ[build.ENV_CACHE] = before
-    torch.ops.load_library(str(path))
-    library = ctypes.CDLL(str(path))
-    library.fusedattn_torch_plan.restype = ctypes.c_int64
-    library.fusedattn_torch_plan.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
-    library.fusedattn_torch_bounds.restype = ctypes.c_int64
-    library.fusedattn_torch_bounds.argtypes = [ctypes.c_int64]
-    return library
+    return torch_plans.load_operator(path)
 
 
 def _cfg(**changes):

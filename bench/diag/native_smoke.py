@@ -4,24 +4,17 @@ Prints the build, whether calls took the operator, the largest differences again
 the enqueue time per call at two shapes (forward without grad, forward+backward) of: the public call,
 the operator called directly, its forward alone, four allocations (a baseline), and SDPA.
 """
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 import fusedattn.torch as fat
 from fusedattn.backends.cudnn.native import build, torch_plans
 
-
-def per_call_us(fn, n=300):
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(n):
-        fn()
-    host = (time.perf_counter() - start) / n * 1e6
-    torch.cuda.synchronize()
-    return host, (time.perf_counter() - start) / n * 1e6
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: its timing loop
+from profile_overhead import host_and_total_us as per_call_us  # noqa: E402  (host us, wall us) per call
 
 
 def check(q, k, v, grad):

@@ -78,18 +78,26 @@ def _load() -> ctypes.CDLL:
     if not torch.cuda.is_available():
         raise RuntimeError("torch sees no CUDA device")
     core.library()
-    torch_path = build.library_path("torch")
-    torch.ops.load_library(str(torch_path))
-    operator = ctypes.CDLL(str(torch_path))
+    operator = load_operator(build.library_path("torch"))
+    if operator.fusedattn_torch_init(str(core.path()).encode()) != 0:
+        raise RuntimeError(operator.fusedattn_torch_last_error().decode())
+    operator.fusedattn_torch_bounds(PLAN_CAPACITY)
+    return operator
+
+
+def load_operator(path) -> ctypes.CDLL:
+    """The operator library at `path`, loaded into torch (its ops) and through ctypes (its C functions,
+    declared here), not yet joined to the core (fusedattn_torch_init)."""
+    import torch
+
+    torch.ops.load_library(str(path))
+    operator = ctypes.CDLL(str(path))
     operator.fusedattn_torch_plan.restype = ctypes.c_int64
     operator.fusedattn_torch_plan.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
     operator.fusedattn_torch_last_error.restype = ctypes.c_char_p
     operator.fusedattn_torch_init.argtypes = [ctypes.c_char_p]
     operator.fusedattn_torch_bounds.restype = ctypes.c_int64
     operator.fusedattn_torch_bounds.argtypes = [ctypes.c_int64]
-    if operator.fusedattn_torch_init(str(core.path()).encode()) != 0:
-        raise RuntimeError(operator.fusedattn_torch_last_error().decode())
-    operator.fusedattn_torch_bounds(PLAN_CAPACITY)
     return operator
 
 
