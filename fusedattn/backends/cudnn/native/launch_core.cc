@@ -39,8 +39,8 @@ namespace fusedattn_native {
 
 namespace fe = cudnn_frontend;
 
+// A plan's id in the registry is the digest of its bytes and uids (fusedattn_core_register).
 struct Plan {
-    int64_t digest = 0;  // of the bytes and uids: who names the plan also names what it holds
     std::vector<uint8_t> blob;
     std::vector<int64_t> uids;  // one per slot, or kUnbound / kWorkspace
     std::mutex mutex;           // guards graphs
@@ -248,10 +248,8 @@ inline std::string execute(Plan *plan, int32_t ordinal, cudaStream_t stream, con
     return "";
 }
 
-inline std::shared_ptr<Plan> make_plan(const uint8_t *blob, int64_t size, const int64_t *uids, int64_t count,
-                                       int64_t digest) {
+inline std::shared_ptr<Plan> make_plan(const uint8_t *blob, int64_t size, const int64_t *uids, int64_t count) {
     auto plan = std::make_shared<Plan>();
-    plan->digest = digest;
     plan->blob.assign(blob, blob + size);
     plan->uids.assign(uids, uids + count);
     return plan;
@@ -283,8 +281,7 @@ int64_t fusedattn_core_register(const uint8_t *blob, int64_t size, const int64_t
         core_error = "a plan's digest is a non-negative number, got " + std::to_string(digest);
         return -1;
     }
-    return fusedattn_native::Registry::get().plans.add(digest,
-                                                       fusedattn_native::make_plan(blob, size, uids, count, digest));
+    return fusedattn_native::Registry::get().plans.add(digest, fusedattn_native::make_plan(blob, size, uids, count));
 }
 
 // Deserializes a plan on `device` now: its workspace bytes, or -1 with the reason in the last error.
