@@ -1,35 +1,57 @@
-"""Where the Python part of a warm forward call goes on this host: cProfile of repeat public calls
-(B1 S128 H8 D64 causal bf16, no_grad), beside the operator alone and the prologue's pieces."""
+"""Where the host time of a warm call goes on this host: the prologue's pieces and cProfile of repeat
+public forward calls (B1 S128 H8 D64 causal bf16, no_grad) beside the operator alone; then the
+dispatcher's view (torch.profiler) of forward+backward calls, ours beside SDPA on cuDNN."""
 
 import cProfile
+import gc
 import pstats
 
 import torch
 from native_smoke import per_call_us  # this folder: the same timing loop
 
 import fusedattn.torch as fat
-from fusedattn.selection import recall_call
+from fusedattn import settings
+from fusedattn.selection import ENV_BACKEND, recall_call
 from fusedattn.torch import functional
 
 
 def main():
     q, k, v = (torch.randn(1, 128, 8, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     options = ("bshd", "causal", None, None, "vanilla", 0.0, None, None, None, False, False, False, None)
-    tensors = (q, k, v, None, None, None, None, None, None, None)
+    tensors = (q, k, v, None, None)
     with torch.no_grad():
         fat.attention(q, k, v, mask="causal")
-        signature = functional._signature(tensors, options, offsets=(), score_mod=None)
+        signature = functional._signature(tensors, options, None)
         planned = recall_call(signature)
         print("planned:", None if planned is None else (planned[1].name, planned[2]), flush=True)
         plan = planned[2]
         op = torch.ops.fusedattn_native.attention.default
+        def lean():  # the warm path's steps without the rest of attention's body
+            signature = functional._signature(tensors, options, None)
+            return functional._native_call(plan, signature, recall_call(signature), q, k, v, None, None, 0)
+
+        def public_without_gc():
+            gc.disable()
+            try:
+                return fat.attention(q, k, v, mask="causal")
+            finally:
+                gc.enable()
+
         rows = {"public": lambda: fat.attention(q, k, v, mask="causal"),
+                "public, gc off": public_without_gc,
+                "lean": lean,
                 "operator": lambda: op(plan, q, k, v, None, None, None),
                 "_native_call": lambda: functional._native_call(plan, signature, planned, q, k, v, None, None, 0),
-                "_signature": lambda: functional._signature(tensors, options, offsets=(), score_mod=None),
-                "recall_call": lambda: recall_call(signature)}
+                "_signature": lambda: functional._signature(tensors, options, None),
+                "recall_call": lambda: recall_call(signature),
+                "is_compiling": torch.compiler.is_compiling,
+                "is_grad_enabled": torch.is_grad_enabled,
+                "_explaining": functional._explaining.get,
+                "q.device": lambda: q.device,
+                "q.shape": lambda: q.shape,
+                "settings.value": lambda: settings.value(ENV_BACKEND)}
         for name, fn in rows.items():
-            print(f"{name:>14}: {per_call_us(fn, n=3000)[0]:6.2f} us/call (host)", flush=True)
+            print(f"{name:>16}: {per_call_us(fn, n=3000)[0]:6.2f} us/call (host)", flush=True)
         profiler = cProfile.Profile()
         profiler.enable()
         for _ in range(3000):
@@ -37,6 +59,32 @@ def main():
         profiler.disable()
         torch.cuda.synchronize()
     pstats.Stats(profiler).sort_stats("tottime").print_stats(14)
+    dispatcher_view(q, k, v)
+
+
+def dispatcher_view(q, k, v):
+    """torch.profiler's CPU view of 200 forward+backward calls, ours and SDPA on cuDNN: which operators
+    (ours, aten's allocations, autograd's nodes) take the host time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    grad = torch.randn_like(q)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    backend = torch.nn.attention.SDPBackend.CUDNN_ATTENTION
+    calls = {"ours": lambda: torch.autograd.grad(fat.attention(*leaves, mask="causal"), leaves, grad),
+             "sdpa cudnn": lambda: torch.autograd.grad(
+                 sdpa(*(x.transpose(1, 2) for x in leaves), is_causal=True), leaves, grad.transpose(1, 2))}
+    for name, call in calls.items():
+        with torch.nn.attention.sdpa_kernel(backend):
+            for _ in range(20):
+                call()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(200):
+                    call()
+            torch.cuda.synchronize()
+        print(f"--- {name}: fwd+bwd, 200 calls", flush=True)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14), flush=True)
 
 
 if __name__ == "__main__":

@@ -155,7 +155,8 @@ def attention(
     if alibi_slopes is not None and not isinstance(alibi_slopes, torch.Tensor):
         # a list such as fusedattn.standard_alibi_slopes(Hq), or a NumPy array
         alibi_slopes = torch.as_tensor(host_slopes(f"{API}: alibi_slopes", alibi_slopes), device=q.device)
-    if score_mod is not None and torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()
+    if score_mod is not None and compiling:
         return _score_mod_call_outside_graph(
             q, k, v, layout=layout, mask=mask, window=window, bias=bias, bias_type=bias_type,
             alibi_slopes=alibi_slopes, softmax_type=softmax_type, sink=sink, dropout_p=dropout_p,
@@ -169,7 +170,7 @@ def attention(
     if not (score_mod is None and score_mod_bprop is None and score_mod_tensors is None
             and score_mod_bprop_tensors is None):
         mod = as_score_mod(API, score_mod, score_mod_bprop, score_mod_tensors, score_mod_bprop_tensors)
-    if torch.compiler.is_compiling() and mod is None:
+    if compiling and mod is None:
         return _compiled_attention(
             (q, k, v, bias, alibi_slopes, sink, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
              cu_seqlens_kv_padded),
@@ -181,17 +182,25 @@ def attention(
     offsets = (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded)
     # Offsets on a GPU with both max lengths given are trusted, as FlashAttention trusts them:
     # reading their values back would stall the GPU queue on every call.
-    trusted = (max_seqlen_q is not None and max_seqlen_kv is not None
-               and all(x is None or (isinstance(x, torch.Tensor) and x.is_cuda) for x in offsets))
+    given = not (cu_seqlens_q is None and cu_seqlens_kv is None and cu_seqlens_q_padded is None
+                 and cu_seqlens_kv_padded is None)
+    trusted = given and (max_seqlen_q is not None and max_seqlen_kv is not None
+                         and all(x is None or (isinstance(x, torch.Tensor) and x.is_cuda) for x in offsets))
     # ALiBi slopes decide the config (cuDNN's built-in ALiBi has the paper's slopes only), so
-    # calls with slopes read their values every time and take the full path.
-    signature = None if alibi_slopes is not None else _signature(
-        (q, k, v, bias, alibi_slopes, sink, *offsets),
+    # calls with slopes read their values every time and take the full path; so do offsets whose
+    # values are checked.
+    signature = None if alibi_slopes is not None or (given and not trusted) else _signature(
+        (q, k, v, bias, sink, *offsets) if trusted else (q, k, v, bias, sink),
         (layout, mask, window, bias_type, softmax_type, dropout_p, scale, max_seqlen_q, max_seqlen_kv, deterministic,
-         return_lse, return_max_logit, backend), offsets=() if trusted else offsets,
-        score_mod=None if mod is None else (id(score_mod), id(score_mod_bprop), tuple(score_mod_tensors or ()),
-                                            tuple(score_mod_bprop_tensors or ())))
-    planned = recall_call(signature) if signature is not None and not _explaining.get() else None
+         return_lse, return_max_logit, backend),
+        None if mod is None else (id(score_mod), id(score_mod_bprop), tuple(score_mod_tensors or ()),
+                                  tuple(score_mod_bprop_tensors or ())))
+    planned = None
+    if signature is not None and not _explaining.get():
+        try:
+            planned = recall_call(signature)
+        except TypeError:  # unhashable options: the full path explains them
+            signature = None
     bound = None
     if planned is not None and mod is not None:
         if needs_gradient(mod):  # tensors that learn take the full path (see prepare_call)
@@ -238,7 +247,7 @@ def attention(
             return _native_call(native, signature, (cfg, selection, native), q, k, v, sink, dropout_seed,
                                 dropout_offset)
     check = None
-    if trusted and any(x is not None for x in offsets):  # their values were not read: checked on the device
+    if trusted:  # their values were not read: checked on the device
         passed = tuple(x for x in (q, k, v) if x is not None)
         check = check_unread_offsets(cfg, passed, dict(zip(TENSOR_ARGUMENTS[6:], offsets)))
         arrays = guard_inputs(cfg, passed, arrays, check)
@@ -318,25 +327,19 @@ def _native_call(plan: int, signature, planned, q, k, v, sink, dropout_seed, dro
     return pick_outputs(cfg, out, lse, None)
 
 
-def _signature(tensors: tuple, options: tuple, *, offsets, score_mod):
-    """A hashable summary of a call that fixes its config and selection, or None when the call
-    must take the full path every time (offsets whose values need checking, or arguments that
-    are not what they should be: the full path explains those). Options count with their types
-    (and a window's items with theirs), so window=(2.0, 0) never shares the plan of (2, 0): one is
-    valid, the other is not. score_mod: the callbacks' identities and aux names; a caller using the
-    summary checks their structural key."""
-    if any(x is not None for x in offsets):
-        return None
+def _signature(tensors: tuple, options: tuple, score_mod):
+    """A summary of a call that fixes its config and selection (hashable when its options are), or None
+    when arguments are not what they should be (the full path explains those). Options count with their types (and a
+    window's items with theirs), so window=(2.0, 0) never shares the plan of (2, 0): one is valid,
+    the other is not. score_mod: the callbacks' identities and aux names; a caller using the
+    summary checks their structural key. Flat, as a repeat call builds it every time."""
     try:
-        described = tuple([None if x is None else (x.shape, x.dtype, x.device, x.requires_grad) for x in tensors])
         window = options[2]
-        signature = (described, options, tuple(map(type, options)),
-                     tuple(map(type, window)) if isinstance(window, (tuple, list)) else None, score_mod,
-                     torch.is_grad_enabled(), settings.value(ENV_BACKEND), settings.value(ENV_THD_BUCKET))
-        hash(signature)
-    except (TypeError, AttributeError):  # not tensors, or unhashable options: the full path explains them
+        return (*[None if x is None else (x.shape, x.dtype, x.device, x.requires_grad) for x in tensors],
+                options, tuple(map(type, options)), None if window is None else tuple(map(type, window)),
+                score_mod, torch.is_grad_enabled(), settings.value(ENV_BACKEND), settings.value(ENV_THD_BUCKET))
+    except (TypeError, AttributeError):  # not tensors, or a window that is no sequence: the full path explains
         return None
-    return signature
 
 
 # ---------------------------------------------------------------- under torch.compile

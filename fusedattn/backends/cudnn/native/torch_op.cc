@@ -283,10 +283,18 @@ class Attention : public torch::autograd::Function<Attention> {
     }
 };
 
+bool requires_grad(const optional<Tensor> &x) { return x.has_value() && x->defined() && x->requires_grad(); }
+
 std::vector<Tensor> attention_autograd(int64_t plan, const Tensor &q, const Tensor &k, const Tensor &v,
                                        const optional<Tensor> &sink, const optional<Tensor> &seed,
                                        const optional<Tensor> &offset) {
-    return Attention::apply(plan, q, k, v, sink, seed, offset);
+    if (at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad() ||
+                                       requires_grad(sink))) {
+        return Attention::apply(plan, q, k, v, sink, seed, offset);
+    }
+    // Nothing to differentiate: the forward alone, without an autograd node and saved tensors.
+    at::AutoDispatchBelowADInplaceOrView below;
+    return call_forward(plan, q, k, v, sink, seed, offset);
 }
 
 }  // namespace
