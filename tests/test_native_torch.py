@@ -174,3 +174,63 @@ def test_validation_is_never_skipped_by_the_plan_cache():
         fat.attention(q, q, q, deterministic=1)
     fat.attention(q, q, q, scale=0.5)
     fat.attention(q, q, q, scale=1)  # an int scale is valid, and its own plan
+
+
+@pytest.fixture(scope="module")
+def entry(operator):
+    """The library's Python entry (built where Python's headers are, as here)."""
+    if build.python_headers() is None:
+        pytest.skip("this interpreter has no C headers: the library is built without its Python entry")
+    found = torch_plans.python_entry(operator._name)
+    assert found is not None, "built with Python's headers, yet the library has no Python entry"
+    return found
+
+
+def test_the_python_entry_calls_the_operator_with_its_autograd(operator, entry):
+    cfg = _cfg(softmax="learnable")
+    plan = _register(operator, cfg)
+    q, k, v = (_meta(cfg, role, requires_grad=True) for role in ("q", "k", "v"))
+    sink = torch.empty(4, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    out, lse = entry(plan, q, k, v, sink, None, None)
+    expected = torch.ops.fusedattn_native.attention(plan, q, k, v, sink, None, None)
+    assert (out.shape, out.stride(), lse.shape) == (expected[0].shape, expected[0].stride(), expected[1].shape)
+    assert "CppNode" in out.grad_fn.name()
+    out.sum().backward()
+    assert q.grad.shape == q.shape and sink.grad.shape == (4,)
+    with torch.no_grad():  # nothing to differentiate: no autograd node
+        assert entry(plan, q, k, v, sink, None, None)[0].grad_fn is None
+
+
+def test_the_python_entry_raises_what_torch_ops_raises(operator, entry):
+    cfg = _cfg()
+    plan = _register(operator, cfg)
+    q, k, v = (_meta(cfg, role) for role in ("q", "k", "v"))
+    for call in (entry, torch.ops.fusedattn_native.attention.default):
+        with pytest.raises(RuntimeError, match=r"q: expected shape \[2, 48, 4, 64\]") as raised:
+            call(plan, k, k, v, None, None, None)
+        assert "Exception raised from" not in str(raised.value)  # no C++ backtrace
+        with pytest.raises(RuntimeError, match="native plan 123456789 is not registered in this process"):
+            call(123456789, q, k, v, None, None, None)
+        with pytest.raises(NotImplementedError, match="fusedattn_native::forward"):  # no CPU kernel
+            call(plan, *(torch.empty(x.shape, dtype=x.dtype) for x in (q, k, v)), None, None, None)
+
+
+def test_tensors_that_override_torch_functions_take_torch_ops(operator, monkeypatch):
+    """The entry skips Python's torch-function handling, so calls with a mode or subclass do not use it."""
+    from torch.overrides import TorchFunctionMode
+
+    from fusedattn.torch import functional
+
+    seen = []
+
+    class Recording(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return "through torch.ops"
+
+    monkeypatch.setattr(torch_plans, "entry", lambda *args: "through the entry")
+    q = torch.randn(1, 2, 1, 4)
+    assert functional._operator(0, q, q, q, None, None, None) == "through the entry"
+    with Recording():
+        assert functional._operator(0, q, q, q, None, None, None) == "through torch.ops"
+    assert seen == [torch.ops.fusedattn_native.attention.default]

@@ -5,14 +5,26 @@ dispatcher's view (torch.profiler) of forward+backward calls, ours beside SDPA o
 import cProfile
 import gc
 import pstats
+import statistics
 
 import torch
 from native_smoke import per_call_us  # this folder: the same timing loop
 
 import fusedattn.torch as fat
 from fusedattn import settings
+from fusedattn.backends.cudnn.native import torch_plans
 from fusedattn.selection import ENV_BACKEND, recall_call
 from fusedattn.torch import functional
+
+
+def interleaved(rows: dict, rounds: int = 15, calls: int = 300) -> dict:
+    """Median over rounds of each row's host time per call; the rows take turns within a round, so a
+    slow spell of the host touches all of them."""
+    times = {name: [] for name in rows}
+    for _ in range(rounds):
+        for name, fn in rows.items():
+            times[name].append(per_call_us(fn, n=calls)[0])
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def main():
@@ -49,9 +61,13 @@ def main():
                 "_explaining": functional._explaining.get,
                 "q.device": lambda: q.device,
                 "q.shape": lambda: q.shape,
-                "settings.value": lambda: settings.value(ENV_BACKEND)}
-        for name, fn in rows.items():
-            print(f"{name:>16}: {per_call_us(fn, n=3000)[0]:6.2f} us/call (host)", flush=True)
+                "settings.value": lambda: settings.value(ENV_BACKEND),
+                "empty_like": lambda: torch.empty_like(q),
+                "ops.empty_like": lambda: torch.ops.aten.empty_like.default(q)}
+        if torch_plans.entry is not None:
+            rows["entry"] = lambda: torch_plans.entry(plan, q, k, v, None, None, None)
+        for name, us in interleaved(rows).items():
+            print(f"{name:>16}: {us:6.2f} us/call (host, median of rounds)", flush=True)
         profiler = cProfile.Profile()
         profiler.enable()
         for _ in range(3000):
@@ -74,6 +90,14 @@ def dispatcher_view(q, k, v):
     calls = {"ours": lambda: torch.autograd.grad(fat.attention(*leaves, mask="causal"), leaves, grad),
              "sdpa cudnn": lambda: torch.autograd.grad(
                  sdpa(*(x.transpose(1, 2) for x in leaves), is_causal=True), leaves, grad.transpose(1, 2))}
+    calls["ours"]()
+    plan = list(torch_plans._plans._items.values())[-1]  # the training plan just registered
+    operator = torch.ops.fusedattn_native.attention.default
+    rows = {**calls,
+            "operator": lambda: torch.autograd.grad(operator(plan, *leaves, None, None, None)[0], leaves, grad)}
+    with torch.nn.attention.sdpa_kernel(backend):
+        for name, us in interleaved(rows, calls=100).items():
+            print(f"fwd+bwd {name:>12}: {us:6.2f} us/call (host, median of rounds)", flush=True)
     for name, call in calls.items():
         with torch.nn.attention.sdpa_kernel(backend):
             for _ in range(20):

@@ -7,9 +7,11 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
+from torch.overrides import has_torch_function
 
 from fusedattn import settings
 from fusedattn.arguments import ENV_THD_BUCKET, TensorMeta, host_slopes
+from fusedattn.backends.cudnn.native import torch_plans
 from fusedattn.backends.cudnn.spec import ALIGNMENT
 from fusedattn.config import AttentionConfig
 from fusedattn.frontend_common import (
@@ -297,8 +299,6 @@ def _native_plan(cfg, selection, q) -> int | None:
 def _native_plan_on(cfg, backend_name: str, device: torch.device) -> int | None:
     if backend_name != "cudnn" or device.type != "cuda":
         return None
-    from fusedattn.backends.cudnn.native import torch_plans
-
     return torch_plans.plan_for(cfg, device.index if device.index is not None else torch.cuda.current_device())
 
 
@@ -311,20 +311,27 @@ def _native_call(plan: int, signature, planned, q, k, v, sink, dropout_seed, dro
     if cfg.dropout_p > 0.0:
         seed, offset = _dropout_state(dropout_seed, dropout_offset, q)
     try:
-        out, lse = torch.ops.fusedattn_native.attention.default(plan, q, k, v, sink, seed, offset)
+        out, lse = _operator(plan, q, k, v, sink, seed, offset)
     except RuntimeError as error:
         if "is not registered in this process" not in str(error):
             raise
-        from fusedattn.backends.cudnn.native import torch_plans  # the library's bounded registry dropped it
-
-        torch_plans.forget(cfg)
+        torch_plans.forget(cfg)  # the library's bounded registry dropped it
         plan = _native_plan(cfg, planned[1], q)
         if signature is not None:
             remember_call(signature, (*planned[:2], plan))
         if plan is None:
             raise
-        out, lse = torch.ops.fusedattn_native.attention.default(plan, q, k, v, sink, seed, offset)
+        out, lse = _operator(plan, q, k, v, sink, seed, offset)
     return pick_outputs(cfg, out, lse, None)
+
+
+def _operator(plan: int, q, k, v, sink, seed, offset):
+    """(out, lse) from the native operator: through the library's Python entry where it has one and no
+    tensor overrides torch functions (those go through torch.ops, which honours them)."""
+    entry = torch_plans.entry
+    if entry is not None and not has_torch_function((q, k, v, sink)):
+        return entry(plan, q, k, v, sink, seed, offset)
+    return torch.ops.fusedattn_native.attention.default(plan, q, k, v, sink, seed, offset)
 
 
 def _signature(tensors: tuple, options: tuple, score_mod):

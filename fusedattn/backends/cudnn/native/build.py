@@ -18,6 +18,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -54,6 +55,9 @@ def _command(kind: str) -> list[str]:
         flags.append(f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}")
         lib = Path(torch.__file__).parent / "lib"
         extra += [f"-L{lib}", "-ltorch", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{lib}"]
+        if python_headers() is not None:  # the Python entry (torch_op.cc), where Python's headers exist
+            flags.append("-DFUSEDATTN_PYTHON_ENTRY")
+            extra.append("-ltorch_python")
     else:
         # Hidden symbols, -Bsymbolic and a static libstdc++: the frontend's inline code must bind to this
         # library's copy, never to another frontend version already in the process (torch bundles one).
@@ -129,7 +133,9 @@ def include_dirs(kind: str) -> list[str]:
         import torch
 
         root = Path(torch.__file__).parent / "include"
-        return [str(root), str(root / "torch" / "csrc" / "api" / "include"), str(HERE)]
+        python = python_headers()
+        return [str(root), str(root / "torch" / "csrc" / "api" / "include"), str(HERE),
+                *([] if python is None else [python])]
     if kind == "jax":
         import jax
 
@@ -147,6 +153,13 @@ def include_dirs(kind: str) -> list[str]:
     for header in ("crt/host_defines.h", "nv/target"):  # what cuda_runtime_api.h includes in turn
         dirs += [d for d in [cuda, *cuda_roots] if (d / header).exists()][:1]
     return list(dict.fromkeys(str(d) for d in dirs))
+
+
+def python_headers() -> str | None:
+    """This interpreter's C headers (Python.h), where installed: the torch library then also builds its
+    Python entry. Many installs lack them (a -dev package); the operator works without."""
+    folder = sysconfig.get_paths().get("include")
+    return folder if folder and (Path(folder) / "Python.h").is_file() else None
 
 
 def _env_dirs(name: str, sub: str = "") -> list[Path]:

@@ -319,6 +319,52 @@ TORCH_LIBRARY_IMPL(fusedattn_native, Meta, m) {
     m.impl("backward", &backward_meta);
 }
 
+#ifdef FUSEDATTN_PYTHON_ENTRY
+// A Python function calling the operator through the dispatcher, typed: the warm path's way in when the
+// library is built with Python's headers. It costs less than torch.ops' boxed call, which converts
+// each argument through the schema; autograd, capture and every dispatch key still apply.
+#include <torch/csrc/utils/pybind.h>
+
+namespace {
+
+std::tuple<Tensor, Tensor> call_attention(int64_t plan, const Tensor &q, const Tensor &k, const Tensor &v,
+                                          const optional<Tensor> &sink, const optional<Tensor> &seed,
+                                          const optional<Tensor> &offset) {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("fusedattn_native::attention", "")
+                         .typed<decltype(attention_autograd)>();
+    auto outputs = op.call(plan, q, k, v, sink, seed, offset);
+    return {outputs[0], outputs[1]};
+}
+
+}  // namespace
+
+// torch's errors as torch.ops raises them: its Python types, without the C++ backtrace.
+void translate_error(std::exception_ptr error) {
+    auto raise = [](PyObject *type, const c10::Error &e) { PyErr_SetString(type, e.what_without_backtrace()); };
+    try {
+        if (error) std::rethrow_exception(error);
+    } catch (const c10::OutOfMemoryError &e) {
+        raise(pybind11::module_::import("torch").attr("OutOfMemoryError").ptr(), e);
+    } catch (const c10::NotImplementedError &e) {
+        raise(PyExc_NotImplementedError, e);
+    } catch (const c10::ValueError &e) {
+        raise(PyExc_ValueError, e);
+    } catch (const c10::TypeError &e) {
+        raise(PyExc_TypeError, e);
+    } catch (const c10::IndexError &e) {
+        raise(PyExc_IndexError, e);
+    } catch (const c10::Error &e) {
+        raise(PyExc_RuntimeError, e);
+    }
+}
+
+PYBIND11_MODULE(libfusedattn_torch, m) {
+    pybind11::register_local_exception_translator(&translate_error);
+    m.def("attention", &call_attention, pybind11::call_guard<pybind11::gil_scoped_release>());
+}
+#endif
+
 // The library's exports besides the operator registration (built with hidden visibility).
 #pragma GCC visibility push(default)
 

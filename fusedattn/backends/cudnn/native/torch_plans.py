@@ -4,6 +4,8 @@ A config the operator runs (`reasons(cfg)` is empty) gets a torch plan once: its
 backward graphs (already built by the probe) serialized into the launch core, plus the shapes and
 strides of the call's tensors. After that a call is `torch.ops.fusedattn_native.attention(plan, q,
 k, v, sink, seed, offset)`: the operator allocates, launches and records its C++ autograd node.
+Where Python's headers exist, the library is also a Python module whose `attention` calls the same
+operator more cheaply (`entry`).
 Configs it does not run (padding masks, THD, bias, score_mod, max_logit, rows without keys) keep
 the Python path; `unavailable()` says why the library cannot be used at all on this machine.
 FUSEDATTN_TORCH_NATIVE=0 turns the operator off.
@@ -31,6 +33,11 @@ _SINK_KINDS = {SoftmaxType.VANILLA: 0, SoftmaxType.OFF_BY_ONE: 1, SoftmaxType.LE
 _SCALAR_TYPES = {"float16": 5, "bfloat16": 15}  # c10::ScalarType codes
 _FROM_BHSD = {Layout.BSHD: (0, 2, 1, 3), Layout.SBHD: (2, 0, 1, 3), Layout.BHSD: (0, 1, 2, 3)}
 PLAN_CAPACITY = core.PLAN_CAPACITY  # torch plans the operator keeps; the Python cache below is smaller
+
+NAME = build.NAMES["torch"].removesuffix(".so")  # the library's Python module name, where it is one
+# The operator's Python entry, fusedattn_native.attention's arguments and outputs as a tuple, once loaded
+# from a library built with it; None: torch.ops.fusedattn_native.attention.default is the way in.
+entry = None
 
 _lock = threading.Lock()
 _state: dict = {}  # "library" (the operator, ctypes) or "reason" (str), once decided
@@ -78,11 +85,29 @@ def _load() -> ctypes.CDLL:
     if not torch.cuda.is_available():
         raise RuntimeError("torch sees no CUDA device")
     core.library()
-    operator = load_operator(build.library_path("torch"))
+    path = build.library_path("torch")
+    operator = load_operator(path)
     if operator.fusedattn_torch_init(str(core.path()).encode()) != 0:
         raise RuntimeError(operator.fusedattn_torch_last_error().decode())
     operator.fusedattn_torch_bounds(PLAN_CAPACITY)
+    global entry
+    entry = python_entry(path)
     return operator
+
+
+def python_entry(path):
+    """The library's Python function calling the operator (torch_op.cc), or None where it was built
+    without Python's headers."""
+    import importlib.machinery
+    import importlib.util
+
+    loader = importlib.machinery.ExtensionFileLoader(NAME, str(path))
+    try:
+        module = importlib.util.module_from_spec(importlib.util.spec_from_loader(NAME, loader))
+        loader.exec_module(module)
+    except ImportError:  # no PyInit_ function: torch.ops calls the operator
+        return None
+    return module.attention
 
 
 def load_operator(path) -> ctypes.CDLL:
