@@ -125,7 +125,11 @@ def _native_status(kind: str) -> str:
         path = build.built_path(kind)
     except Exception as error:  # a missing package or compiler: say which
         return f"cannot be built here: {type(error).__name__}: {error}"
-    return f"built: {path}" if path.exists() else f"not built yet (would go to {path})"
+    status = f"built: {path}" if path.exists() else f"not built yet (would go to {path})"
+    if kind == "torch":  # its Python entry (a cheaper call) is built only where Python's headers are
+        status += ("; with its Python entry" if build.python_headers() is not None
+                   else "; without its Python entry (no Python.h for this interpreter: calls go through torch.ops)")
+    return status
 
 
 def _kinds(text: str) -> list[str]:
