@@ -303,7 +303,7 @@ def _native_plan_on(cfg, backend_name: str, device: torch.device) -> int | None:
 
 
 def _native_call(plan: int, signature, planned, q, k, v, sink, dropout_seed, dropout_offset):
-    """The call through torch.ops.fusedattn_native.attention (see backends/cudnn/native)."""
+    """The call through the native operator fusedattn_native.attention (see backends/cudnn/native)."""
     cfg = planned[0]
     if v is None:  # a packed layout: views of the pack
         q, k, v = split_packed(cfg.layout, [x for x in (q, k) if x is not None])
@@ -335,11 +335,12 @@ def _operator(plan: int, q, k, v, sink, seed, offset):
 
 
 def _signature(tensors: tuple, options: tuple, score_mod):
-    """A summary of a call that fixes its config and selection (hashable when its options are), or None
-    when arguments are not what they should be (the full path explains those). Options count with their types (and a
-    window's items with theirs), so window=(2.0, 0) never shares the plan of (2, 0): one is valid,
-    the other is not. score_mod: the callbacks' identities and aux names; a caller using the
-    summary checks their structural key. Flat, as a repeat call builds it every time."""
+    """A summary of a call that fixes its config and selection (hashable when its options are), or
+    None when arguments are not what they should be (the full path explains those). Options count
+    with their types (and a window's items with theirs), so window=(2.0, 0) never shares the plan
+    of (2, 0): one is valid, the other is not. score_mod: the callbacks' identities and aux names;
+    a caller using the summary checks their structural key. Flat, as a repeat call builds it every
+    time."""
     try:
         window = options[2]
         return (*[None if x is None else (x.shape, x.dtype, x.device, x.requires_grad) for x in tensors],
