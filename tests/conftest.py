@@ -33,6 +33,19 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
+def fresh_selection(monkeypatch):
+    """Selection as a fresh process makes it: no backend forced and no log from the environment,
+    decisions made before and during the test forgotten."""
+    from fusedattn.selection import clear_decisions
+
+    monkeypatch.delenv("FUSEDATTN_BACKEND", raising=False)
+    monkeypatch.delenv("FUSEDATTN_LOG", raising=False)
+    clear_decisions()
+    yield
+    clear_decisions()
+
+
+@pytest.fixture
 def ran(monkeypatch):
     """Records (backend name, "forward"/"backward", cfg) for every backend call: which backend ran."""
     from fusedattn.backends import BACKENDS

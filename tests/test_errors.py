@@ -15,18 +15,11 @@ from dataclasses import dataclass, field
 import pytest
 
 from fusedattn import AttentionConfig
-from fusedattn.selection import clear_decisions
 
 torch = pytest.importorskip("torch")
 
 
-@pytest.fixture(autouse=True)
-def _fresh_decisions(monkeypatch):
-    monkeypatch.delenv("FUSEDATTN_BACKEND", raising=False)
-    monkeypatch.delenv("FUSEDATTN_LOG", raising=False)
-    clear_decisions()
-    yield
-    clear_decisions()
+pytestmark = pytest.mark.usefixtures("fresh_selection")
 
 
 @dataclass

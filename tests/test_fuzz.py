@@ -37,14 +37,10 @@ pytestmark = pytest.mark.filterwarnings("ignore:fusedattn. no fused backend supp
 
 
 @pytest.fixture(autouse=True)
-def _plain_selection(monkeypatch):
+def _plain_selection(monkeypatch, fresh_selection):
     """No backend forced from the environment, small_seq off the CPU unless a test turns it on,
     decisions made afresh (the environment is not part of their key)."""
-    monkeypatch.delenv("FUSEDATTN_BACKEND", raising=False)
     monkeypatch.delenv(ENV_ON_CPU, raising=False)
-    clear_decisions()
-    yield
-    clear_decisions()
 
 
 def fuzz(profile: fc.Profile, examples: int, **run) -> fc.FuzzLog:

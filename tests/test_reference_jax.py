@@ -27,13 +27,14 @@ import fusedattn.torch as ft  # noqa: E402
 from fusedattn import score_mods  # noqa: E402
 from fusedattn.backends import BACKENDS  # noqa: E402
 from fusedattn.backends.reference.math import dropout_keep  # noqa: E402
-from fusedattn.selection import clear_decisions  # noqa: E402
 from fusedattn.xp.jax_ops import OPS as JAX_OPS  # noqa: E402
 
 try:
     from naive import naive_attention
 except ImportError:  # tests/ collected as a package
     from tests.naive import naive_attention
+
+pytestmark = pytest.mark.usefixtures("fresh_selection")
 
 F32 = jnp.float32
 DIFFERENTIABLE = ("q", "k", "v", "bias", "alibi_slopes", "sink")
@@ -91,15 +92,6 @@ def assert_close(actual, expected, what: str, rtol: float = RTOL):
     worst = int(np.argmax(err - bound))
     assert (err <= bound).all(), (f"{what}: max abs error {err.max():.3g} (scale {scale:.3g}); "
                                   f"worst {a[worst]!r} vs {e[worst]!r}")
-
-
-@pytest.fixture(autouse=True)
-def _fresh_selection(monkeypatch):
-    monkeypatch.delenv("FUSEDATTN_BACKEND", raising=False)
-    clear_decisions()
-    yield
-    clear_decisions()
-
 
 
 

@@ -28,15 +28,10 @@ NAMES = ("small_seq", "cudnn", "triton", "reference")
 
 
 @pytest.fixture(autouse=True)
-def _clean(monkeypatch):
+def _clean(monkeypatch, fresh_selection):
     """Fresh decisions, no environment overrides, and package availability fixed:
     cudnn frontend missing, triton present (what CI has; the pinned texts depend on it)."""
-    monkeypatch.delenv("FUSEDATTN_BACKEND", raising=False)
-    monkeypatch.delenv("FUSEDATTN_LOG", raising=False)
     monkeypatch.setattr(fusedattn.backends.base, "package_missing", lambda module: module == "cudnn")
-    clear_decisions()
-    yield
-    clear_decisions()
 
 
 def make_cfg(**changes) -> AttentionConfig:

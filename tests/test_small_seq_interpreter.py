@@ -16,18 +16,15 @@ import fusedattn  # noqa: E402
 import fusedattn.torch as fat  # noqa: E402
 from fusedattn.backends.small_seq import ENV_ON_CPU, MAX_SEQLEN_KV, MAX_SEQLEN_KV_MHA  # noqa: E402
 from fusedattn.backends.small_seq.blocks import plan  # noqa: E402
-from fusedattn.selection import clear_decisions  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
-def interpreter(monkeypatch):
-    """Triton's interpreter runs the kernels on the CPU; conftest turns it on before triton loads."""
+def interpreter(monkeypatch, fresh_selection):
+    """Triton's interpreter runs the kernels on the CPU; conftest turns it on before triton loads.
+    CPU calls may then select small_seq: fresh_selection forgets decisions made before, and ours after."""
     if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("runs the kernels in Triton's interpreter on CPU machines (tests/gpu has the GPU tests)")
     monkeypatch.setenv(ENV_ON_CPU, "1")
-    clear_decisions()  # CPU calls may now select small_seq: forget decisions made before, and ours after
-    yield
-    clear_decisions()
 
 
 def cu(lengths, starts=None):
