@@ -9,7 +9,6 @@ killed still leaves what it measured.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import datetime
 import importlib
@@ -37,10 +36,12 @@ RESULTS = ROOT / "bench" / "results"
 if str(ROOT) not in sys.path:
     sys.path.insert(1, str(ROOT))
 
+from fusedattn.cli import choice_list  # noqa: E402  (the suites' list options parse as the CLI's do)
+
 __all__ = [
     "FWD", "FWD_BWD", "MODES", "ROOT", "RESULTS", "Impl", "ResultsFile", "LiveTable",
     "attention_flops", "tflops", "time_ms", "measure", "error_entry", "max_abs_diff",
-    "best_peer_ratio", "workload_matches", "device_name", "versions", "today",
+    "best_peer_ratio", "workload_matches", "device_name", "versions", "today", "choice_list",
 ]
 
 FWD, FWD_BWD = "fwd", "fwd+bwd"
@@ -450,17 +451,6 @@ def run_suite(name: str, args, rows: list, run_row: Callable, peers: Sequence[st
         table.row(row, seconds=time.perf_counter() - row_began)
     print(f"wrote {len(results.rows)} rows to {args.out} in {time.perf_counter() - began:.0f} s", flush=True)
     return 0
-
-
-def choice_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
-    """An argparse type: comma-separated names out of `choices`."""
-    def parse(text: str) -> list[str]:
-        names = [part.strip() for part in text.split(",") if part.strip()]
-        unknown = [n for n in names if n not in choices]
-        if unknown or not names:
-            raise argparse.ArgumentTypeError(f"expected some of {','.join(choices)}, got {text!r}")
-        return names
-    return parse
 
 
 def add_run_arguments(parser, suite: str) -> None:

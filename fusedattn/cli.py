@@ -9,6 +9,7 @@ import importlib.util
 import os
 import platform
 import sys
+from collections.abc import Callable, Sequence
 
 from fusedattn.backends import BACKENDS, backend_names
 from fusedattn.config import DTYPES, AttentionConfig, BiasType, Layout, Mask, SoftmaxType
@@ -132,12 +133,15 @@ def _native_status(kind: str) -> str:
     return status
 
 
-def _kinds(text: str) -> list[str]:
-    kinds = [k.strip() for k in text.split(",") if k.strip()]
-    unknown = [k for k in kinds if k not in NATIVE_KINDS]
-    if unknown or not kinds:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(NATIVE_KINDS)}, got {text!r}")
-    return kinds
+def choice_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
+    """An argparse type: comma-separated names out of `choices` (the CLI's and the benchmarks')."""
+    def parse(text: str) -> list[str]:
+        names = [part.strip() for part in text.split(",") if part.strip()]
+        if not names or any(name not in choices for name in names):
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(choices)}, "
+                                             f"got {text!r}")
+        return names
+    return parse
 
 
 def cmd_build(args) -> int:
@@ -256,7 +260,7 @@ def _parser() -> argparse.ArgumentParser:
     info.set_defaults(run=cmd_info, subparser=info)
     nb = sub.add_parser("build", help="compile the native cuDNN launch libraries now (cached per machine and version)")
     nb.set_defaults(run=cmd_build, subparser=nb)
-    nb.add_argument("--kinds", type=_kinds, default=None,
+    nb.add_argument("--kinds", type=choice_list(NATIVE_KINDS), default=None,
                     help=f"comma-separated: {','.join(NATIVE_KINDS)} (default: those whose framework is installed)")
     nb.add_argument("--force", action="store_true", help="rebuild even when a cached build exists")
     ex = sub.add_parser("explain", help="which backend a call would use, and every other backend's reasons")
