@@ -11,6 +11,8 @@ import math
 from collections.abc import Hashable
 from dataclasses import dataclass, field, replace
 
+from fusedattn.checks import check_probability, check_scale, check_window
+
 __all__ = [
     "standard_alibi_slopes",
     "Layout",
@@ -192,15 +194,9 @@ class AttentionConfig:
             )
         self._check_window()
         self._check_bias_and_softmax()
-        if not (isinstance(self.dropout_p, (int, float)) and 0.0 <= self.dropout_p < 1.0):
-            raise ValueError(f"dropout_p: expected a float in [0, 1), got {self.dropout_p!r}")
-        set_("dropout_p", float(self.dropout_p))
-        if self.scale is None:
-            set_("scale", 1.0 / math.sqrt(self.head_dim_qk))
-        elif (isinstance(self.scale, bool) or not isinstance(self.scale, (int, float))
-              or not math.isfinite(self.scale) or self.scale <= 0):
-            raise ValueError(f"scale: expected a finite float > 0, got {self.scale!r}")
-        set_("scale", float(self.scale))
+        set_("dropout_p", check_probability(self.dropout_p))
+        scale = check_scale(self.scale)
+        set_("scale", 1.0 / math.sqrt(self.head_dim_qk) if scale is None else scale)
         if self.layout.is_ragged and not self.mask.is_padding:
             raise ValueError(
                 f"mask: layout {self.layout.value!r} is packed variable-length and needs a padding "
@@ -224,13 +220,8 @@ class AttentionConfig:
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
 
     def _check_window(self) -> None:
-        window = self.window
-        if (not isinstance(window, tuple) or len(window) != 2
-                or not all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window)):
-            raise ValueError(
-                f"window: expected (left, right), two integers >= -1 (-1 = unbounded), got {window!r}"
-            )
-        left, right = window
+        left, right = check_window(self.window, accepted=(tuple,)) or (UNBOUNDED, UNBOUNDED)
+        object.__setattr__(self, "window", (left, right))
         if self.mask.is_causal:
             if right not in (UNBOUNDED, 0):
                 raise ValueError(

@@ -15,9 +15,9 @@ from fusedattn.arguments import (
     check_sequence_values,
     infer_max_seqlens,
 )
-from fusedattn.backends.base import ARRAY_NAMES
 from fusedattn.config import standard_alibi_slopes
 from fusedattn.layout import offsets_violated, split_packed
+from fusedattn.options import TENSORS
 from fusedattn.score_mods.core import bind, needs_gradient
 from fusedattn.selection import NoBackendError, select_backend
 from fusedattn.xp import namespace
@@ -46,8 +46,9 @@ def pick_outputs(cfg, out, lse, max_logit):
     return AttentionResult(out, lse if cfg.return_lse else None, max_logit if cfg.return_max_logit else None)
 
 
-# The tensor keywords of a call: every array but the dropout state, which frontends make.
-TENSOR_ARGUMENTS = ARRAY_NAMES[:10]
+# The tensor arguments of a call: q, k, v and the tensor options (backends get them in this order,
+# then the dropout state, which frontends make).
+TENSOR_ARGUMENTS = ("q", "k", "v", *TENSORS)
 
 
 class PreparedCall(NamedTuple):

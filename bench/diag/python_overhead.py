@@ -29,10 +29,10 @@ def interleaved(rows: dict, rounds: int = 15, calls: int = 300) -> dict:
 
 def main():
     q, k, v = (torch.randn(1, 128, 8, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    options = ("bshd", "causal", None, None, "vanilla", 0.0, None, None, None, False, False, False, None)
+    options = {"mask": "causal"}  # the keywords of the call timed below
     tensors = (q, k, v, None, None)
     with torch.no_grad():
-        fat.attention(q, k, v, mask="causal")
+        fat.attention(q, k, v, **options)
         signature = functional._signature(tensors, options, None)
         planned = recall_call(signature)
         print("planned:", None if planned is None else (planned[1].name, planned[2]), flush=True)
@@ -40,20 +40,20 @@ def main():
         op = torch.ops.fusedattn_native.attention.default
         def lean():  # the warm path's steps without the rest of attention's body
             signature = functional._signature(tensors, options, None)
-            return functional._native_call(plan, signature, recall_call(signature), q, k, v, None, None, 0)
+            return functional._native_call(plan, signature, recall_call(signature), q, k, v, None, options)
 
         def public_without_gc():
             gc.disable()
             try:
-                return fat.attention(q, k, v, mask="causal")
+                return fat.attention(q, k, v, **options)
             finally:
                 gc.enable()
 
-        rows = {"public": lambda: fat.attention(q, k, v, mask="causal"),
+        rows = {"public": lambda: fat.attention(q, k, v, **options),
                 "public, gc off": public_without_gc,
                 "lean": lean,
                 "operator": lambda: op(plan, q, k, v, None, None, None),
-                "_native_call": lambda: functional._native_call(plan, signature, planned, q, k, v, None, None, 0),
+                "_native_call": lambda: functional._native_call(plan, signature, planned, q, k, v, None, options),
                 "_signature": lambda: functional._signature(tensors, options, None),
                 "recall_call": lambda: recall_call(signature),
                 "is_compiling": torch.compiler.is_compiling,
@@ -71,7 +71,7 @@ def main():
         profiler = cProfile.Profile()
         profiler.enable()
         for _ in range(3000):
-            fat.attention(q, k, v, mask="causal")
+            fat.attention(q, k, v, **options)
         profiler.disable()
         torch.cuda.synchronize()
     pstats.Stats(profiler).sort_stats("tottime").print_stats(14)

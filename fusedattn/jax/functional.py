@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from functools import partial
 
 import jax
@@ -26,6 +25,8 @@ from fusedattn.jax import torch_bridge
 from fusedattn.jax.partition import find_split
 from fusedattn.jax.shard_guard import batched, check_shard_axes, guard_whole
 from fusedattn.layout import layout_spec
+from fusedattn.options import SCORE_MOD_NAMES, TENSORS, check_keywords, describe_arguments
+from fusedattn.options import settings as settings_of
 from fusedattn.score_mods.core import as_score_mod
 from fusedattn.xp.jax_ops import OPS
 
@@ -158,52 +159,13 @@ def _uint32_scalar(name: str, value):
     return jnp.reshape(value, ()).astype(jnp.uint32)
 
 
-def attention(
-    q,
-    k=None,
-    v=None,
-    *,
-    layout: str = "bshd",
-    mask: str = "none",
-    window: tuple[int, int] | None = None,
-    bias=None,
-    bias_type: str | None = None,
-    alibi_slopes=None,
-    softmax_type: str = "vanilla",
-    sink=None,
-    dropout_p: float = 0.0,
-    dropout_rng=None,
-    dropout_seed=None,
-    dropout_offset=0,
-    scale: float | None = None,
-    cu_seqlens_q=None,
-    cu_seqlens_kv=None,
-    cu_seqlens_q_padded=None,
-    cu_seqlens_kv_padded=None,
-    max_seqlen_q: int | None = None,
-    max_seqlen_kv: int | None = None,
-    deterministic: bool = False,
-    return_lse: bool = False,
-    return_max_logit: bool = False,
-    backend: str | None = None,
-    score_mod=None,
-    score_mod_bprop: Callable | None = None,
-    score_mod_tensors: dict | None = None,
-    score_mod_bprop_tensors: dict | None = None,
-    segment_ids_q=None,
-    segment_ids_kv=None,
-    num_sequences: int | None = None,
-    shard_axes: dict | None = None,
-):
+def attention(q, k=None, v=None, **options):
     """Scaled-dot-product attention for JAX arrays, with the keywords of fusedattn.torch.attention.
 
     Differences from the torch frontend: dropout takes `dropout_rng` (a PRNG key turned
     into the (seed, offset) pair; or pass dropout_seed/dropout_offset); under `jax.jit`
     THD calls need static `max_seqlen_q/kv` (offsets are traced, so their values are not
-    checked). THD sequences may be given as packed segment ids instead of cu_seqlens:
-    `segment_ids_q/kv` (T,) non-decreasing ids in [0, num_sequences) (larger ids mark
-    trailing padding) with a static `num_sequences`. Shapes, layouts, masks and outputs are
-    as documented there.
+    checked). THD sequences may be given as packed segment ids instead of cu_seqlens.
 
     Sharding: inputs sharded over batch and/or heads run shard-local. Backends whose kernels
     run through callbacks (cudnn, small_seq) need the split when the call is traced: it is read
@@ -211,31 +173,34 @@ def attention(
     `shard_axes={"batch": "data", "heads": "model"}` (mesh axis names) inside
     `jax.set_mesh(mesh)`. Sharded sequence or head-dim axes are refused.
 
+    Args:
+        q, k, v: arrays in `layout` (see below); packed layouts take fewer.
+        {options}
+
     Example:
         >>> q = k = v = jax.random.normal(jax.random.key(0), (2, 128, 8, 64))
         >>> out = attention(q, k, v, mask="causal")
         >>> grads = jax.grad(lambda q: attention(q, k, v).sum())(q)
     """
+    check_keywords(API, options, "jax")
+    get = options.get
+    alibi_slopes = get("alibi_slopes")
     slopes = host_slopes(f"{API}: alibi_slopes", alibi_slopes)
     if slopes is not None:  # a list such as fusedattn.standard_alibi_slopes(Hq), or a NumPy array
         alibi_slopes = jnp.asarray(slopes)
-    mod = as_score_mod(API, score_mod, score_mod_bprop, score_mod_tensors, score_mod_bprop_tensors)
-    q, k, v = check_shard_axes(API, layout, q, k, v)
+    mod = as_score_mod(API, *(get(name) for name in SCORE_MOD_NAMES))
+    q, k, v = check_shard_axes(API, get("layout", "bshd"), q, k, v)
+    tensors = {"q": q, "k": k, "v": v, **{name: get(name) for name in TENSORS}, "alibi_slopes": alibi_slopes}
     segments_violated = None
-    if segment_ids_q is not None or segment_ids_kv is not None:
-        cu_seqlens_q, cu_seqlens_kv, segments_violated = _from_segment_ids(
-            segment_ids_q, segment_ids_kv, num_sequences, cu_seqlens_q, cu_seqlens_kv)
-    tensors = {"q": q, "k": k, "v": v, "bias": bias, "alibi_slopes": alibi_slopes, "sink": sink,
-               "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_kv": cu_seqlens_kv,
-               "cu_seqlens_q_padded": cu_seqlens_q_padded, "cu_seqlens_kv_padded": cu_seqlens_kv_padded}
+    if get("segment_ids_q") is not None or get("segment_ids_kv") is not None:
+        tensors["cu_seqlens_q"], tensors["cu_seqlens_kv"], segments_violated = _from_segment_ids(
+            get("segment_ids_q"), get("segment_ids_kv"), get("num_sequences"), get("cu_seqlens_q"),
+            get("cu_seqlens_kv"))
     call = prepare_call(
         API, "jax", tensors, describe=_meta, host_copy=lambda x: OPS.to_host(x) if _is_concrete(x) else None,
         # Whether a gradient will be taken is unknown at trace time: assume it may.
-        is_training=True, bias_requires_grad=bias is not None, backend=backend,
-        layout=layout, mask=mask, window=window, bias_type=bias_type, softmax_type=softmax_type,
-        dropout_p=dropout_p, scale=scale, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
-        deterministic=deterministic, return_lse=return_lse, return_max_logit=return_max_logit,
-        score_mod=mod,
+        is_training=True, bias_requires_grad=get("bias") is not None, backend=get("backend"),
+        **settings_of(options), score_mod=mod,
         alibi_standard=alibi_slopes is not None and _is_concrete(alibi_slopes)
         and slopes_are_standard(OPS.to_host(alibi_slopes)),
     )
@@ -248,16 +213,19 @@ def attention(
         call = call._replace(arrays=guard_inputs(call.cfg, passed, call.arrays, check))
     seed = offset = None
     if call.cfg.dropout_p > 0.0:
-        seed, offset = _dropout_state(dropout_rng, dropout_seed, dropout_offset)
+        seed, offset = _dropout_state(get("dropout_rng"), get("dropout_seed"), get("dropout_offset", 0))
     split = None
     if get_backend(call.selection.name).array_framework == "torch" and not any(map(batched, (q, k, v))):
-        split = find_split(API, call.cfg, q, layout_spec(call.cfg.layout).tensors[0][1], shard_axes)
+        split = find_split(API, call.cfg, q, layout_spec(call.cfg.layout).tensors[0][1], get("shard_axes"))
         if split is None:  # sharded inputs would be gathered: refused when XLA partitions the program
             call = call._replace(arrays=(*guard_whole(API, layout_spec(call.cfg.layout).base.value, call.arrays[:3],
                                                       call.selection.name), *call.arrays[3:]))
     out, lse, max_logit = _attention(call.cfg, call.selection.name, call.score_mod, split,
                                      (*call.arrays, seed, offset))
     return pick_outputs(call.cfg, *(poisoned(check, x) for x in (out, lse, max_logit)))
+
+
+describe_arguments(attention, "jax")
 
 
 def _from_segment_ids(ids_q, ids_kv, num_sequences, cu_q, cu_kv):

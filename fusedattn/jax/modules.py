@@ -12,7 +12,6 @@ Packed layouts are chosen internally: a fused QKV projection feeds attention as 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +19,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from fusedattn.arguments import host_slopes
-from fusedattn.backends import backend_names
+from fusedattn.checks import check_backend, check_count, check_probability, check_scale, check_window
 from fusedattn.config import Layout, Mask, SoftmaxType
 from fusedattn.jax.functional import attention
 
@@ -30,45 +29,14 @@ __all__ = ["DotProductAttention", "MultiHeadAttention", "TransformerLayer"]
 # Modules check their fields when constructed (in __post_init__, after Flax's own), so a
 # mistake is reported at the line that made the module and under the module's field name.
 
-def _check_positive(module: str, name: str, value, optional: bool = False) -> None:
-    if optional and value is None:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{module}: {name}: expected an int >= 1{' (or None)' if optional else ''}, got {value!r}")
-
-
-def _check_probability(module: str, name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
-        raise ValueError(f"{module}: {name}: expected a float in [0, 1), got {value!r}")
-
-
-def _check_choice(module: str, name: str, value, choices) -> None:
-    choices.parse(value, f"{module}: {name}")
-
-
-def _check_window(module: str, window) -> None:
-    if window is None:
-        return
-    pair = tuple(window) if isinstance(window, (tuple, list)) else window
-    if (not isinstance(pair, tuple) or len(pair) != 2
-            or not all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in pair)):
-        raise ValueError(f"{module}: window: expected (left, right), two integers >= -1 (-1 = unbounded), "
-                         f"got {window!r}")
-
-
-def _check_backend(module: str, backend) -> None:
-    if backend is not None and backend not in backend_names():
-        raise ValueError(f"{module}: backend: expected None or one of {', '.join(backend_names())}, got {backend!r}")
-
-
 def _check_attention_fields(module: str, *, mask, window, softmax_type, dropout_name: str, dropout_p,
                             backend) -> None:
     """The fields every module here hands to attention, checked under the module's own names."""
-    _check_choice(module, "mask", mask, Mask)
-    _check_window(module, window)
-    _check_choice(module, "softmax_type", softmax_type, SoftmaxType)
-    _check_probability(module, dropout_name, dropout_p)
-    _check_backend(module, backend)
+    Mask.parse(mask, f"{module}: mask")
+    check_window(window, f"{module}: window")
+    SoftmaxType.parse(softmax_type, f"{module}: softmax_type")
+    check_probability(dropout_p, f"{module}: {dropout_name}")
+    check_backend(backend, f"{module}: backend")
 
 
 def _slopes(module: str, kwargs: dict) -> dict:
@@ -97,16 +65,13 @@ class DotProductAttention(nn.Module):
     def __post_init__(self):
         super().__post_init__()
         name = type(self).__name__
-        _check_choice(name, "layout", self.layout, Layout)
+        Layout.parse(self.layout, f"{name}: layout")
         _check_attention_fields(name, mask=self.mask, window=self.window, softmax_type=self.softmax_type,
                                 dropout_name="dropout_p", dropout_p=self.dropout_p, backend=self.backend)
         if self.softmax_type == "learnable":
-            _check_positive(name, "num_heads (needed by softmax_type='learnable')", self.num_heads)
-        _check_positive(name, "num_heads", self.num_heads, optional=True)
-        if self.scale is not None and (isinstance(self.scale, bool) or not isinstance(self.scale, (int, float))
-                                       or not math.isfinite(self.scale) or self.scale <= 0):
-            raise ValueError(f"{name}: scale: expected a finite float > 0 (or None for 1/sqrt(D)), "
-                             f"got {self.scale!r}")
+            check_count(self.num_heads, f"{name}: num_heads (needed by softmax_type='learnable')")
+        check_count(self.num_heads, f"{name}: num_heads", optional=True)
+        check_scale(self.scale, f"{name}: scale")
 
     @nn.compact
     def __call__(self, q, k=None, v=None, *, deterministic: bool = True, mask: str | None = None,
@@ -152,9 +117,9 @@ class MultiHeadAttention(nn.Module):
     def __post_init__(self):
         super().__post_init__()
         name = type(self).__name__
-        _check_positive(name, "num_heads", self.num_heads)
-        _check_positive(name, "head_dim", self.head_dim)
-        _check_positive(name, "num_kv_heads", self.num_kv_heads, optional=True)
+        check_count(self.num_heads, f"{name}: num_heads")
+        check_count(self.head_dim, f"{name}: head_dim")
+        check_count(self.num_kv_heads, f"{name}: num_kv_heads", optional=True)
         if self.num_kv_heads is not None and self.num_heads % self.num_kv_heads:
             raise ValueError(f"{name}: num_kv_heads: expected a divisor of num_heads={self.num_heads}, "
                              f"got {self.num_kv_heads}")
@@ -217,23 +182,23 @@ class TransformerLayer(nn.Module):
     def __post_init__(self):
         super().__post_init__()
         name = type(self).__name__
-        _check_positive(name, "hidden_size", self.hidden_size)
-        _check_positive(name, "num_heads", self.num_heads)
-        _check_positive(name, "head_dim", self.head_dim, optional=True)
+        check_count(self.hidden_size, f"{name}: hidden_size")
+        check_count(self.num_heads, f"{name}: num_heads")
+        check_count(self.head_dim, f"{name}: head_dim", optional=True)
         if self.head_dim is None and self.hidden_size % self.num_heads:
             raise ValueError(f"{name}: hidden_size: expected a multiple of num_heads={self.num_heads} (head_dim is "
                              f"hidden_size // num_heads), got {self.hidden_size}; change one, or pass head_dim")
-        _check_positive(name, "num_kv_heads", self.num_kv_heads, optional=True)
+        check_count(self.num_kv_heads, f"{name}: num_kv_heads", optional=True)
         if self.num_kv_heads is not None and self.num_heads % self.num_kv_heads:
             raise ValueError(f"{name}: num_kv_heads: expected a divisor of num_heads={self.num_heads}, "
                              f"got {self.num_kv_heads}")
-        _check_positive(name, "mlp_hidden_size", self.mlp_hidden_size, optional=True)
+        check_count(self.mlp_hidden_size, f"{name}: mlp_hidden_size", optional=True)
         if self.layernorm not in ("pre", "post"):
             raise ValueError(f"{name}: layernorm: expected 'pre' or 'post', got {self.layernorm!r}")
         _check_attention_fields(name, mask=self.mask, window=self.window, softmax_type="vanilla",
                                 dropout_name="attention_dropout", dropout_p=self.attention_dropout,
                                 backend=self.backend)
-        _check_probability(name, "hidden_dropout", self.hidden_dropout)
+        check_probability(self.hidden_dropout, f"{name}: hidden_dropout")
         if not callable(self.activation):
             raise ValueError(f"{name}: activation: expected a callable such as nn.gelu, got {self.activation!r}")
 

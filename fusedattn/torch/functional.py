@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -26,7 +25,9 @@ from fusedattn.frontend_common import (
     slopes_are_standard,
 )
 from fusedattn.layout import split_packed
-from fusedattn.score_mods.core import ScoreMod, as_score_mod, bind, needs_gradient
+from fusedattn.options import SCORE_MOD_NAMES, SETTINGS, TENSORS, check_keywords, describe_arguments, names
+from fusedattn.options import settings as settings_of
+from fusedattn.score_mods.core import as_score_mod, bind, needs_gradient
 from fusedattn.selection import ENV_BACKEND, recall_call, remember_call
 from fusedattn.torch.autograd import run_attention
 from fusedattn.torch.ops import config_of, register_config
@@ -35,6 +36,9 @@ from fusedattn.xp.torch_ops import OPS
 __all__ = ["attention", "explain"]
 
 API = "fusedattn.torch.attention"
+_KEYWORDS = names("torch")
+_SCORE_MOD_KEYWORDS = frozenset(SCORE_MOD_NAMES)
+_SIGNED = frozenset((*SETTINGS, "backend"))  # what a call's plan-cache signature holds besides tensors
 
 
 def _meta(x, name: str) -> TensorMeta | None:
@@ -70,82 +74,12 @@ def _device_scalar(value, device: torch.device) -> torch.Tensor:
     return torch.full((), int(value), dtype=torch.int64, device=device)
 
 
-def attention(
-    q: torch.Tensor,
-    k: torch.Tensor | None = None,
-    v: torch.Tensor | None = None,
-    *,
-    layout: str = "bshd",
-    mask: str = "none",
-    window: tuple[int, int] | None = None,
-    bias: torch.Tensor | None = None,
-    bias_type: str | None = None,
-    alibi_slopes: torch.Tensor | None = None,
-    softmax_type: str = "vanilla",
-    sink: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    dropout_seed: int | torch.Tensor | None = None,
-    dropout_offset: int | torch.Tensor = 0,
-    scale: float | None = None,
-    cu_seqlens_q: torch.Tensor | None = None,
-    cu_seqlens_kv: torch.Tensor | None = None,
-    cu_seqlens_q_padded: torch.Tensor | None = None,
-    cu_seqlens_kv_padded: torch.Tensor | None = None,
-    max_seqlen_q: int | None = None,
-    max_seqlen_kv: int | None = None,
-    deterministic: bool = False,
-    return_lse: bool = False,
-    return_max_logit: bool = False,
-    backend: str | None = None,
-    score_mod: Callable | ScoreMod | None = None,
-    score_mod_bprop: Callable | None = None,
-    score_mod_tensors: dict | None = None,
-    score_mod_bprop_tensors: dict | None = None,
-):
+def attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | None = None, **options):
     """Scaled-dot-product attention, forward and backward, on the best backend for the call.
 
     Args:
-        q, k, v: tensors in `layout`. Packed layouts take fewer: `bs3hd`/`sb3hd`/`t3hd`
-            take one qkv tensor as `q`; `bshd_bs2hd`/`sbhd_sb2hd`/`thd_t2hd` take q and a
-            packed kv as `k`. Shapes: bshd (B, S, H, D), sbhd (S, B, H, D), bhsd (B, H, S, D),
-            thd (T, H, D) with T packed tokens. k and v may have fewer heads (GQA/MQA)
-            and v its own head dim Dv.
-        layout: one of bshd, sbhd, bhsd, thd, bs3hd, sb3hd, t3hd, bshd_bs2hd, sbhd_sb2hd, thd_t2hd.
-        mask: none, causal (top-left diagonal), causal_bottom_right, padding, padding_causal,
-            padding_causal_bottom_right. Padding masks take per-sequence lengths from
-            cu_seqlens_q/kv; THD layouts always mask padding ('causal' means 'padding_causal').
-        window: (left, right) keys visible before/after the diagonal, -1 = unbounded.
-            The diagonal is top-left for causal and padding_causal, bottom-right otherwise.
-        bias: tensor broadcastable to (B|1, Hq|1, Sq, Skv), added after scaling
-            (bias_type 'post_scale', the default) or before ('pre_scale'); has a gradient.
-        alibi_slopes: (Hq,) or (B, Hq) ALiBi slopes: adds -slope * |i - j| (diagonal-aligned); a tensor, or a
-            list/tuple/NumPy array such as fusedattn.standard_alibi_slopes(Hq).
-        softmax_type: 'vanilla', 'off_by_one' (an extra zero logit in the denominator) or
-            'learnable' (per-head `sink` logits of shape (Hq,), with gradient).
-        dropout_p: probability of dropping an attention weight. The mask comes from
-            (dropout_seed, dropout_offset); the same pair gives the same mask in forward and
-            backward. A missing seed is drawn from torch's global generator.
-        scale: multiplies q k^T; default 1/sqrt(D).
-        cu_seqlens_q/kv: (B+1,) int32/int64 cumulative sequence lengths (THD and padding masks).
-            Their values are checked (one host read) unless they are on the GPU and both
-            max_seqlen_q and max_seqlen_kv are given: then they are trusted, as in FlashAttention.
-        cu_seqlens_q/kv_padded: (B+1,) start offsets of each sequence in the packed tensor
-            when sequences are stored with gaps (THD only).
-        max_seqlen_q/kv: longest sequence (THD); computed from cu_seqlens when omitted.
-        deterministic: ask for a bitwise-reproducible backward.
-        return_lse, return_max_logit: return an AttentionResult(out, lse, max_logit).
-        backend: force one backend by name; its reasons raise if it cannot run the call.
-        score_mod: rewrites the scaled scores inside the kernel: a built-in from
-            fusedattn.score_mods (softcap, alibi, ...) or a callback score_mod(graph, score,
-            tensors) -> tensor that builds cuDNN graph ops on score (B, Hq, Sq, Skv). It runs
-            before a post-scale bias and ALiBi are added and before the masks. Scores it sets to
-            score_mods.MASKED are masked; a row with no visible key gives 0.
-        score_mod_bprop: callback (graph, dscore, tensors) -> tensor: the derivative of
-            score_mod applied to dLoss/d(its output). Omit it only when score_mod adds terms
-            or masks (derivative 1); anything nonlinear in score needs one.
-        score_mod_tensors, score_mod_bprop_tensors: {name: tensor | number} for the callbacks
-            (one shared dict). Tensors broadcast to (B, Hq, Sq, Skv), live on q's device and get
-            no gradient; numbers are passed by value, so changing one never rebuilds a graph.
+        q, k, v: tensors in `layout` (see below); packed layouts take fewer.
+        {options}
 
     Returns:
         The output in q's layout (B, S, Hq, Dv) etc., or an AttentionResult.
@@ -154,49 +88,35 @@ def attention(
         >>> q = k = v = torch.randn(2, 128, 8, 64)
         >>> out = attention(q, k, v, mask="causal")
     """
+    if not _KEYWORDS.issuperset(options):
+        check_keywords(API, options, "torch")
+    get = options.get
+    alibi_slopes = get("alibi_slopes")
     if alibi_slopes is not None and not isinstance(alibi_slopes, torch.Tensor):
         # a list such as fusedattn.standard_alibi_slopes(Hq), or a NumPy array
-        alibi_slopes = torch.as_tensor(host_slopes(f"{API}: alibi_slopes", alibi_slopes), device=q.device)
+        alibi_slopes = options["alibi_slopes"] = torch.as_tensor(
+            host_slopes(f"{API}: alibi_slopes", alibi_slopes), device=q.device)
     compiling = torch.compiler.is_compiling()
-    if score_mod is not None and compiling:
-        return _score_mod_call_outside_graph(
-            q, k, v, layout=layout, mask=mask, window=window, bias=bias, bias_type=bias_type,
-            alibi_slopes=alibi_slopes, softmax_type=softmax_type, sink=sink, dropout_p=dropout_p,
-            dropout_seed=dropout_seed, dropout_offset=dropout_offset, scale=scale, cu_seqlens_q=cu_seqlens_q,
-            cu_seqlens_kv=cu_seqlens_kv, cu_seqlens_q_padded=cu_seqlens_q_padded,
-            cu_seqlens_kv_padded=cu_seqlens_kv_padded, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
-            deterministic=deterministic, return_lse=return_lse, return_max_logit=return_max_logit,
-            backend=backend, score_mod=score_mod, score_mod_bprop=score_mod_bprop,
-            score_mod_tensors=score_mod_tensors, score_mod_bprop_tensors=score_mod_bprop_tensors)
     mod = None
-    if not (score_mod is None and score_mod_bprop is None and score_mod_tensors is None
-            and score_mod_bprop_tensors is None):
-        mod = as_score_mod(API, score_mod, score_mod_bprop, score_mod_tensors, score_mod_bprop_tensors)
-    if compiling and mod is None:
-        return _compiled_attention(
-            (q, k, v, bias, alibi_slopes, sink, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
-             cu_seqlens_kv_padded),
-            dict(layout=layout, mask=mask, window=tuple(window) if window is not None else None, bias_type=bias_type,
-                 softmax_type=softmax_type, dropout_p=dropout_p, scale=scale, max_seqlen_q=max_seqlen_q,
-                 max_seqlen_kv=max_seqlen_kv, deterministic=deterministic, return_lse=return_lse,
-                 return_max_logit=return_max_logit),
-            backend, dropout_seed, dropout_offset)
-    offsets = (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded)
+    if not _SCORE_MOD_KEYWORDS.isdisjoint(options) and any(get(name) is not None for name in SCORE_MOD_NAMES):
+        if compiling:
+            return _score_mod_call_outside_graph(q, k, v, **options)
+        mod = as_score_mod(API, *(get(name) for name in SCORE_MOD_NAMES))
+    if compiling:
+        return _compiled_attention(q, k, v, options)
+    bias, sink = get("bias"), get("sink")
+    offsets = (get("cu_seqlens_q"), get("cu_seqlens_kv"), get("cu_seqlens_q_padded"), get("cu_seqlens_kv_padded"))
     # Offsets on a GPU with both max lengths given are trusted, as FlashAttention trusts them:
     # reading their values back would stall the GPU queue on every call.
-    given = not (cu_seqlens_q is None and cu_seqlens_kv is None and cu_seqlens_q_padded is None
-                 and cu_seqlens_kv_padded is None)
-    trusted = given and (max_seqlen_q is not None and max_seqlen_kv is not None
+    given = not (offsets[0] is None and offsets[1] is None and offsets[2] is None and offsets[3] is None)
+    trusted = given and (get("max_seqlen_q") is not None and get("max_seqlen_kv") is not None
                          and all(x is None or (isinstance(x, torch.Tensor) and x.is_cuda) for x in offsets))
     # ALiBi slopes decide the config (cuDNN's built-in ALiBi has the paper's slopes only), so
     # calls with slopes read their values every time and take the full path; so do offsets whose
     # values are checked.
     signature = None if alibi_slopes is not None or (given and not trusted) else _signature(
-        (q, k, v, bias, sink, *offsets) if trusted else (q, k, v, bias, sink),
-        (layout, mask, window, bias_type, softmax_type, dropout_p, scale, max_seqlen_q, max_seqlen_kv, deterministic,
-         return_lse, return_max_logit, backend),
-        None if mod is None else (id(score_mod), id(score_mod_bprop), tuple(score_mod_tensors or ()),
-                                  tuple(score_mod_bprop_tensors or ())))
+        (q, k, v, bias, sink, *offsets) if trusted else (q, k, v, bias, sink), options,
+        None if mod is None else _score_mod_names(options))
     planned = None
     if signature is not None and not _explaining.get():
         try:
@@ -218,24 +138,19 @@ def attention(
     if planned is not None:  # seen before: already validated, configured and selected
         cfg, selection, native = planned
         if native is not None and mod is None:  # the warm path: one operator call, autograd in C++
-            return _native_call(native, signature, planned, q, k, v, sink, dropout_seed, dropout_offset)
+            return _native_call(native, signature, planned, q, k, v, sink, options)
         arrays = (*split_packed(cfg.layout, [x for x in (q, k, v) if x is not None]), bias, alibi_slopes, sink,
                   *offsets)
     else:
-        tensors = {"q": q, "k": k, "v": v, "bias": bias, "alibi_slopes": alibi_slopes, "sink": sink,
-                   "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_kv": cu_seqlens_kv,
-                   "cu_seqlens_q_padded": cu_seqlens_q_padded, "cu_seqlens_kv_padded": cu_seqlens_kv_padded}
+        tensors = {"q": q, "k": k, "v": v, **{name: get(name) for name in TENSORS}}
         differentiable = [x for x in (q, k, v, bias, alibi_slopes, sink) if isinstance(x, torch.Tensor)]
         # One host read of the offsets checks their values and fills missing max lengths.
         call = prepare_call(
             API, "torch", tensors, describe=_meta, host_copy=(lambda x: None) if trusted else OPS.to_host,
             is_training=torch.is_grad_enabled() and (any(x.requires_grad for x in differentiable)
                                                      or (mod is not None and needs_gradient(mod))),
-            bias_requires_grad=isinstance(bias, torch.Tensor) and bias.requires_grad, backend=backend,
-            layout=layout, mask=mask, window=window, bias_type=bias_type, softmax_type=softmax_type,
-            dropout_p=dropout_p, scale=scale, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
-            deterministic=deterministic, return_lse=return_lse, return_max_logit=return_max_logit,
-            score_mod=mod, unaligned=_unaligned(q=q, k=k, v=v, bias=bias, sink=sink),
+            bias_requires_grad=isinstance(bias, torch.Tensor) and bias.requires_grad, backend=get("backend"),
+            **settings_of(options), score_mod=mod, unaligned=_unaligned(q=q, k=k, v=v, bias=bias, sink=sink),
             alibi_standard=isinstance(alibi_slopes, torch.Tensor)
             and slopes_are_standard(OPS.to_host(alibi_slopes.float())),
         )
@@ -246,8 +161,7 @@ def attention(
         if signature is not None:
             remember_call(signature, (cfg, selection, native))
         if native is not None:
-            return _native_call(native, signature, (cfg, selection, native), q, k, v, sink, dropout_seed,
-                                dropout_offset)
+            return _native_call(native, signature, (cfg, selection, native), q, k, v, sink, options)
     check = None
     if trusted:  # their values were not read: checked on the device
         passed = tuple(x for x in (q, k, v) if x is not None)
@@ -255,9 +169,12 @@ def attention(
         arrays = guard_inputs(cfg, passed, arrays, check)
     seed = offset = None
     if cfg.dropout_p > 0.0:
-        seed, offset = _dropout_state(dropout_seed, dropout_offset, q)
+        seed, offset = _dropout_state(get("dropout_seed"), get("dropout_offset", 0), q)
     out, lse, max_logit = run_attention(cfg, selection.backend, bound, (*arrays, seed, offset))
     return pick_outputs(cfg, *(poisoned(check, x) for x in (out, lse, max_logit)))
+
+
+describe_arguments(attention, "torch")
 
 
 # explain(): the call goes through attention's own cold path and stops once it is configured.
@@ -302,14 +219,14 @@ def _native_plan_on(cfg, backend_name: str, device: torch.device) -> int | None:
     return torch_plans.plan_for(cfg, device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _native_call(plan: int, signature, planned, q, k, v, sink, dropout_seed, dropout_offset):
+def _native_call(plan: int, signature, planned, q, k, v, sink, options: dict):
     """The call through the native operator fusedattn_native.attention (see backends/cudnn/native)."""
     cfg = planned[0]
     if v is None:  # a packed layout: views of the pack
         q, k, v = split_packed(cfg.layout, [x for x in (q, k) if x is not None])
     seed = offset = None
     if cfg.dropout_p > 0.0:
-        seed, offset = _dropout_state(dropout_seed, dropout_offset, q)
+        seed, offset = _dropout_state(options.get("dropout_seed"), options.get("dropout_offset", 0), q)
     try:
         out, lse = _operator(plan, q, k, v, sink, seed, offset)
     except RuntimeError as error:
@@ -334,20 +251,28 @@ def _operator(plan: int, q, k, v, sink, seed, offset):
     return torch.ops.fusedattn_native.attention.default(plan, q, k, v, sink, seed, offset)
 
 
-def _signature(tensors: tuple, options: tuple, score_mod):
+def _signature(tensors: tuple, options: dict, score_mod):
     """A summary of a call that fixes its config and selection (hashable when its options are), or
-    None when arguments are not what they should be (the full path explains those). Options count
+    None when arguments are not what they should be (the full path explains those). Settings count
     with their types (and a window's items with theirs), so window=(2.0, 0) never shares the plan
     of (2, 0): one is valid, the other is not. score_mod: the callbacks' identities and aux names;
     a caller using the summary checks their structural key. Flat, as a repeat call builds it every
     time."""
     try:
-        window = options[2]
+        window = options.get("window")
         return (*[None if x is None else (x.shape, x.dtype, x.device, x.requires_grad) for x in tensors],
-                options, tuple(map(type, options)), None if window is None else tuple(map(type, window)),
+                *[(name, value, type(value)) for name, value in options.items() if name in _SIGNED],
+                None if window is None else tuple(map(type, window)),
                 score_mod, torch.is_grad_enabled(), settings.value(ENV_BACKEND), settings.value(ENV_THD_BUCKET))
     except (TypeError, AttributeError):  # not tensors, or a window that is no sequence: the full path explains
         return None
+
+
+def _score_mod_names(options: dict) -> tuple:
+    """The score_mod part of a signature: the callbacks' identities and their tensors' names."""
+    get = options.get
+    return (id(get("score_mod")), id(get("score_mod_bprop")), tuple(get("score_mod_tensors") or ()),
+            tuple(get("score_mod_bprop_tensors") or ()))
 
 
 # ---------------------------------------------------------------- under torch.compile
@@ -404,9 +329,14 @@ def _compile_time_native(key: str, device: torch.device) -> int:
     return -1 if plan is None else plan
 
 
-def _compiled_attention(tensors: tuple, options: dict, backend, dropout_seed, dropout_offset):
+def _compiled_attention(q, k, v, given: dict):
+    tensors = (q, k, v, *(given.get(name) for name in TENSORS))
+    options = settings_of(given)
+    if options["window"] is not None:
+        options["window"] = tuple(options["window"])
     described = tuple(None if x is None else (tuple(x.shape), x.dtype, x.device, x.requires_grad) for x in tensors)
-    key = _compile_time_plan(described, tuple(options.items()), backend, torch.is_grad_enabled())
+    key = _compile_time_plan(described, tuple(options.items()), given.get("backend"), torch.is_grad_enabled())
+    dropout_seed, dropout_offset = given.get("dropout_seed"), given.get("dropout_offset", 0)
     q, k, v = tensors[:3]
     passed = tuple(x for x in (q, k, v) if x is not None)
     unpacked = split_packed(options["layout"], passed)
