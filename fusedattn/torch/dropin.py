@@ -2,7 +2,10 @@
 
 A thin translation into `fusedattn.torch.attention`: (..., L, E) tensors become the bhsd layout,
 `is_causal` the top-left causal mask, and `attn_mask` a post-scale bias (a boolean mask as 0 where
-True and -inf where False, as PyTorch does). Assign it over torch.nn.functional's in a model:
+True and -inf where False, as PyTorch does). A mask that is really causal, key padding or a sliding
+window (fusedattn/mask_patterns.py) runs as that mask instead, which is much faster: it is read once
+per mask tensor (and version) to be sure, and never while compiling or capturing a CUDA graph.
+Assign it over torch.nn.functional's in a model:
 
     >>> import torch.nn.functional as F
     >>> import fusedattn.torch
@@ -12,9 +15,12 @@ True and -inf where False, as PyTorch does). Assign it over torch.nn.functional'
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 
+from fusedattn.cache import LRUCache, register
+from fusedattn.mask_patterns import classify
 from fusedattn.torch.functional import attention
 
 __all__ = ["scaled_dot_product_attention"]
@@ -63,25 +69,25 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
                          f"and {tuple(v.shape[:-3])} do not broadcast") from None
     batch = math.prod(lead)
     q, k, v = (x.expand(*lead, *x.shape[-3:]).reshape(batch, *x.shape[-3:]) for x in (q, k, v))
-    bias = None
     if attn_mask is not None and is_causal:  # PyTorch documents an error (some of its kernels combine them)
         raise ValueError(f"{API}: attn_mask: expected None with is_causal=True (PyTorch raises here too), got a "
                          "tensor; fold the causal mask into attn_mask instead")
+    options = {"mask": "causal" if is_causal else "none"}
     if attn_mask is not None:
-        bias = _as_bias(attn_mask, query, lead, one_head, (heads_q, q.shape[-2], k.shape[-2]))
-    out = attention(q, k, v, layout="bhsd", mask="causal" if is_causal else "none", bias=bias,
-                    dropout_p=dropout_p, scale=scale)
+        mask = _folded(attn_mask, query, lead, one_head, (heads_q, q.shape[-2], k.shape[-2]))
+        options = _recognized(attn_mask, mask, batch, q.shape[-2], k.shape[-2], q.device)
+        if options is None:
+            options = {"bias": _as_bias(mask, query)}
+    out = attention(q, k, v, layout="bhsd", dropout_p=dropout_p, scale=scale, **options)
     out = out.reshape(*lead, *out.shape[1:])
     return out.squeeze(-3) if one_head else out
 
 
-def _as_bias(mask: torch.Tensor, query: torch.Tensor, lead: tuple, one_head: bool, sizes: tuple) -> torch.Tensor:
-    """attn_mask as an additive (batch|1, Hq|1, L|1, S|1) bias in query's dtype."""
+def _folded(mask: torch.Tensor, query: torch.Tensor, lead: tuple, one_head: bool, sizes: tuple) -> torch.Tensor:
+    """attn_mask checked and viewed as (batch|1, Hq|1, L|1, S|1), its batch dimensions folded into one."""
     if not isinstance(mask, torch.Tensor):
         raise ValueError(f"{API}: attn_mask: expected a torch.Tensor or None, got {type(mask).__name__}")
-    if mask.dtype == torch.bool:
-        mask = torch.zeros(mask.shape, dtype=query.dtype, device=mask.device).masked_fill(~mask, float("-inf"))
-    elif mask.dtype != query.dtype:
+    if mask.dtype != torch.bool and mask.dtype != query.dtype:
         raise ValueError(f"{API}: attn_mask: expected a bool tensor or one of query's dtype {query.dtype}, "
                          f"got {mask.dtype}")
     if one_head:
@@ -96,3 +102,59 @@ def _as_bias(mask: torch.Tensor, query: torch.Tensor, lead: tuple, one_head: boo
     if len(lead) != 1:  # fold the batch dimensions into one, as the tensors were
         mask = mask.expand(*lead, *mask.shape[-3:]).reshape(math.prod(lead), *mask.shape[-3:])
     return mask
+
+
+def _as_bias(mask: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """A folded attn_mask as an additive bias in query's dtype (a boolean one: 0 where True, -inf elsewhere)."""
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=query.dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+    return mask
+
+
+# Recognised masks, by tensor: (a weak reference to the mask, attention's options for it). The key holds
+# the tensor's id and version, so an in-place change or another tensor at the same id is read again.
+_patterns: LRUCache = register("torch.dropin.mask_patterns", LRUCache(16))
+
+
+def _recognized(given: torch.Tensor, mask: torch.Tensor, batch: int, seqlen_q: int, seqlen_kv: int, device
+                ) -> dict | None:
+    """attention's options for a mask that is a native mask, or None (run it as a bias). given: the
+    caller's attn_mask (what is remembered), mask: it folded (what is read)."""
+    if (mask.requires_grad or mask.shape[1] != 1 or mask.shape[3] != seqlen_kv or torch.compiler.is_compiling()
+            or (mask.is_cuda and torch.cuda.is_current_stream_capturing())):
+        return None
+    key = (id(given), given._version, tuple(given.shape), given.stride(), given.dtype, given.device, batch, seqlen_q,
+           seqlen_kv)
+    held = _patterns.get(key)
+    if held is not None and held[0]() is given:
+        return held[1]
+    options = _read_pattern(mask, batch, seqlen_q, seqlen_kv, device)
+    _patterns.put(key, (weakref.ref(given), options))
+    return options
+
+
+def _read_pattern(mask: torch.Tensor, batch: int, seqlen_q: int, seqlen_kv: int, device) -> dict | None:
+    """Reduce the mask to (keys taken, first taken, runs) per row on its device, read them once, classify."""
+    rows = mask.reshape(mask.shape[0], mask.shape[2], seqlen_kv)
+    binary = torch.ones((), dtype=torch.bool, device=mask.device)
+    if rows.dtype != torch.bool:  # a float mask is a boolean one only if it holds just 0 and -inf
+        binary = ((rows == 0) | (rows == float("-inf"))).all()
+        rows = rows == 0
+    count = rows.sum(-1)
+    first = rows.to(torch.uint8).argmax(-1)  # the first maximum: the first key taken
+    runs = (rows[..., 1:] & ~rows[..., :-1]).sum(-1) + rows[..., 0]
+    stats = torch.cat([torch.stack([count, first, runs]).flatten(), binary.reshape(1).long()]).cpu().numpy()
+    if not stats[-1]:
+        return None
+    count, first, runs = stats[:-1].reshape(3, *rows.shape[:2])
+    pattern = classify(count, first, runs, seqlen_q, seqlen_kv, batch)
+    if pattern is None:
+        return None
+    options = {"mask": pattern.mask, "window": pattern.window}
+    if pattern.kv_lengths is not None:  # the lengths travel as offsets; both max lengths given: never read again
+        ends = torch.tensor(pattern.kv_lengths, dtype=torch.int32).cumsum(0)
+        options.update(
+            cu_seqlens_q=torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32).to(device),
+            cu_seqlens_kv=torch.cat([ends.new_zeros(1), ends]).to(device),
+            max_seqlen_q=seqlen_q, max_seqlen_kv=seqlen_kv)
+    return options
