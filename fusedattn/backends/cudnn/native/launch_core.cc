@@ -6,6 +6,7 @@
 // Python builds a graph, serializes it and registers the bytes with the uid each of the call's
 // buffer slots binds to. A launch is then: find the plan, take its graph on this device
 // (deserialized on first use there), map slot pointers to uids, execute on the caller's stream.
+// Once a device's handle and a plan's graph there exist, a launch finds them without a lock.
 // The registry is bounded (Bounded, bounded.h): the least recently registered-or-used plan goes first;
 // callers that keep a plan alive hold a shared_ptr to it.
 
@@ -39,13 +40,22 @@ namespace fusedattn_native {
 
 namespace fe = cudnn_frontend;
 
+// Device ordinals below this find their handle and graphs without a lock (others take the locked path).
+constexpr int32_t kMaxDevices = 64;
+
+inline bool indexed(int32_t ordinal) { return ordinal >= 0 && ordinal < kMaxDevices; }
+
 // A plan's id in the registry is the digest of its bytes and uids (fusedattn_core_register).
 struct Plan {
     std::vector<uint8_t> blob;
     std::vector<int64_t> uids;  // one per slot, or kUnbound / kWorkspace
-    std::mutex mutex;           // guards graphs
+    std::mutex mutex;           // guards graphs and workspace
     std::unordered_map<int32_t, std::unique_ptr<fe::graph::Graph>> graphs;  // by device
     std::unordered_map<int32_t, int64_t> workspace;                         // bytes, by device
+    // The same for the launch path, lock-free: a graph is published (release) after its workspace
+    // bytes are written, and stays until the plan goes.
+    std::atomic<fe::graph::Graph *> ready[kMaxDevices] = {};
+    int64_t ready_workspace[kMaxDevices] = {};
 };
 
 struct Device {
@@ -81,6 +91,7 @@ class Registry {
    private:
     std::mutex mutex_;
     std::unordered_map<int32_t, std::unique_ptr<Device>> devices_;
+    std::atomic<Device *> ready_[kMaxDevices] = {};  // devices_ once made, read without mutex_
 };
 
 // Runs `body` with `device` current, then restores the caller's device. The CUDA runtime is
@@ -113,6 +124,7 @@ inline std::string Registry::init(const char *path) {
 }
 
 inline std::string Registry::device(int32_t ordinal, Device **out) {
+    if (indexed(ordinal) && (*out = ready_[ordinal].load(std::memory_order_acquire)) != nullptr) return "";
     std::lock_guard<std::mutex> lock(mutex_);
     auto &slot = devices_[ordinal];
     if (!slot) {
@@ -129,6 +141,7 @@ inline std::string Registry::device(int32_t ordinal, Device **out) {
         slot = std::move(device);
     }
     *out = slot.get();
+    if (indexed(ordinal)) ready_[ordinal].store(*out, std::memory_order_release);
     return "";
 }
 
@@ -161,7 +174,9 @@ inline Profile &profile() {
 
 class Stopwatch {
    public:
-    Stopwatch() : last_(std::chrono::steady_clock::now()) {}
+    Stopwatch() {
+        if (profile().on) last_ = std::chrono::steady_clock::now();
+    }
     void lap(Step step) {
         if (!profile().on) return;
         auto now = std::chrono::steady_clock::now();
@@ -177,6 +192,10 @@ class Stopwatch {
 // The plan's graph on `ordinal`, deserialized on first use there; its workspace bytes in *workspace.
 inline std::string graph_on(Plan *plan, int32_t ordinal, Device *device, fe::graph::Graph **out,
                             int64_t *workspace) {
+    if (indexed(ordinal) && (*out = plan->ready[ordinal].load(std::memory_order_acquire)) != nullptr) {
+        *workspace = plan->ready_workspace[ordinal];
+        return "";
+    }
     std::lock_guard<std::mutex> lock(plan->mutex);
     auto &slot = plan->graphs[ordinal];
     if (!slot) {
@@ -198,6 +217,10 @@ inline std::string graph_on(Plan *plan, int32_t ordinal, Device *device, fe::gra
     }
     *out = slot.get();
     *workspace = plan->workspace[ordinal];
+    if (indexed(ordinal) && plan->ready[ordinal].load(std::memory_order_relaxed) == nullptr) {  // once
+        plan->ready_workspace[ordinal] = *workspace;
+        plan->ready[ordinal].store(*out, std::memory_order_release);
+    }
     return "";
 }
 
@@ -211,13 +234,13 @@ inline int64_t prepare(Plan *plan, int32_t ordinal, std::string *error) {
     return error->empty() ? workspace : -1;
 }
 
-// Executes `plan` on `ordinal` and `stream` with one pointer per slot (slots the plan leaves
-// unbound are skipped; pass-by-value scalars are host pointers) and a workspace of at least the
-// plan's size on that device. "" on success.
-inline std::string execute(Plan *plan, int32_t ordinal, cudaStream_t stream, const std::vector<void *> &slots,
+// Executes `plan` on `ordinal` and `stream` with `count` pointers, one per slot (slots the plan
+// leaves unbound are skipped; pass-by-value scalars are host pointers) and a workspace of at least
+// the plan's size on that device. "" on success.
+inline std::string execute(Plan *plan, int32_t ordinal, cudaStream_t stream, void *const *slots, int64_t count,
                            void *workspace, int64_t workspace_bytes) {
-    if (slots.size() > plan->uids.size()) {
-        return "the call passes " + std::to_string(slots.size()) + " buffers, the plan binds " +
+    if (count < 0 || count > static_cast<int64_t>(plan->uids.size())) {
+        return "the call passes " + std::to_string(count) + " buffers, the plan binds " +
                std::to_string(plan->uids.size());
     }
     Device *device = nullptr;
@@ -232,9 +255,10 @@ inline std::string execute(Plan *plan, int32_t ordinal, cudaStream_t stream, con
         return "the graph needs a " + std::to_string(needed) + "-byte workspace on device " + std::to_string(ordinal) +
                ", the call has " + std::to_string(workspace_bytes);
     }
-    std::unordered_map<int64_t, void *> pointers;
-    pointers.reserve(slots.size());
-    for (size_t i = 0; i < slots.size(); ++i) {
+    // This thread's map from the last launch: clear() keeps its buckets, so only the entries are new.
+    static thread_local std::unordered_map<int64_t, void *> pointers;
+    pointers.clear();
+    for (int64_t i = 0; i < count; ++i) {
         int64_t uid = plan->uids[i];
         if (uid >= 0) pointers.emplace(uid, slots[i]);
     }
@@ -309,9 +333,8 @@ int fusedattn_core_execute(int64_t plan_id, int32_t device, void *stream, void *
         return fusedattn_native::kNotRegistered;
     }
     try {
-        core_error = fusedattn_native::execute(plan.get(), device, static_cast<cudaStream_t>(stream),
-                                               std::vector<void *>(slots, slots + count), workspace,
-                                               workspace_bytes);
+        core_error = fusedattn_native::execute(plan.get(), device, static_cast<cudaStream_t>(stream), slots, count,
+                                               workspace, workspace_bytes);
     } catch (const std::exception &error) {
         core_error = error.what();
     }

@@ -8,7 +8,11 @@
 // torch's caching allocator and launch the deserialized graph on torch's current stream.
 // Meta kernels give the output shapes from the plan, so torch.compile traces the same operator.
 
+#include <array>
 #include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <mutex>
 
 #include <torch/csrc/autograd/custom_function.h>
@@ -40,6 +44,88 @@ enum BackwardSlot {
     kBwdDQ, kBwdDK, kBwdDV, kBwdDSink, kBackwardSlots
 };
 enum SinkKind { kNoSink = 0, kZeroSink = 1, kLearnableSink = 2 };
+
+// FUSEDATTN_NATIVE_PROFILE=1 (the launch core reads it too): the operator's host time by step,
+// averaged over the calls that reach each step, on stderr at exit. Off, a step costs one branch.
+enum Step {
+    kWhole, kForwardCall, kSave,  // the autograd kernel: all of it, its forward op, its saving
+    kFwdPlan, kFwdGuard, kFwdInputs, kFwdOutputs, kFwdWorkspace, kFwdStream, kFwdExecute,
+    kSaved, kBackwardCall, kGradients,  // Attention::backward
+    kBwdPlan, kBwdRefuse, kBwdGuard, kBwdInputs, kBwdOutputs, kBwdWorkspace, kBwdStream, kBwdExecute,
+    kSteps
+};
+
+const bool profiling = [] {
+    const char *value = std::getenv("FUSEDATTN_NATIVE_PROFILE");
+    return value != nullptr && value[0] == '1';
+}();
+
+struct StepTimes {
+    std::atomic<int64_t> nanoseconds[kSteps] = {};
+    std::atomic<int64_t> calls[kSteps] = {};
+
+    double average_us(int step) const {
+        int64_t n = calls[step].load();
+        return n == 0 ? 0.0 : nanoseconds[step].load() / 1e3 / n;
+    }
+    int64_t sum_calls() const {
+        int64_t sum = 0;
+        for (const auto &n : calls) sum += n.load();
+        return sum;
+    }
+    double sum_us(int first, int last) const {
+        double sum = 0;
+        for (int step = first; step <= last; ++step) sum += average_us(step);
+        return sum;
+    }
+
+    ~StepTimes() {
+        if (!profiling || sum_calls() == 0) return;
+        const char *const names[] = {
+            "attention: whole kernel", "attention: forward op", "attention: save for backward",
+            "forward: find_plan", "forward: device guard", "forward: conform q,k,v, sink", "forward: outputs",
+            "forward: workspace", "forward: stream", "forward: core execute",
+            "backward: saved variables", "backward: backward op", "backward: gradients out",
+            "backward op: find_plan", "backward op: refuse lse grad", "backward op: device guard",
+            "backward op: conform q,k,v,dO, sink", "backward op: outputs", "backward op: workspace",
+            "backward op: stream", "backward op: core execute"};
+        static_assert(sizeof(names) / sizeof(names[0]) == kSteps, "a name for each step");
+        auto line = [](const char *name, double us, int64_t calls) {  // steps no call reached: none
+            if (calls == 0) return;
+            std::fprintf(stderr, "fusedattn torch profile: %-36s %8.2f us/call (%lld calls)\n", name, us,
+                         static_cast<long long>(calls));
+        };
+        for (int step = 0; step < kSteps; ++step) line(names[step], average_us(step), calls[step].load());
+        // What no step covers: Attention::apply's own work, and the dispatcher's around each op with the
+        // op's return (the device guard's restore, the workspace's release).
+        line("= attention: the rest (apply)", average_us(kWhole) - average_us(kForwardCall) - average_us(kSave),
+             calls[kWhole].load());
+        line("= forward op: the rest (dispatch)", average_us(kForwardCall) - sum_us(kFwdPlan, kFwdExecute),
+             calls[kForwardCall].load());
+        line("= backward op: the rest (dispatch)", average_us(kBackwardCall) - sum_us(kBwdPlan, kBwdExecute),
+             calls[kBackwardCall].load());
+    }
+};
+
+StepTimes step_times;
+
+// Times consecutive steps: mark(step) adds the time since the last mark (or since construction).
+class Timer {
+   public:
+    Timer() {
+        if (profiling) last_ = std::chrono::steady_clock::now();
+    }
+    void mark(Step step) {
+        if (!profiling) return;
+        auto now = std::chrono::steady_clock::now();
+        step_times.nanoseconds[step] += std::chrono::duration_cast<std::chrono::nanoseconds>(now - last_).count();
+        step_times.calls[step] += 1;
+        last_ = now;
+    }
+
+   private:
+    std::chrono::steady_clock::time_point last_;
+};
 
 // What the operator needs of one configuration beyond its graphs. Shapes are those of the tensors
 // the caller passes and gets (q, k, v in their base layout); strides are what the graphs were built
@@ -85,15 +171,17 @@ Tensor conform(const Tensor &x, const std::vector<int64_t> &sizes, const std::ve
     TORCH_CHECK(x.sizes().equals(sizes), "fusedattn: ", name, ": expected shape ", c10::IntArrayRef(sizes),
                 " (the registered plan's), got ", x.sizes());
     bool same = true;
-    for (size_t i = 0; i < sizes.size(); ++i) same = same && (sizes[i] == 1 || x.stride(i) == strides[i]);
+    auto actual = x.strides();
+    for (size_t i = 0; i < sizes.size(); ++i) same = same && (sizes[i] == 1 || actual[i] == strides[i]);
     if (same && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0) return x;
     Tensor copy = at::empty_strided(sizes, strides, x.options());
     copy.copy_(x);
     return copy;
 }
 
-void launch(TorchPlan &owner, int pass, const c10::Device &device, const std::vector<void *> &slots,
-            const Tensor &like) {
+// Launches one pass (0 forward, 1 backward) with `count` slot pointers; `timer` marks its steps.
+void launch(TorchPlan &owner, int pass, const c10::Device &device, void *const *slots, int64_t count,
+            const Tensor &like, Timer &timer) {
     TORCH_CHECK(core().execute != nullptr, "fusedattn: the launch core is not loaded (fusedattn_torch_init)");
     TORCH_CHECK(device.index() >= 0 && device.index() < kMaxDevices, "fusedattn: device index ", device.index());
     int64_t plan = pass == 0 ? owner.forward : owner.backward;
@@ -104,10 +192,13 @@ void launch(TorchPlan &owner, int pass, const c10::Device &device, const std::ve
         owner.workspace[pass][device.index()].store(bytes, std::memory_order_relaxed);
     }
     Tensor workspace = bytes > 0 ? at::empty({bytes}, like.options().dtype(at::kByte)) : Tensor();
+    timer.mark(pass == 0 ? kFwdWorkspace : kBwdWorkspace);
     const auto *impl = c10::impl::getDeviceGuardImpl(device.type());
     void *stream = impl->getStream(device).native_handle();
-    int status = core().execute(plan, device.index(), stream, slots.data(), static_cast<int64_t>(slots.size()),
+    timer.mark(pass == 0 ? kFwdStream : kBwdStream);
+    int status = core().execute(plan, device.index(), stream, slots, count,
                                 bytes > 0 ? workspace.data_ptr() : nullptr, bytes);
+    timer.mark(pass == 0 ? kFwdExecute : kBwdExecute);
     TORCH_CHECK(status == 0, "fusedattn: ", core().last_error());
 }
 
@@ -122,24 +213,32 @@ Tensor sink_buffer(const TorchPlan &plan, const optional<Tensor> &sink, const Te
     return Tensor();
 }
 
+// The LSE is an empty tensor, not an undefined one, when the plan writes none: callers read its numel.
 std::vector<Tensor> forward_outputs(const TorchPlan &plan, const Tensor &q) {
-    Tensor out = at::empty_strided(plan.out_sizes, plan.out_strides, q.options());
-    Tensor lse = plan.stats ? at::empty(plan.lse_sizes, q.options().dtype(at::kFloat))
-                            : at::empty({0}, q.options().dtype(at::kFloat));
-    return {out, lse};
+    std::vector<Tensor> outputs;
+    outputs.reserve(2);
+    outputs.push_back(at::empty_strided(plan.out_sizes, plan.out_strides, q.options()));
+    outputs.push_back(plan.stats ? at::empty(plan.lse_sizes, q.options().dtype(at::kFloat))
+                                 : at::empty({0}, q.options().dtype(at::kFloat)));
+    return outputs;
 }
 
 std::vector<Tensor> forward_cuda(int64_t plan_id, const Tensor &q, const Tensor &k, const Tensor &v,
                                  const optional<Tensor> &sink, const optional<Tensor> &seed,
                                  const optional<Tensor> &offset) {
+    Timer timer;
     auto plan = find_plan(plan_id);
+    timer.mark(kFwdPlan);
     c10::DeviceGuard guard(q.device());
+    timer.mark(kFwdGuard);
     Tensor qs = conform(q, plan->sizes[0], plan->strides[0], "q");
     Tensor ks = conform(k, plan->sizes[1], plan->strides[1], "k");
     Tensor vs = conform(v, plan->sizes[2], plan->strides[2], "v");
     Tensor sinks = sink_buffer(*plan, sink, q);
+    timer.mark(kFwdInputs);
     auto outputs = forward_outputs(*plan, q);
-    std::vector<void *> slots(kForwardSlots, nullptr);
+    timer.mark(kFwdOutputs);
+    std::array<void *, kForwardSlots> slots{};
     slots[kFwdQ] = qs.data_ptr();
     slots[kFwdK] = ks.data_ptr();
     slots[kFwdV] = vs.data_ptr();
@@ -148,7 +247,7 @@ std::vector<Tensor> forward_cuda(int64_t plan_id, const Tensor &q, const Tensor 
     slots[kFwdOffset] = pointer(offset);
     slots[kFwdO] = outputs[0].data_ptr();
     slots[kFwdStats] = plan->stats ? outputs[1].data_ptr() : nullptr;
-    launch(*plan, 0, q.device(), slots, q);
+    launch(*plan, 0, q.device(), slots.data(), slots.size(), q, timer);
     return outputs;
 }
 
@@ -171,6 +270,7 @@ std::vector<Tensor> forward_meta(int64_t plan_id, const Tensor &q, const Tensor 
 
 std::vector<Tensor> backward_outputs(const TorchPlan &plan, const Tensor &q, const optional<Tensor> &sink) {
     std::vector<Tensor> grads;
+    grads.reserve(4);
     for (int role = 0; role < 3; ++role) {
         grads.push_back(at::empty_strided(plan.sizes[role], plan.grad_strides[role], q.options()));
     }
@@ -197,17 +297,23 @@ std::vector<Tensor> backward_cuda(int64_t plan_id, const Tensor &grad_out, const
                                   const Tensor &q, const Tensor &k, const Tensor &v, const Tensor &out,
                                   const Tensor &lse, const optional<Tensor> &sink, const optional<Tensor> &seed,
                                   const optional<Tensor> &offset) {
+    Timer timer;
     auto plan = find_plan(plan_id);
     TORCH_CHECK(plan->backward >= 0, "fusedattn: native plan ", plan_id, " was registered for inference");
+    timer.mark(kBwdPlan);
     refuse_lse_gradient(grad_lse);
+    timer.mark(kBwdRefuse);
     c10::DeviceGuard guard(q.device());
+    timer.mark(kBwdGuard);
     Tensor qs = conform(q, plan->sizes[0], plan->strides[0], "q");
     Tensor ks = conform(k, plan->sizes[1], plan->strides[1], "k");
     Tensor vs = conform(v, plan->sizes[2], plan->strides[2], "v");
     Tensor dout = conform(grad_out, plan->out_sizes, plan->out_strides, "grad_out");
     Tensor sinks = sink_buffer(*plan, sink, q);
+    timer.mark(kBwdInputs);
     auto grads = backward_outputs(*plan, q, sink);
-    std::vector<void *> slots(kBackwardSlots, nullptr);
+    timer.mark(kBwdOutputs);
+    std::array<void *, kBackwardSlots> slots{};
     slots[kBwdQ] = qs.data_ptr();
     slots[kBwdK] = ks.data_ptr();
     slots[kBwdV] = vs.data_ptr();
@@ -221,7 +327,7 @@ std::vector<Tensor> backward_cuda(int64_t plan_id, const Tensor &grad_out, const
     slots[kBwdDK] = grads[1].data_ptr();
     slots[kBwdDV] = grads[2].data_ptr();
     slots[kBwdDSink] = grads[3].numel() ? grads[3].data_ptr() : nullptr;
-    launch(*plan, 1, q.device(), slots, q);
+    launch(*plan, 1, q.device(), slots.data(), slots.size(), q, timer);
     return grads;
 }
 
@@ -262,24 +368,34 @@ class Attention : public torch::autograd::Function<Attention> {
     static std::vector<Tensor> forward(torch::autograd::AutogradContext *ctx, int64_t plan, const Tensor &q,
                                        const Tensor &k, const Tensor &v, const optional<Tensor> &sink,
                                        const optional<Tensor> &seed, const optional<Tensor> &offset) {
+        Timer timer;
         at::AutoDispatchBelowADInplaceOrView below;
         auto outputs = call_forward(plan, q, k, v, sink, seed, offset);
+        timer.mark(kForwardCall);
         ctx->saved_data["plan"] = plan;
         ctx->save_for_backward({q, k, v, outputs[0], outputs[1], defined_or_empty(sink), defined_or_empty(seed),
                                 defined_or_empty(offset)});
         ctx->set_materialize_grads(false);  // an unused output's gradient stays undefined
+        timer.mark(kSave);
         return outputs;
     }
 
     static std::vector<Tensor> backward(torch::autograd::AutogradContext *ctx, std::vector<Tensor> grads) {
+        Timer timer;
         auto saved = ctx->get_saved_variables();
+        int64_t plan = ctx->saved_data["plan"].toInt();
         Tensor grad_out = grads[0].defined() ? grads[0] : at::zeros_like(saved[3]);
-        auto result = call_backward(ctx->saved_data["plan"].toInt(), grad_out, as_optional(grads[1]), saved[0],
-                                    saved[1], saved[2], saved[3], saved[4], as_optional(saved[5]),
-                                    as_optional(saved[6]), as_optional(saved[7]));
-        Tensor dsink;  // learnable sinks only: an off-by-one sink is no input
-        if (saved[5].defined() && result[3].numel()) dsink = result[3].reshape({-1}).to(saved[5].scalar_type());
-        return {Tensor(), result[0], result[1], result[2], dsink, Tensor(), Tensor()};
+        timer.mark(kSaved);
+        auto result = call_backward(plan, grad_out, as_optional(grads[1]), saved[0], saved[1], saved[2], saved[3],
+                                    saved[4], as_optional(saved[5]), as_optional(saved[6]), as_optional(saved[7]));
+        timer.mark(kBackwardCall);
+        std::vector<Tensor> gradients(7);  // plan, q, k, v, sink, seed, offset
+        for (int role = 0; role < 3; ++role) gradients[1 + role] = std::move(result[role]);
+        if (saved[5].defined() && result[3].numel()) {  // learnable sinks only: an off-by-one sink is no input
+            gradients[4] = result[3].reshape({-1}).to(saved[5].scalar_type());
+        }
+        timer.mark(kGradients);
+        return gradients;
     }
 };
 
@@ -288,13 +404,20 @@ bool requires_grad(const optional<Tensor> &x) { return x.has_value() && x->defin
 std::vector<Tensor> attention_autograd(int64_t plan, const Tensor &q, const Tensor &k, const Tensor &v,
                                        const optional<Tensor> &sink, const optional<Tensor> &seed,
                                        const optional<Tensor> &offset) {
+    Timer whole;
+    std::vector<Tensor> outputs;
     if (at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad() ||
                                        requires_grad(sink))) {
-        return Attention::apply(plan, q, k, v, sink, seed, offset);
+        outputs = Attention::apply(plan, q, k, v, sink, seed, offset);
+    } else {
+        // Nothing to differentiate: the forward alone, without an autograd node and saved tensors.
+        at::AutoDispatchBelowADInplaceOrView below;
+        Timer timer;
+        outputs = call_forward(plan, q, k, v, sink, seed, offset);
+        timer.mark(kForwardCall);
     }
-    // Nothing to differentiate: the forward alone, without an autograd node and saved tensors.
-    at::AutoDispatchBelowADInplaceOrView below;
-    return call_forward(plan, q, k, v, sink, seed, offset);
+    whole.mark(kWhole);
+    return outputs;
 }
 
 }  // namespace
