@@ -117,7 +117,7 @@ def test_dropout_runs_and_is_reproducible_from_torchs_generator():
     (lambda q, k, v: fat.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(5, 5, dtype=torch.bool),
                                                       is_causal=True), "expected None with is_causal=True"),
     (lambda q, k, v: fat.scaled_dot_product_attention(q, k, v, attn_mask=torch.zeros(5, 5, dtype=F64)),
-     "attn_mask: expected a bool tensor or one of query's dtype"),
+     "attn_mask: expected a bool tensor, a float32 one or one of query's dtype"),
     (lambda q, k, v: fat.scaled_dot_product_attention(q, k, v, attn_mask=torch.zeros(3, 5, 5, dtype=torch.bool)),
      "attn_mask: expected a shape broadcastable"),
     (lambda q, k, v: fat.scaled_dot_product_attention(q[0, 0, 0], k, v), "query: expected at least 2 dimensions"),
@@ -155,3 +155,23 @@ def test_it_can_replace_torchs_function_in_a_model(monkeypatch):
         optimizer.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0]
+
+
+def test_a_float32_mask_with_half_inputs_and_autocast_follow_pytorch():
+    q, k, v = (torch.randn(2, 3, 6, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    mask = torch.zeros(2, 1, 1, 6).masked_fill(torch.arange(6) >= 4, float("-inf"))  # float32, as nn.MHA makes
+    half = [x.bfloat16() for x in (q, k, v)]
+    torch.testing.assert_close(fat.scaled_dot_product_attention(*half, attn_mask=mask),
+                               F.scaled_dot_product_attention(*half, attn_mask=mask), atol=2e-2, rtol=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = fat.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        theirs = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert ours.dtype == theirs.dtype == torch.bfloat16
+    torch.testing.assert_close(ours, theirs, atol=2e-2, rtol=0)
+
+
+def test_a_zero_or_negative_scale_raises():  # PyTorch's CPU math gives NaN rows for them under is_causal
+    q = torch.randn(1, 2, 5, 8, dtype=F64)
+    for scale in (0.0, -0.5):
+        with pytest.raises(ValueError, match="scale: expected a finite float > 0"):
+            fat.scaled_dot_product_attention(q, q, q, scale=scale)

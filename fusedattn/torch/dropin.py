@@ -37,21 +37,28 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     Args:
         query: (..., Hq, L, E) (or (..., L, E): one head). key: (..., Hkv, S, E). value: (..., Hkv, S, Ev).
             Leading (batch) dimensions broadcast against each other, as in PyTorch.
-        attn_mask: boolean (True: take part) or a float tensor of query's dtype added to the scaled
-            scores, broadcastable to (..., Hq, L, S). A row whose every key is masked gives 0.
+        attn_mask: boolean (True: take part) or a float tensor added to the scaled scores (cast to
+            query's dtype, as nn.MultiheadAttention's float32 padding masks need under autocast),
+            broadcastable to (..., Hq, L, S). A row whose every key is masked gives 0.
         dropout_p: dropout on the attention weights (seeded from torch's generator).
         is_causal: top-left causal mask (query i sees keys j <= i); not together with attn_mask.
-        scale: multiplies q kᵀ; default 1/sqrt(E).
+        scale: multiplies q kᵀ; default 1/sqrt(E). Zero or negative scales raise (PyTorch's CPU math
+            gives NaN rows for them under is_causal).
         enable_gqa: allow Hkv < Hq with Hq a multiple of Hkv (grouped-query attention).
 
+    Under autocast, float32 query, key and value are cast to autocast's dtype, as PyTorch's SDPA is.
+
     Returns:
-        (..., Hq, L, Ev), in query's dtype.
+        (..., Hq, L, Ev), in query's dtype (autocast's under autocast).
     """
     for name, x in (("query", query), ("key", key), ("value", value)):
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"{API}: {name}: expected a torch.Tensor, got {type(x).__name__}")
         if x.dim() < 2:
             raise ValueError(f"{API}: {name}: expected at least 2 dimensions (..., L, E), got shape {tuple(x.shape)}")
+    if torch.is_autocast_enabled(query.device.type):  # SDPA is on autocast's lower-precision list
+        low = torch.get_autocast_dtype(query.device.type)
+        query, key, value = (x.to(low) if x.dtype == torch.float32 else x for x in (query, key, value))
     one_head = query.dim() < 4
     q, k, v = (x.unsqueeze(-3) if one_head else x for x in (query, key, value))
     heads_q, heads_kv = q.shape[-3], k.shape[-3]
@@ -87,9 +94,9 @@ def _folded(mask: torch.Tensor, query: torch.Tensor, lead: tuple, one_head: bool
     """attn_mask checked and viewed as (batch|1, Hq|1, L|1, S|1), its batch dimensions folded into one."""
     if not isinstance(mask, torch.Tensor):
         raise ValueError(f"{API}: attn_mask: expected a torch.Tensor or None, got {type(mask).__name__}")
-    if mask.dtype != torch.bool and mask.dtype != query.dtype:
-        raise ValueError(f"{API}: attn_mask: expected a bool tensor or one of query's dtype {query.dtype}, "
-                         f"got {mask.dtype}")
+    if mask.dtype not in (torch.bool, torch.float32, query.dtype):  # PyTorch's rule
+        raise ValueError(f"{API}: attn_mask: expected a bool tensor, a float32 one or one of query's dtype "
+                         f"{query.dtype}, got {mask.dtype}")
     if one_head:
         mask = mask.unsqueeze(-3)
     full = (*lead, *sizes)
@@ -108,7 +115,7 @@ def _as_bias(mask: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
     """A folded attn_mask as an additive bias in query's dtype (a boolean one: 0 where True, -inf elsewhere)."""
     if mask.dtype == torch.bool:
         return torch.zeros(mask.shape, dtype=query.dtype, device=mask.device).masked_fill(~mask, float("-inf"))
-    return mask
+    return mask.to(query.dtype)  # a cast keeps a learnable mask's gradient
 
 
 # Recognised masks, by tensor: (a weak reference to the mask, attention's options for it). The key holds
