@@ -104,7 +104,7 @@ def prepare_call(api: str, framework: str, tensors: dict, *, describe, host_copy
     if args.score_mod is not None:  # its key (what its callbacks build) is part of the config
         bound = bind(api, args.score_mod, batch=cfg.batch, heads_q=cfg.heads_q, seqlen_q=cfg.seqlen_q,
                      seqlen_kv=cfg.seqlen_kv, device=metas["q"].device if framework == "torch" else None,
-                     training=is_training)
+                     training=is_training, like=tensors["q"])
         cfg = cfg.replace(score_mod_key=bound.key, score_mod_recipe=bound.recipe)
     unpacked = split_packed(cfg.layout, [tensors[n] for n in ("q", "k", "v") if tensors[n] is not None])
     if len(host) == len(offsets):

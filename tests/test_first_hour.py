@@ -16,10 +16,6 @@ STANDARD = fusedattn.standard_alibi_slopes(H)
 # Every form a user may hold slopes in, before any framework is involved.
 HOST_FORMS = {"list": STANDARD, "tuple": tuple(STANDARD), "numpy": np.array(STANDARD),
               "numpy64": np.array(STANDARD, dtype=np.float64)}
-# score_mods.alibi does not take host slopes yet (it does not know the call's framework and device
-# when it is made); drop the mark once it does.
-NEEDS_SCORE_MODS = pytest.mark.xfail(reason="score_mods.alibi does not yet take host slopes",
-                                     raises=ValueError, strict=False)
 
 
 # --------------------------------------------------------------------------- ALiBi slopes
@@ -80,7 +76,6 @@ def test_torch_attention_takes_standard_slopes(form):
                                _torch_expected(torch, q))
 
 
-@NEEDS_SCORE_MODS
 def test_torch_score_mod_alibi_takes_standard_slopes():
     torch, q = _torch_qkv()
     from fusedattn import score_mods
@@ -120,7 +115,6 @@ def test_jax_attention_takes_standard_slopes(form):
     np.testing.assert_allclose(np.asarray(out), np.asarray(_jax_expected(q)), rtol=1e-6, atol=1e-6)
 
 
-@NEEDS_SCORE_MODS
 def test_jax_score_mod_alibi_takes_standard_slopes():
     jax, q = _jax_qkv()
     import jax.numpy as jnp

@@ -174,7 +174,13 @@ def _alibi_forward(graph, score, tensors):
 
 
 def alibi(slopes) -> ScoreMod:
-    """score - slope[h] * |q_idx - kv_idx| with per-head slopes (Hq,) or (B, Hq), any values."""
+    """score - slope[h] * |q_idx - kv_idx| with per-head slopes (Hq,) or (B, Hq), any values: a tensor,
+    or a list/tuple/NumPy array such as fusedattn.standard_alibi_slopes(Hq) (made an array of q's
+    framework and device when the call binds it)."""
+    from fusedattn.arguments import host_slopes
+
+    host = host_slopes("score_mods.alibi: slopes", slopes)
+    slopes = host if host is not None else slopes
     shape = tuple(getattr(slopes, "shape", ()))
     if len(shape) not in (1, 2):
         raise ValueError(f"score_mods.alibi: slopes: expected a (Hq,) or (B, Hq) float tensor, got {shape or slopes!r}")
@@ -190,7 +196,8 @@ def alibi(slopes) -> ScoreMod:
     def eager(ops, s, b, h, qi, ki, t):
         return s - t["slopes"] * ops.astype(ops.abs(qi - ki), ops.dtype_name(s))
 
-    return ScoreMod(_alibi_forward, None, {"slopes": slopes}, eager=eager, prepare=prepare, name="alibi()")
+    return ScoreMod(_alibi_forward, None, {"slopes": slopes}, eager=eager, prepare=prepare, name="alibi()",
+                    host=("slopes",))
 
 
 def _add_bias_forward(graph, score, tensors):

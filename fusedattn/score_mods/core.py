@@ -21,6 +21,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from fusedattn.score_mods.key import describe_aux, structural_key
 
 __all__ = ["ScoreMod", "eager", "BoundScoreMod", "GraphRecipe", "RuntimeScalar", "as_score_mod", "bind",
@@ -63,6 +65,7 @@ class ScoreMod:
     prepare: Callable | None = None
     as_bias: Callable | None = None
     name: str = "score_mod"
+    host: tuple[str, ...] = ()  # tensors given as NumPy arrays, made arrays of q's framework when bound
 
     def __repr__(self) -> str:
         return f"ScoreMod({self.name})"
@@ -232,14 +235,21 @@ def _normalize(api: str, name: str, value, full: tuple, device: str | None, trai
 
 
 def bind(api: str, mod: ScoreMod, *, batch: int, heads_q: int, seqlen_q: int, seqlen_kv: int,
-         device: str | None, training: bool) -> BoundScoreMod:
-    """This call's aux values (checked), the config key and the graph recipe of `mod`."""
+         device: str | None, training: bool, like=None) -> BoundScoreMod:
+    """This call's aux values (checked), the config key and the graph recipe of `mod`. like: q, whose
+    framework and device the mod's host values (score_mods.alibi's slopes given as a list) are made arrays of."""
     tensors = dict(mod.tensors)
     for name, value in mod.bprop_tensors.items():
         if name in tensors and tensors[name] is not value:
             raise ValueError(f"{api}: score_mod_bprop_tensors[{name!r}]: expected a name not used by "
                              "score_mod_tensors (the callbacks share one dict), got a second entry")
         tensors[name] = value
+    if like is not None and any(isinstance(tensors.get(name), np.ndarray) for name in mod.host):
+        from fusedattn.xp import namespace
+
+        ops = namespace(like)
+        tensors = {name: ops.asarray(value, like, str(value.dtype))
+                   if name in mod.host and isinstance(value, np.ndarray) else value for name, value in tensors.items()}
     if mod.prepare is not None:
         tensors = dict(mod.prepare(tensors, seqlen_q, seqlen_kv))
     full = (batch, heads_q, seqlen_q, seqlen_kv)

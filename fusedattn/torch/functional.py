@@ -132,7 +132,7 @@ def attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | 
             # plan only if the callbacks still build what it was made for.
             bound = bind(API, mod, batch=planned[0].batch, heads_q=planned[0].heads_q,
                          seqlen_q=planned[0].seqlen_q, seqlen_kv=planned[0].seqlen_kv, device=str(q.device),
-                         training=planned[0].is_training)
+                         training=planned[0].is_training, like=q)
             if bound.key != planned[0].score_mod_key:
                 planned = bound = None
     if planned is not None:  # seen before: already validated, configured and selected
