@@ -29,10 +29,6 @@ class Pattern:
     window: tuple[int, int] | None = None
     kv_lengths: tuple[int, ...] | None = None  # per batch entry (padding masks), else None
 
-    def describe(self) -> str:
-        window = f", window={self.window}" if self.window is not None else ""
-        return f"mask={self.mask!r}{window}" + (", kv lengths from the mask" if self.kv_lengths else "")
-
 
 def _extents(reach: np.ndarray, taken: np.ndarray) -> list[int]:
     """Window extents to try on one side: unbounded first, then the widest reach of a row that takes keys."""

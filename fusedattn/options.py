@@ -14,7 +14,7 @@ import textwrap
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Option", "OPTIONS", "TENSORS", "SETTINGS", "SCORE_MOD_NAMES", "names", "defaults", "settings",
+__all__ = ["Option", "OPTIONS", "TENSORS", "SETTINGS", "SCORE_MOD_NAMES", "names", "settings",
            "check_keywords", "signature", "document", "describe_arguments"]
 
 # Groups: what a frontend does with an option.
@@ -25,7 +25,7 @@ DROPOUT = "dropout"      # the state a dropout mask is drawn from (runtime value
 SCORE_MOD = "score_mod"  # the score_mod callbacks and their tensors
 PACKING = "packing"      # JAX only: sequences as segment ids, and how inputs are sharded
 
-BOTH, TORCH, JAX = ("torch", "jax"), ("torch",), ("jax",)
+BOTH, JAX = ("torch", "jax"), ("jax",)
 
 
 @dataclass(frozen=True)
@@ -124,18 +124,12 @@ TENSORS = _of(TENSOR)  # in the order backends receive them (AttentionInputs)
 SETTINGS = _of(SETTING)
 SCORE_MOD_NAMES = _of(SCORE_MOD)
 _NAMES = {framework: frozenset(o.name for o in OPTIONS if framework in o.frameworks) for framework in BOTH}
-_DEFAULTS = {framework: {o.name: o.default for o in OPTIONS if framework in o.frameworks} for framework in BOTH}
 _SETTING_DEFAULTS = {name: _BY_NAME[name].default for name in SETTINGS}
 
 
 def names(framework: str) -> frozenset[str]:
     """Every keyword `attention` takes in that framework."""
     return _NAMES[framework]
-
-
-def defaults(framework: str) -> dict:
-    """{name: default} of every keyword, in signature order."""
-    return dict(_DEFAULTS[framework])
 
 
 def settings(options: dict) -> dict:
