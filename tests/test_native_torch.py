@@ -74,7 +74,7 @@ def test_meta_kernels_give_the_plans_shapes_and_strides(operator, layout):
     assert lse.shape == (2, 4, 48) and lse.dtype == torch.float32
     grads = torch.ops.fusedattn_native.backward(plan, torch.empty_like(out), None, q, k, v, out, lse, None, None, None)
     assert [g.shape for g in grads[:3]] == [q.shape, k.shape, v.shape]
-    assert grads[3].numel() == 0  # no sink, no dSink
+    assert len(grads) == 3  # no sink, no dSink
 
 
 def test_inference_plans_return_no_lse(operator):
@@ -90,10 +90,27 @@ def test_the_cpp_autograd_node_runs_the_backward_operator(operator):
     q, k, v = (_meta(cfg, role, requires_grad=True) for role in ("q", "k", "v"))
     sink = torch.empty(4, device="meta", dtype=torch.bfloat16, requires_grad=True)
     out, lse = torch.ops.fusedattn_native.attention(plan, q, k, v, sink, None, None)
-    assert "CppNode" in out.grad_fn.name()
+    assert out.grad_fn.name() == "FusedAttentionBackward" and lse.grad_fn is out.grad_fn
+    assert len(out.grad_fn.next_functions) == 4  # q, k, v, sink
     out.sum().backward()
     assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
     assert sink.grad.shape == (4,) and sink.grad.dtype == torch.bfloat16
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        out.sum().backward()  # the node released its saved tensors
+
+
+def test_the_node_is_made_only_when_a_gradient_is_wanted(operator):
+    cfg = _cfg()
+    plan = _register(operator, cfg)
+    q, k, v = (_meta(cfg, role) for role in ("q", "k", "v"))
+    out, lse = torch.ops.fusedattn_native.attention(plan, q, k, v, None, None, None)
+    assert out.grad_fn is None and not out.requires_grad
+    k.requires_grad_(True)
+    with torch.no_grad():
+        assert torch.ops.fusedattn_native.attention(plan, q, k, v, None, None, None)[0].grad_fn is None
+    out, lse = torch.ops.fusedattn_native.attention(plan, q, k, v, None, None, None)
+    (grad_k,) = torch.autograd.grad(lse.sum() * 0 + out.sum(), (k,))  # q and v get none: no edge to them
+    assert grad_k.shape == k.shape
 
 
 def test_a_gradient_through_the_lse_reaches_the_backward_op(operator):
@@ -194,7 +211,7 @@ def test_the_python_entry_calls_the_operator_with_its_autograd(operator, entry):
     out, lse = entry(plan, q, k, v, sink, None, None)
     expected = torch.ops.fusedattn_native.attention(plan, q, k, v, sink, None, None)
     assert (out.shape, out.stride(), lse.shape) == (expected[0].shape, expected[0].stride(), expected[1].shape)
-    assert "CppNode" in out.grad_fn.name()
+    assert out.grad_fn.name() == "FusedAttentionBackward"
     out.sum().backward()
     assert q.grad.shape == q.shape and sink.grad.shape == (4,)
     with torch.no_grad():  # nothing to differentiate: no autograd node

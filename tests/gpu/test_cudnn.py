@@ -317,12 +317,13 @@ def _raw_cases():
 
 @pytest.mark.parametrize("name", ["causal-gqa", "bias-and-sink", "dropout", "padding", "thd", "score_mod-aux-tensor"])
 def test_repeated_calls_launch_from_addresses_with_the_same_bits(name):
-    """After a graph's first public execute, calls binding the same GPU buffers launch from their
-    addresses (runtime.execute, raw_launch.py): the bits equal the first call's, forward and every
-    gradient, and the raw-launched call still matches the float64 reference."""
-    from fusedattn.backends.cudnn import raw_launch
+    """After a graph's first public execute, calls binding the same buffers launch from their addresses
+    through the native launch core (runtime.execute, core_launch.py): the bits equal the first call's,
+    forward and every gradient, and the core-launched call still matches the float64 reference."""
+    from fusedattn.backends.cudnn import core_launch
     from fusedattn.backends.cudnn.runtime import graph_cache
 
+    graph_cache().clear()  # every launcher below is this case's
     tensors, options = _raw_cases()[name]
     options = {**options, "deterministic": True}
     first, first_grads = run("cudnn", tensors, options)
@@ -331,11 +332,12 @@ def test_repeated_calls_launch_from_addresses_with_the_same_bits(name):
     pairs = list(zip(["out", "lse"] + [f"grad {i}" for i in range(len(first_grads))],  # adds in any order
                      [first.out, first.lse, *first_grads], [second.out, second.lse, *second_grads]))
     for label, a, b in pairs[:exact]:
-        assert torch.equal(a, b), f"{name}: {label} differs between the public and the raw launch"
+        assert torch.equal(a, b), f"{name}: {label} differs between the public execute and the core's launch"
     for label, a, b in pairs[exact:]:
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4, msg=f"{name}: {label}")
     launchers = [launcher for key in graph_cache().keys() for launcher in graph_cache().get(key).launchers.values()]
-    if raw_launch.ENV_RAW != "0":
-        assert any(isinstance(launcher, raw_launch._RawLaunch) for launcher in launchers), launchers
+    assert launchers, f"{name}: no graph ran through runtime.execute"
+    assert core_launch.unavailable() is None, core_launch.unavailable()
+    assert all(isinstance(launcher, core_launch.CoreLaunch) for launcher in launchers), launchers
     if name != "dropout":  # cuDNN's dropout mask is not the reference's (see the dropout tests)
         check_against_reference(tensors, options, torch.bfloat16)

@@ -782,10 +782,10 @@ def test_plain_calls_run_from_raw_addresses_and_match_the_torch_path(cudnn_calls
                                 q, k, v)
         return (out, *pullback(jnp.ones_like(out)))
 
-    from fusedattn.backends.cudnn import raw_launch
+    from fusedattn.backends.cudnn import core_launch
 
     lean_step = jax.jit(step)
-    first = [np.asarray(x) for x in lean_step(q, k, v)]  # cuDNN's public execute, then its raw launch
+    first = [np.asarray(x) for x in lean_step(q, k, v)]  # cuDNN's public execute, then the core's launch
     again = [np.asarray(x) for x in lean_step(q, k, v)]
     assert cudnn_calls.lean == ["forward", "backward"] * 2, cudnn_calls.lean
     monkeypatch.setenv("FUSEDATTN_JAX_LEAN", "0")
@@ -794,13 +794,10 @@ def test_plain_calls_run_from_raw_addresses_and_match_the_torch_path(cudnn_calls
     assert_cudnn_ran(cudnn_calls)
     for name, a, b, c in zip(("out", "dq", "dk", "dv"), first, again, through_torch):
         np.testing.assert_array_equal(a.view(np.uint16), c.view(np.uint16), err_msg=f"{name}: public execute")
-        np.testing.assert_array_equal(b.view(np.uint16), c.view(np.uint16), err_msg=f"{name}: raw launch")
-    if raw_launch.ENV_RAW != "0":
-        import cudnn
-
-        launched = [bound[0] for runner in cudnn_calls.runners for bound in runner._bound.values()]
-        assert any(isinstance(g, raw_launch._RawLaunch) for g in launched) or \
-            not cudnn.__version__.startswith(raw_launch.RAW_LAUNCH_FRONTEND), launched
+        np.testing.assert_array_equal(b.view(np.uint16), c.view(np.uint16), err_msg=f"{name}: the core's launch")
+    assert core_launch.unavailable() is None, core_launch.unavailable()
+    launched = [bound[0] for runner in cudnn_calls.runners for bound in runner._bound.values()]
+    assert launched and all(isinstance(g, core_launch.CoreLaunch) for g in launched), launched
 
 
 

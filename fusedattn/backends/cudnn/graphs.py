@@ -33,7 +33,7 @@ class BuiltGraph:
     tensors: dict = field(default_factory=dict)  # our name -> IR tensor
     workspace: int = 0
     engine: str = ""
-    launchers: dict = field(default_factory=dict)  # bound names -> raw launcher or None (runtime.execute)
+    launchers: dict = field(default_factory=dict)  # bound names -> core launcher or None (runtime.execute)
 
 
 def _declare(graph, tensors: dict, name: str, spec: TensorSpec, data_type):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 
-from fusedattn.backends.cudnn import raw_launch
+from fusedattn.backends.cudnn import core_launch
 from fusedattn.backends.cudnn.spec import rows_without_keys, sdpa_spec
 from fusedattn.cache import LRUCache, register
 from fusedattn.config import AttentionConfig, SoftmaxType
@@ -85,7 +85,6 @@ class AddressRunner:
         orders) on `stream`."""
         from fusedattn.backends.cudnn.runtime import _handle, get_graph
 
-        handle = _handle(device, stream)
         key = (direction, device)
         bound = self._bound.get(key)
         if bound is None:
@@ -96,13 +95,13 @@ class AddressRunner:
             self._bound[key] = bound
         graph, uids, size, used = bound
         addresses = [addresses[i] for i in used]
-        held = _workspace(device, stream, size)  # referenced until the launch is queued (see _workspace)
-        workspace = held.data_ptr()
-        if isinstance(graph, raw_launch._RawLaunch):
-            graph(addresses, workspace, handle)
+        if isinstance(graph, core_launch.CoreLaunch):
+            held = _workspace(device, stream, graph.workspace)  # referenced until the launch is queued
+            graph(addresses, held.data_ptr(), stream)
             return
-        graph.execute(dict(zip(uids, addresses)), workspace, handle=handle)
-        launcher = raw_launch.learn(graph, uids, addresses, workspace)  # after one public execute
+        held = _workspace(device, stream, size)
+        graph.execute(dict(zip(uids, addresses)), held.data_ptr(), handle=_handle(device, stream))
+        launcher = core_launch.learn(graph, uids, device)  # after one public execute
         if launcher is not None:
             self._bound[key] = (launcher, uids, size, used)
 

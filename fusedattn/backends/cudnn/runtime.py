@@ -9,7 +9,7 @@ import threading
 import cudnn
 import torch
 
-from fusedattn.backends.cudnn import raw_launch
+from fusedattn.backends.cudnn import core_launch
 from fusedattn.backends.cudnn.alignment import ALIGNMENT, aligned_copy
 from fusedattn.backends.cudnn.graphs import OUTPUT_NAMES, BuiltGraph, GraphBuildError, build_backward, build_forward
 from fusedattn.backends.cudnn.spec import graph_key, sdpa_spec
@@ -85,33 +85,25 @@ def execute(built: BuiltGraph, buffers: dict, device: int) -> None:
 
     cuDNN gets device pointers (THD tensors are (T, H, D) in torch but logical (B, H, S, D) in
     the graph, so only their addresses mean the same thing). After one public execute, calls that
-    bind the same names on the GPU launch from their addresses (raw_launch.py): the buffers'
-    strides are fixed by the config, which the graph was built for.
+    bind the same names launch from their addresses through the native launch core (core_launch.py):
+    the buffers' strides are fixed by the config, which the graph was built for.
     """
-    handle = _handle(device)
-    workspace = torch.empty(max(built.workspace, 1), dtype=torch.uint8, device=device)
+    stream = torch.cuda.current_stream(device).cuda_stream
     names = tuple(name for name in buffers if name in built.tensors)
     for name in names:
         if name not in OUTPUT_NAMES and buffers[name].is_cuda and buffers[name].data_ptr() % ALIGNMENT:
             buffers[name] = aligned_copy(buffers[name])
     launcher = built.launchers.get(names)
-    if launcher is not None:
-        launcher([buffers[name].data_ptr() for name in names], workspace.data_ptr(), handle)
+    if launcher is not None:  # the core's copy of the graph says how much workspace it needs
+        workspace = torch.empty(max(launcher.workspace, 1), dtype=torch.uint8, device=device)
+        launcher([buffers[name].data_ptr() for name in names], workspace.data_ptr(), stream)
         return
+    workspace = torch.empty(max(built.workspace, 1), dtype=torch.uint8, device=device)
     # Addresses, not tensors (a pass-by-value scalar's is a host address): tensors reach cuDNN
     # through DLPack, which may order work on the legacy stream (not allowed while a CUDA graph is
     # captured), and hold references the frontend's objects keep for as long as they live.
     pack = {built.tensors[name]: buffers[name].data_ptr() for name in names}
-    built.graph.execute(pack, workspace.data_ptr(), handle=handle)
+    built.graph.execute(pack, workspace.data_ptr(), handle=_handle(device, stream))
     if names not in built.launchers:
-        built.launchers[names] = _raw_launcher(built, names, buffers, workspace)
-
-
-def _raw_launcher(built: BuiltGraph, names: tuple, buffers: dict, workspace: torch.Tensor):
-    """A raw launcher for these names, or None: host scalars (pass-by-value CPU tensors) keep the
-    public execute, as do the graphs raw_launch.learn turns down."""
-    if not all(buffers[name].is_cuda for name in names):
-        return None
-    uids = [built.tensors[name].get_uid() for name in names]
-    return raw_launch.learn(built.graph, uids, [buffers[name].data_ptr() for name in names], workspace.data_ptr())
-
+        uids = [built.tensors[name].get_uid() for name in names]
+        built.launchers[names] = core_launch.learn(built.graph, uids, device)

@@ -15,13 +15,15 @@ from pathlib import Path
 
 from fusedattn.backends.cudnn.native import build
 
-__all__ = ["UNBOUND", "WORKSPACE", "PLAN_CAPACITY", "library", "path", "digest", "register", "bounds"]
+__all__ = ["UNBOUND", "WORKSPACE", "NOT_REGISTERED", "PLAN_CAPACITY", "library", "unavailable", "path", "digest",
+           "register", "bounds"]
 
 UNBOUND, WORKSPACE = -1, -2  # core_api.h's kUnbound and kWorkspace
+NOT_REGISTERED = -2  # core_api.h's kNotRegistered: fusedattn_core_execute's status for a plan it does not hold
 PLAN_CAPACITY = 4096  # plans the core keeps (least recently used go first)
 
 _lock = threading.Lock()
-_loaded: dict = {}  # "library" (ctypes.CDLL) and "path", once loaded
+_loaded: dict = {}  # "library" (ctypes.CDLL) and "path", once loaded; "reason" once it could not be
 
 
 def library() -> ctypes.CDLL:
@@ -39,11 +41,26 @@ def library() -> ctypes.CDLL:
             core.fusedattn_core_init.argtypes = [ctypes.c_char_p]
             core.fusedattn_core_bounds.restype = ctypes.c_int64
             core.fusedattn_core_bounds.argtypes = [ctypes.c_int64]
+            core.fusedattn_core_execute.restype = ctypes.c_int
+            core.fusedattn_core_execute.argtypes = [ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p,
+                                                    ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
             if core.fusedattn_core_init(build.loaded_cudnn().encode()) != 0:
                 raise RuntimeError(core.fusedattn_core_last_error().decode())
             core.fusedattn_core_bounds(PLAN_CAPACITY)
             _loaded.update(library=core, path=core_path)
         return _loaded["library"]
+
+
+def unavailable() -> str | None:
+    """Why the core cannot be used in this process (None: it can), trying to load (and build) it once."""
+    if "library" in _loaded:
+        return None
+    if "reason" not in _loaded:
+        try:
+            library()
+        except Exception as error:  # no compiler, headers or cuDNN: callers keep their Python launch
+            _loaded["reason"] = f"the native launch core is unavailable: {type(error).__name__}: {error}"
+    return _loaded.get("reason")
 
 
 def path() -> Path:

@@ -15,10 +15,13 @@
 #include <cstdlib>
 #include <mutex>
 
-#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
 #include <torch/library.h>
 
 #include <ATen/ATen.h>
+#include <ATen/EmptyTensor.h>
+#include <c10/core/Allocator.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
@@ -48,9 +51,9 @@ enum SinkKind { kNoSink = 0, kZeroSink = 1, kLearnableSink = 2 };
 // FUSEDATTN_NATIVE_PROFILE=1 (the launch core reads it too): the operator's host time by step,
 // averaged over the calls that reach each step, on stderr at exit. Off, a step costs one branch.
 enum Step {
-    kWhole, kForwardCall, kSave,  // the autograd kernel: all of it, its forward op, its saving
+    kWhole, kForwardCall, kSave,  // the autograd kernel: all of it, its forward op, its node and saving
     kFwdPlan, kFwdGuard, kFwdInputs, kFwdOutputs, kFwdWorkspace, kFwdStream, kFwdExecute,
-    kSaved, kBackwardCall, kGradients,  // Attention::backward
+    kSaved, kBackwardCall, kGradients,  // AttentionBackward::apply
     kBwdPlan, kBwdRefuse, kBwdGuard, kBwdInputs, kBwdOutputs, kBwdWorkspace, kBwdStream, kBwdExecute,
     kSteps
 };
@@ -82,7 +85,7 @@ struct StepTimes {
     ~StepTimes() {
         if (!profiling || sum_calls() == 0) return;
         const char *const names[] = {
-            "attention: whole kernel", "attention: forward op", "attention: save for backward",
+            "attention: whole kernel", "attention: forward op", "attention: node, history, saving",
             "forward: find_plan", "forward: device guard", "forward: conform q,k,v, sink", "forward: outputs",
             "forward: workspace", "forward: stream", "forward: core execute",
             "backward: saved variables", "backward: backward op", "backward: gradients out",
@@ -96,9 +99,9 @@ struct StepTimes {
                          static_cast<long long>(calls));
         };
         for (int step = 0; step < kSteps; ++step) line(names[step], average_us(step), calls[step].load());
-        // What no step covers: Attention::apply's own work, and the dispatcher's around each op with the
-        // op's return (the device guard's restore, the workspace's release).
-        line("= attention: the rest (apply)", average_us(kWhole) - average_us(kForwardCall) - average_us(kSave),
+        // What no step covers: the dispatcher's work around each op with the op's return (the device
+        // guard's restore, the workspace's release).
+        line("= attention: the rest", average_us(kWhole) - average_us(kForwardCall) - average_us(kSave),
              calls[kWhole].load());
         line("= forward op: the rest (dispatch)", average_us(kForwardCall) - sum_us(kFwdPlan, kFwdExecute),
              calls[kForwardCall].load());
@@ -181,7 +184,7 @@ Tensor conform(const Tensor &x, const std::vector<int64_t> &sizes, const std::ve
 
 // Launches one pass (0 forward, 1 backward) with `count` slot pointers; `timer` marks its steps.
 void launch(TorchPlan &owner, int pass, const c10::Device &device, void *const *slots, int64_t count,
-            const Tensor &like, Timer &timer) {
+            Timer &timer) {
     TORCH_CHECK(core().execute != nullptr, "fusedattn: the launch core is not loaded (fusedattn_torch_init)");
     TORCH_CHECK(device.index() >= 0 && device.index() < kMaxDevices, "fusedattn: device index ", device.index());
     int64_t plan = pass == 0 ? owner.forward : owner.backward;
@@ -191,15 +194,29 @@ void launch(TorchPlan &owner, int pass, const c10::Device &device, void *const *
         TORCH_CHECK(bytes >= 0, "fusedattn: ", core().last_error());
         owner.workspace[pass][device.index()].store(bytes, std::memory_order_relaxed);
     }
-    Tensor workspace = bytes > 0 ? at::empty({bytes}, like.options().dtype(at::kByte)) : Tensor();
+    // Straight from the caching allocator, on the current stream: freed (for reuse in stream order) on return.
+    c10::DataPtr workspace = bytes > 0 ? c10::GetAllocator(device.type())->allocate(bytes) : c10::DataPtr();
     timer.mark(pass == 0 ? kFwdWorkspace : kBwdWorkspace);
     const auto *impl = c10::impl::getDeviceGuardImpl(device.type());
     void *stream = impl->getStream(device).native_handle();
     timer.mark(pass == 0 ? kFwdStream : kBwdStream);
-    int status = core().execute(plan, device.index(), stream, slots, count,
-                                bytes > 0 ? workspace.data_ptr() : nullptr, bytes);
+    int status = core().execute(plan, device.index(), stream, slots, count, workspace.get(), bytes);
     timer.mark(pass == 0 ? kFwdExecute : kBwdExecute);
     TORCH_CHECK(status == 0, "fusedattn: ", core().last_error());
+}
+
+// A new tensor on like's device. GPU tensors come from torch's caching allocator directly, as
+// at::empty_strided's CUDA kernel makes them, without a trip through the dispatcher; meta ones from it.
+Tensor new_tensor(c10::IntArrayRef sizes, c10::IntArrayRef strides, at::ScalarType dtype, const Tensor &like) {
+    if (like.is_cuda()) {
+        return at::detail::empty_strided_generic(sizes, strides, c10::GetAllocator(c10::DeviceType::CUDA),
+                                                 c10::DispatchKeySet(c10::DispatchKey::CUDA), dtype);
+    }
+    return at::empty_strided(sizes, strides, like.options().dtype(dtype));
+}
+
+Tensor new_dense(c10::IntArrayRef sizes, at::ScalarType dtype, const Tensor &like) {
+    return new_tensor(sizes, c10::contiguous_strides(sizes), dtype, like);
 }
 
 void *pointer(const optional<Tensor> &x) { return x.has_value() && x->defined() ? x->data_ptr() : nullptr; }
@@ -209,7 +226,7 @@ Tensor sink_buffer(const TorchPlan &plan, const optional<Tensor> &sink, const Te
         TORCH_CHECK(sink.has_value() && sink->defined(), "fusedattn: this plan needs the sink logits");
         return sink->to(at::kFloat).contiguous();
     }
-    if (plan.sink_kind == kZeroSink) return at::zeros({1, plan.heads_q, 1, 1}, like.options().dtype(at::kFloat));
+    if (plan.sink_kind == kZeroSink) return new_dense({1, plan.heads_q, 1, 1}, at::kFloat, like).zero_();
     return Tensor();
 }
 
@@ -217,9 +234,9 @@ Tensor sink_buffer(const TorchPlan &plan, const optional<Tensor> &sink, const Te
 std::vector<Tensor> forward_outputs(const TorchPlan &plan, const Tensor &q) {
     std::vector<Tensor> outputs;
     outputs.reserve(2);
-    outputs.push_back(at::empty_strided(plan.out_sizes, plan.out_strides, q.options()));
-    outputs.push_back(plan.stats ? at::empty(plan.lse_sizes, q.options().dtype(at::kFloat))
-                                 : at::empty({0}, q.options().dtype(at::kFloat)));
+    outputs.push_back(new_tensor(plan.out_sizes, plan.out_strides, q.scalar_type(), q));
+    outputs.push_back(new_dense(plan.stats ? c10::IntArrayRef(plan.lse_sizes) : c10::IntArrayRef({0}), at::kFloat,
+                                q));
     return outputs;
 }
 
@@ -247,7 +264,7 @@ std::vector<Tensor> forward_cuda(int64_t plan_id, const Tensor &q, const Tensor 
     slots[kFwdOffset] = pointer(offset);
     slots[kFwdO] = outputs[0].data_ptr();
     slots[kFwdStats] = plan->stats ? outputs[1].data_ptr() : nullptr;
-    launch(*plan, 0, q.device(), slots.data(), slots.size(), q, timer);
+    launch(*plan, 0, q.device(), slots.data(), slots.size(), timer);
     return outputs;
 }
 
@@ -268,17 +285,14 @@ std::vector<Tensor> forward_meta(int64_t plan_id, const Tensor &q, const Tensor 
     return forward_outputs(*plan, q);
 }
 
-std::vector<Tensor> backward_outputs(const TorchPlan &plan, const Tensor &q, const optional<Tensor> &sink) {
+// dq, dk, dv, and dSink where the plan has sinks (the graph writes it for both kinds).
+std::vector<Tensor> backward_outputs(const TorchPlan &plan, const Tensor &q) {
     std::vector<Tensor> grads;
     grads.reserve(4);
     for (int role = 0; role < 3; ++role) {
-        grads.push_back(at::empty_strided(plan.sizes[role], plan.grad_strides[role], q.options()));
+        grads.push_back(new_tensor(plan.sizes[role], plan.grad_strides[role], q.scalar_type(), q));
     }
-    if (plan.sink_kind != kNoSink) {  // the graph writes dSink for both sink kinds
-        grads.push_back(at::empty({1, plan.heads_q, 1, 1}, q.options().dtype(at::kFloat)));
-    } else {
-        grads.push_back(at::empty({0}, q.options().dtype(at::kFloat)));
-    }
+    if (plan.sink_kind != kNoSink) grads.push_back(new_dense({1, plan.heads_q, 1, 1}, at::kFloat, q));
     return grads;
 }
 
@@ -311,7 +325,7 @@ std::vector<Tensor> backward_cuda(int64_t plan_id, const Tensor &grad_out, const
     Tensor dout = conform(grad_out, plan->out_sizes, plan->out_strides, "grad_out");
     Tensor sinks = sink_buffer(*plan, sink, q);
     timer.mark(kBwdInputs);
-    auto grads = backward_outputs(*plan, q, sink);
+    auto grads = backward_outputs(*plan, q);
     timer.mark(kBwdOutputs);
     std::array<void *, kBackwardSlots> slots{};
     slots[kBwdQ] = qs.data_ptr();
@@ -326,8 +340,8 @@ std::vector<Tensor> backward_cuda(int64_t plan_id, const Tensor &grad_out, const
     slots[kBwdDQ] = grads[0].data_ptr();
     slots[kBwdDK] = grads[1].data_ptr();
     slots[kBwdDV] = grads[2].data_ptr();
-    slots[kBwdDSink] = grads[3].numel() ? grads[3].data_ptr() : nullptr;
-    launch(*plan, 1, q.device(), slots.data(), slots.size(), q, timer);
+    slots[kBwdDSink] = grads.size() > 3 ? grads[3].data_ptr() : nullptr;
+    launch(*plan, 1, q.device(), slots.data(), slots.size(), timer);
     return grads;
 }
 
@@ -337,7 +351,7 @@ std::vector<Tensor> backward_meta(int64_t plan_id, const Tensor &grad_out, const
                                   const optional<Tensor> &offset) {
     auto plan = find_plan(plan_id);
     check_shapes(*plan, q, k, v);
-    return backward_outputs(*plan, q, sink);
+    return backward_outputs(*plan, q);
 }
 
 std::vector<Tensor> call_forward(int64_t plan, const Tensor &q, const Tensor &k, const Tensor &v,
@@ -363,40 +377,56 @@ Tensor defined_or_empty(const optional<Tensor> &x) { return x.has_value() ? *x :
 
 optional<Tensor> as_optional(const Tensor &x) { return x.defined() ? optional<Tensor>(x) : c10::nullopt; }
 
-class Attention : public torch::autograd::Function<Attention> {
-   public:
-    static std::vector<Tensor> forward(torch::autograd::AutogradContext *ctx, int64_t plan, const Tensor &q,
-                                       const Tensor &k, const Tensor &v, const optional<Tensor> &sink,
-                                       const optional<Tensor> &seed, const optional<Tensor> &offset) {
-        Timer timer;
-        at::AutoDispatchBelowADInplaceOrView below;
-        auto outputs = call_forward(plan, q, k, v, sink, seed, offset);
-        timer.mark(kForwardCall);
-        ctx->saved_data["plan"] = plan;
-        ctx->save_for_backward({q, k, v, outputs[0], outputs[1], defined_or_empty(sink), defined_or_empty(seed),
-                                defined_or_empty(offset)});
-        ctx->set_materialize_grads(false);  // an unused output's gradient stays undefined
-        timer.mark(kSave);
-        return outputs;
+using torch::autograd::SavedVariable;
+using torch::autograd::variable_list;
+
+// The autograd node of one attention call, made as torch's generated code makes those of its own ops
+// (lighter than a custom autograd Function): it saves what the backward op reads and calls it.
+struct AttentionBackward : public torch::autograd::Node {
+    int64_t plan = -1;
+    SavedVariable q, k, v, out, lse, sink, seed, offset;
+
+    std::string name() const override { return "FusedAttentionBackward"; }
+
+    void release_variables() override {
+        for (auto *saved : {&q, &k, &v, &out, &lse, &sink, &seed, &offset}) saved->reset_data();
     }
 
-    static std::vector<Tensor> backward(torch::autograd::AutogradContext *ctx, std::vector<Tensor> grads) {
+    // grads: of out and lse (either undefined when unused); returns those of q, k, v and sink.
+    variable_list apply(variable_list &&grads) override {
         Timer timer;
-        auto saved = ctx->get_saved_variables();
-        int64_t plan = ctx->saved_data["plan"].toInt();
-        Tensor grad_out = grads[0].defined() ? grads[0] : at::zeros_like(saved[3]);
+        auto self = getptr();
+        Tensor outs = out.unpack(self);
+        Tensor grad_out = grads[0].defined() ? grads[0] : at::zeros_like(outs);
+        Tensor sinks = sink.unpack(self);
         timer.mark(kSaved);
-        auto result = call_backward(plan, grad_out, as_optional(grads[1]), saved[0], saved[1], saved[2], saved[3],
-                                    saved[4], as_optional(saved[5]), as_optional(saved[6]), as_optional(saved[7]));
+        auto result = call_backward(plan, grad_out, as_optional(grads[1]), q.unpack(self), k.unpack(self),
+                                    v.unpack(self), outs, lse.unpack(self), as_optional(sinks),
+                                    as_optional(seed.unpack(self)), as_optional(offset.unpack(self)));
         timer.mark(kBackwardCall);
-        std::vector<Tensor> gradients(7);  // plan, q, k, v, sink, seed, offset
-        for (int role = 0; role < 3; ++role) gradients[1 + role] = std::move(result[role]);
-        if (saved[5].defined() && result[3].numel()) {  // learnable sinks only: an off-by-one sink is no input
-            gradients[4] = result[3].reshape({-1}).to(saved[5].scalar_type());
+        variable_list gradients(4);
+        for (int role = 0; role < 3; ++role) gradients[role] = std::move(result[role]);
+        if (sinks.defined() && result.size() > 3) {  // learnable sinks only: an off-by-one sink is no input
+            gradients[3] = result[3].reshape({-1}).to(sinks.scalar_type());
         }
         timer.mark(kGradients);
         return gradients;
     }
+};
+
+// Nodes are held by std::shared_ptr up to torch 2.12 and by c10::intrusive_ptr after: make ours as
+// this torch's edges hold them.
+using NodePointer = decltype(torch::autograd::Edge().function);
+
+template <class Pointer>
+struct NodeMaker;
+template <>
+struct NodeMaker<std::shared_ptr<torch::autograd::Node>> {
+    static std::shared_ptr<AttentionBackward> make() { return std::make_shared<AttentionBackward>(); }
+};
+template <>
+struct NodeMaker<c10::intrusive_ptr<torch::autograd::Node>> {
+    static c10::intrusive_ptr<AttentionBackward> make() { return c10::make_intrusive<AttentionBackward>(); }
 };
 
 bool requires_grad(const optional<Tensor> &x) { return x.has_value() && x->defined() && x->requires_grad(); }
@@ -405,16 +435,33 @@ std::vector<Tensor> attention_autograd(int64_t plan, const Tensor &q, const Tens
                                        const optional<Tensor> &sink, const optional<Tensor> &seed,
                                        const optional<Tensor> &offset) {
     Timer whole;
+    bool differentiable = at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() ||
+                                                         v.requires_grad() || requires_grad(sink));
     std::vector<Tensor> outputs;
-    if (at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad() ||
-                                       requires_grad(sink))) {
-        outputs = Attention::apply(plan, q, k, v, sink, seed, offset);
-    } else {
-        // Nothing to differentiate: the forward alone, without an autograd node and saved tensors.
+    {
         at::AutoDispatchBelowADInplaceOrView below;
         Timer timer;
         outputs = call_forward(plan, q, k, v, sink, seed, offset);
         timer.mark(kForwardCall);
+    }
+    if (differentiable) {
+        Timer timer;
+        auto node = NodeMaker<NodePointer>::make();
+        Tensor sinks = defined_or_empty(sink);
+        node->set_next_edges(torch::autograd::collect_next_edges(q, k, v, sinks));
+        node->plan = plan;
+        NodePointer base = node;
+        torch::autograd::set_history(outputs[0], base);
+        torch::autograd::set_history(outputs[1], base);
+        node->q = SavedVariable(q, false);
+        node->k = SavedVariable(k, false);
+        node->v = SavedVariable(v, false);
+        node->sink = SavedVariable(sinks, false);
+        node->seed = SavedVariable(defined_or_empty(seed), false);
+        node->offset = SavedVariable(defined_or_empty(offset), false);
+        node->out = SavedVariable(outputs[0], true);
+        node->lse = SavedVariable(outputs[1], true);
+        timer.mark(kSave);
     }
     whole.mark(kWhole);
     return outputs;
