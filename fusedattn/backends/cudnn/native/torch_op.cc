@@ -418,15 +418,16 @@ struct AttentionBackward : public torch::autograd::Node {
 // this torch's edges hold them.
 using NodePointer = decltype(torch::autograd::Edge().function);
 
-template <class Pointer>
+// (Partial specializations: only the one this torch's pointer type picks is instantiated.)
+template <class Pointer, class T>
 struct NodeMaker;
-template <>
-struct NodeMaker<std::shared_ptr<torch::autograd::Node>> {
-    static std::shared_ptr<AttentionBackward> make() { return std::make_shared<AttentionBackward>(); }
+template <class T>
+struct NodeMaker<std::shared_ptr<torch::autograd::Node>, T> {
+    static std::shared_ptr<T> make() { return std::make_shared<T>(); }
 };
-template <>
-struct NodeMaker<c10::intrusive_ptr<torch::autograd::Node>> {
-    static c10::intrusive_ptr<AttentionBackward> make() { return c10::make_intrusive<AttentionBackward>(); }
+template <class T>
+struct NodeMaker<c10::intrusive_ptr<torch::autograd::Node>, T> {
+    static c10::intrusive_ptr<T> make() { return c10::make_intrusive<T>(); }
 };
 
 bool requires_grad(const optional<Tensor> &x) { return x.has_value() && x->defined() && x->requires_grad(); }
@@ -446,7 +447,7 @@ std::vector<Tensor> attention_autograd(int64_t plan, const Tensor &q, const Tens
     }
     if (differentiable) {
         Timer timer;
-        auto node = NodeMaker<NodePointer>::make();
+        auto node = NodeMaker<NodePointer, AttentionBackward>::make();
         Tensor sinks = defined_or_empty(sink);
         node->set_next_edges(torch::autograd::collect_next_edges(q, k, v, sinks));
         node->plan = plan;
