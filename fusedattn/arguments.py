@@ -91,6 +91,7 @@ class CallArguments:
     score_mod: Any = None  # a fusedattn.score_mods.ScoreMod (bound to its tensors by prepare_call)
     alibi_standard: bool = False  # set by the frontend when it has seen the slopes' values
     unaligned: tuple[str, ...] = ()  # tensors whose address is not 16-byte aligned (set by the torch frontend)
+    strides: tuple | None = None  # q, k, v strides as passed (set by the torch frontend; None: contiguous)
 
     def error(self, argument: str, expected: str, got, hint: str = "") -> ValueError:
         message = f"{self.api}: {argument}: expected {expected}, got {got}"
@@ -272,11 +273,34 @@ def build_config(args: CallArguments) -> AttentionConfig:
             score_mod_key=None,  # set by the caller once the score_mod is bound (score_mods.bind)
             padded_offsets=args.cu_seqlens_q_padded is not None,
             alibi_standard=bool(args.alibi_standard and bias_type is BiasType.ALIBI),
-            unaligned=tuple(args.unaligned),
+            unaligned=tuple(args.unaligned), strides=_view_strides(args, layout, metas),
             device=metas["q"].device_kind, framework=args.framework,
         )
     except ValueError as error:
         raise ValueError(f"{args.api}: {error}") from None
+
+
+def _view_strides(args: CallArguments, layout: Layout, metas: dict) -> tuple | None:
+    """The q, k, v strides for the config: None when the layout packs them (its own strides say how) or
+    they are contiguous. Axes of size 1 count as contiguous, whatever their stride."""
+    if args.strides is None or layout.is_ragged or layout_spec(layout.value).base is not layout:
+        return None
+    normalized = []
+    for role, strides in zip(("q", "k", "v"), args.strides):
+        shape = metas[role].shape
+        dense = _contiguous(shape)
+        normalized.append(tuple(int(d) if n == 1 else int(s) for n, s, d in zip(shape, strides, dense)))
+    if all(s == _contiguous(metas[role].shape) for role, s in zip(("q", "k", "v"), normalized)):
+        return None
+    return tuple(normalized)
+
+
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def _bias(args: CallArguments, heads_q: int, batch: int, dtype: str, device: str):

@@ -166,6 +166,10 @@ class AttentionConfig:
     # Tensors (q, k, v as passed, bias, sink) whose address is not a multiple of 16 bytes, such as a
     # view that starts one element into its storage: backends that need aligned operands copy them.
     unaligned: tuple[str, ...] = ()
+    # Strides of q, k, v as passed (in the layout's own axis order) where they are not those of
+    # contiguous tensors: views into wider memory, such as head slices of one fused projection.
+    # Backends that read strided memory use them instead of copying; None: contiguous.
+    strides: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -212,6 +216,12 @@ class AttentionConfig:
                                  "Hq == Hkv, D == Dv and Sq == Skv are required")
         if not isinstance(self.unaligned, tuple) or not all(isinstance(n, str) for n in self.unaligned):
             raise ValueError(f"unaligned: expected a tuple of tensor names, got {self.unaligned!r}")
+        if self.strides is not None and not (
+                isinstance(self.strides, tuple) and len(self.strides) == 3
+                and all(isinstance(s, tuple) and len(s) == 4 and all(isinstance(n, int) and n >= 0 for n in s)
+                        for s in self.strides)):
+            raise ValueError(f"strides: expected None or three 4-tuples of non-negative ints (q, k, v), "
+                             f"got {self.strides!r}")
         if self.alibi_standard and self.bias is not BiasType.ALIBI:
             raise ValueError("alibi_standard: only with bias='alibi'")
         for name in ("is_training", "deterministic", "return_lse", "return_max_logit",
@@ -299,6 +309,8 @@ class AttentionConfig:
             parts.append("score_mod")
         if self.unaligned:
             parts.append(f"unaligned={','.join(self.unaligned)}")
+        if self.strides is not None:
+            parts.append("strides=" + "/".join(",".join(map(str, s)) for s in self.strides))
         parts.append(f"device={self.device}")
         parts.append(f"framework={self.framework}")
         return " ".join(parts)

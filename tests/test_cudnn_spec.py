@@ -191,3 +191,51 @@ def test_calls_that_run_from_raw_addresses_are_exactly_the_plain_dense_ones():
                cfg(softmax=SoftmaxType.OFF_BY_ONE), cfg(layout=Layout.BS3HD, heads_kv=8)]
     for config in refused:
         assert not runs_from_addresses(config), config
+
+
+def _config_of(*tensors, **options) -> AttentionConfig:
+    """The config the torch frontend makes for a call (as explain sees it; nothing runs)."""
+    from fusedattn.torch import functional
+
+    token = functional._explaining.set(True)
+    try:
+        return functional.attention(*tensors, **options).cfg
+    finally:
+        functional._explaining.reset(token)
+
+
+@pytest.mark.parametrize("layout", ["bshd", "sbhd", "bhsd"])
+def test_head_slices_of_one_projection_are_read_where_they_lie(layout):
+    """q, k, v sliced by heads out of one fused projection: the frontend keeps their strides in the
+    config and cuDNN's graph takes them (no copy); gradients stay dense. Views cuDNN cannot read in
+    place (a head dim that is not contiguous, strides off 16 bytes) keep the contiguous strides."""
+    B, S, Hq, Hkv, D = 2, 6, 4, 2, 8
+    axes = layout.upper()
+    shape = {"B": B, "S": S, "H": Hq + 2 * Hkv, "D": D}
+    projection = torch.randn([shape[a] for a in axes])
+    heads = axes.index("H")
+    q, k, v = projection.split([Hq, Hkv, Hkv], dim=heads)
+    cfg = _config_of(q, k, v, layout=layout, mask="causal")
+    assert cfg.strides == (q.stride(), k.stride(), v.stride())
+    spec = sdpa_spec(cfg)
+    for role, view in zip("qkv", (q, k, v)):
+        bhsd = view.permute([axes.index(a) for a in "BHSD"])
+        assert getattr(spec, role).stride == bhsd.stride(), role
+        dense = view.contiguous().permute([axes.index(a) for a in "BHSD"])
+        assert gradient_spec(getattr(spec, role)).stride == dense.stride(), role
+    assert spec.o.stride == torch.empty([{**shape, "H": Hq}[a] for a in axes]).permute(
+        [axes.index(a) for a in "BHSD"]).stride()
+    contiguous = _config_of(*(x.contiguous() for x in (q, k, v)), layout=layout, mask="causal")
+    assert contiguous.strides is None
+    odd = torch.randn([{**shape, "D": D + 1}[a] for a in axes])[..., :D]  # rows of 9 elements: off 16 bytes
+    odd_q, odd_k, odd_v = odd.split([Hq, Hkv, Hkv], dim=heads)
+    odd_cfg = _config_of(odd_q, odd_k, odd_v, layout=layout, mask="causal")
+    assert odd_cfg.strides is not None and sdpa_spec(odd_cfg).q == layout_strides(contiguous, "q")
+
+
+def test_strides_of_axes_of_size_one_do_not_count():
+    q, k, v = torch.randn(1, 6, 8, 8).split([4, 2, 2], dim=2)
+    cfg = _config_of(q[:1], k, v)
+    assert cfg.strides[0][0] == 6 * 4 * 8  # B = 1: the contiguous value, whatever the view's
+    with pytest.raises(ValueError, match="strides"):
+        cfg_for(strides=((1, 2, 3),))

@@ -55,6 +55,15 @@ def _unaligned(**tensors) -> tuple[str, ...]:
                  if isinstance(x, torch.Tensor) and x.is_cuda and x.data_ptr() % ALIGNMENT)
 
 
+def _strides(q, k, v) -> tuple | None:
+    """The strides of q, k, v as passed (tensors, or their strides); the config keeps them where they
+    are not contiguous. None for a packed layout (its own strides say how q, k, v lie)."""
+    if q is None or k is None or v is None:
+        return None
+    strides = tuple(tuple(x.stride()) if isinstance(x, torch.Tensor) else x for x in (q, k, v))
+    return strides if all(isinstance(x, tuple) for x in strides) else None
+
+
 def _dropout_state(seed, offset, like: torch.Tensor):
     """(seed, offset) as int64 tensors on q's device; a missing seed is drawn from torch's RNG."""
     if seed is None:
@@ -151,6 +160,7 @@ def attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | 
                                                      or (mod is not None and needs_gradient(mod))),
             bias_requires_grad=isinstance(bias, torch.Tensor) and bias.requires_grad, backend=get("backend"),
             **settings_of(options), score_mod=mod, unaligned=_unaligned(q=q, k=k, v=v, bias=bias, sink=sink),
+            strides=_strides(q, k, v),
             alibi_standard=isinstance(alibi_slopes, torch.Tensor)
             and slopes_are_standard(OPS.to_host(alibi_slopes.float())),
         )
@@ -260,7 +270,7 @@ def _signature(tensors: tuple, options: dict, score_mod):
     time."""
     try:
         window = options.get("window")
-        return (*[None if x is None else (x.shape, x.dtype, x.device, x.requires_grad) for x in tensors],
+        return (*[None if x is None else (x.shape, x.stride(), x.dtype, x.device, x.requires_grad) for x in tensors],
                 *[(name, value, type(value)) for name, value in options.items() if name in _SIGNED],
                 None if window is None else tuple(map(type, window)),
                 score_mod, torch.is_grad_enabled(), settings.value(ENV_BACKEND), settings.value(ENV_THD_BUCKET))
@@ -302,7 +312,7 @@ def _compile_time_plan(described: tuple, options: tuple, backend, grad_enabled: 
         if entry is None:
             stand_ins[name] = None
             continue
-        shape, dtype, device, requires_grad = entry
+        shape, _, dtype, device, requires_grad = entry
         stand_ins[name] = torch.empty(shape, dtype=dtype, device="meta").requires_grad_(requires_grad)
         metas[name] = TensorMeta(tuple(shape), OPS.dtype_name(stand_ins[name]), str(device), device.type)
     offsets_given = any(stand_ins[n] is not None for n in TENSOR_ARGUMENTS[6:])
@@ -314,7 +324,8 @@ def _compile_time_plan(described: tuple, options: tuple, backend, grad_enabled: 
         API, "torch", stand_ins, describe=lambda x, name: metas.get(name), host_copy=lambda x: None,
         is_training=grad_enabled and any(x.requires_grad for x in differentiable),
         bias_requires_grad=bool(stand_ins["bias"] is not None and stand_ins["bias"].requires_grad),
-        backend=backend, score_mod=None, **options,
+        backend=backend, score_mod=None, strides=_strides(*(None if x is None else x[1] for x in described[:3])),
+        **options,
     )
     return register_config(cfg, selection.name)
 
@@ -334,7 +345,8 @@ def _compiled_attention(q, k, v, given: dict):
     options = settings_of(given)
     if options["window"] is not None:
         options["window"] = tuple(options["window"])
-    described = tuple(None if x is None else (tuple(x.shape), x.dtype, x.device, x.requires_grad) for x in tensors)
+    described = tuple(None if x is None else (tuple(x.shape), tuple(x.stride()), x.dtype, x.device, x.requires_grad)
+                      for x in tensors)
     key = _compile_time_plan(described, tuple(options.items()), given.get("backend"), torch.is_grad_enabled())
     dropout_seed, dropout_offset = given.get("dropout_seed"), given.get("dropout_offset", 0)
     q, k, v = tensors[:3]

@@ -46,7 +46,8 @@ _RAGGED_AS_PADDED = {"thd": "bshd", "t3hd": "bs3hd", "thd_t2hd": "bshd_bs2hd"}
 
 
 def layout_strides(cfg: AttentionConfig, role: str) -> TensorSpec:
-    """Dims (B, H, S, D) and strides of q/k/v/o as a contiguous tensor of cfg's layout would have them.
+    """Dims (B, H, S, D) and strides of q/k/v/o as a contiguous tensor of cfg's layout would have them,
+    or as the call's views have them (cfg.strides) where cuDNN reads those in place.
 
     Packed layouts interleave q, k, v (or k, v) along their packing axis, so each slice
     strides over the whole pack.
@@ -60,7 +61,9 @@ def layout_strides(cfg: AttentionConfig, role: str) -> TensorSpec:
     packed_qkv = name in ("bs3hd", "sb3hd")
     packed_kv = name in ("bshd_bs2hd", "sbhd_sb2hd") and role in ("k", "v")
     base = "BSHD" if name.startswith("bs") else "SBHD" if name.startswith("sb") else _MEMORY[cfg.layout]
-    if role != "o" and (packed_qkv or packed_kv):
+    if role != "o" and cfg.strides is not None and _reads_in_place(cfg.strides["qkv".index(role)]):
+        strides = dict(zip(base, cfg.strides["qkv".index(role)]))
+    elif role != "o" and (packed_qkv or packed_kv):
         count = 3 if packed_qkv else 2
         memory = base[:2] + "P" + base[2:]  # e.g. B S P H D with P the pack of 3 or 2
         shape = tuple(count if a == "P" else sizes[a] for a in memory)
@@ -68,6 +71,13 @@ def layout_strides(cfg: AttentionConfig, role: str) -> TensorSpec:
     else:
         strides = dict(zip(base, _contiguous(tuple(sizes[a] for a in base))))
     return TensorSpec(tuple(sizes[a] for a in "BHSD"), tuple(strides[a] for a in "BHSD"))
+
+
+def _reads_in_place(strides: tuple[int, ...]) -> bool:
+    """Whether cuDNN reads a view with these strides (in its layout's axis order, head dim last) where
+    it lies: elements of a head contiguous, every other stride 16-byte aligned (8 elements of 16 bits).
+    Other views are copied into the contiguous layout before each launch."""
+    return strides[-1] == 1 and all(stride % 8 == 0 for stride in strides[:-1])
 
 
 def gradient_spec(spec: TensorSpec) -> TensorSpec:
