@@ -213,7 +213,7 @@ def test_head_slices_of_one_projection_run_in_place_and_match_float64(layout):
 
     out, grad_projection = run(torch.bfloat16)
     assert _ran_native(out)
-    same, same_grad = run(torch.float32, "reference")
+    same, same_grad = run(torch.bfloat16, "reference")  # the reference's own error in bf16 sets the bar
     exact, exact_grad = run(torch.float64, "reference")
     assert_close_to_exact("out", out, same, exact)
     assert_close_to_exact("grad of the projection", grad_projection, same_grad, exact_grad)
