@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from fusedattn.config import DTYPES, AttentionConfig, BiasType, Layout, Mask, SoftmaxType
-from fusedattn.layout import check_cu_seqlens, layout_spec
+from fusedattn.layout import check_cu_seqlens, contiguous_strides, layout_spec
 
 __all__ = ["TensorMeta", "CallArguments", "build_config", "check_offset_tensors", "infer_max_seqlens",
            "bucket_max_seqlens", "ENV_THD_BUCKET", "check_sequence_values", "host_slopes"]
@@ -288,19 +288,11 @@ def _view_strides(args: CallArguments, layout: Layout, metas: dict) -> tuple | N
     normalized = []
     for role, strides in zip(("q", "k", "v"), args.strides):
         shape = metas[role].shape
-        dense = _contiguous(shape)
+        dense = contiguous_strides(shape)
         normalized.append(tuple(int(d) if n == 1 else int(s) for n, s, d in zip(shape, strides, dense)))
-    if all(s == _contiguous(metas[role].shape) for role, s in zip(("q", "k", "v"), normalized)):
+    if all(s == contiguous_strides(metas[role].shape) for role, s in zip(("q", "k", "v"), normalized)):
         return None
     return tuple(normalized)
-
-
-def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 def _bias(args: CallArguments, heads_q: int, batch: int, dtype: str, device: str):

@@ -65,6 +65,15 @@ _SPECS = {
 }
 
 
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of this shape (an empty axis counts as one element)."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
 def layout_spec(layout) -> LayoutSpec:
     return _SPECS[Layout.parse(layout, "layout")]
 

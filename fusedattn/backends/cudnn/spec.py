@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fusedattn.config import UNBOUNDED, AttentionConfig, BiasType, Layout, Mask, SoftmaxType
+from fusedattn.layout import contiguous_strides
 from fusedattn.score_mods.core import EAGER_ONLY_KEY
 
 MAX_BATCH = 65535  # one grid dimension per sequence in cuDNN 9.19's attention kernels
@@ -28,15 +29,7 @@ class TensorSpec:
 
 def dense(dim: tuple[int, ...]) -> TensorSpec:
     """A contiguous tensor of these dims."""
-    return TensorSpec(tuple(dim), _contiguous(dim))
-
-
-def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
+    return TensorSpec(tuple(dim), contiguous_strides(dim))
 
 
 # For each base layout: the memory order of (B, H, S, D) as the permutation that takes
@@ -67,9 +60,9 @@ def layout_strides(cfg: AttentionConfig, role: str) -> TensorSpec:
         count = 3 if packed_qkv else 2
         memory = base[:2] + "P" + base[2:]  # e.g. B S P H D with P the pack of 3 or 2
         shape = tuple(count if a == "P" else sizes[a] for a in memory)
-        strides = dict(zip(memory, _contiguous(shape)))
+        strides = dict(zip(memory, contiguous_strides(shape)))
     else:
-        strides = dict(zip(base, _contiguous(tuple(sizes[a] for a in base))))
+        strides = dict(zip(base, contiguous_strides(tuple(sizes[a] for a in base))))
     return TensorSpec(tuple(sizes[a] for a in "BHSD"), tuple(strides[a] for a in "BHSD"))
 
 
@@ -128,7 +121,7 @@ def sdpa_spec(cfg: AttentionConfig) -> SdpaSpec:
     if cfg.bias in (BiasType.PRE_SCALE, BiasType.POST_SCALE):
         b, h, sq, skv = cfg.bias_shape
         full = (b, h, cfg.seqlen_q, cfg.seqlen_kv)
-        strides = _contiguous((b, h, sq, skv))
+        strides = contiguous_strides((b, h, sq, skv))
         # Broadcast sequence axes read the same element again: stride 0.
         stride = tuple(0 if size == 1 and want > 1 else s for size, want, s in zip((b, h, sq, skv), full, strides))
         bias = TensorSpec(full, stride)
