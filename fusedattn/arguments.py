@@ -285,14 +285,13 @@ def _view_strides(args: CallArguments, layout: Layout, metas: dict) -> tuple | N
     they are contiguous. Axes of size 1 count as contiguous, whatever their stride."""
     if args.strides is None or layout.is_ragged or layout_spec(layout.value).base is not layout:
         return None
-    normalized = []
+    normalized, contiguous = [], True
     for role, strides in zip(("q", "k", "v"), args.strides):
         shape = metas[role].shape
         dense = contiguous_strides(shape)
         normalized.append(tuple(int(d) if n == 1 else int(s) for n, s, d in zip(shape, strides, dense)))
-    if all(s == contiguous_strides(metas[role].shape) for role, s in zip(("q", "k", "v"), normalized)):
-        return None
-    return tuple(normalized)
+        contiguous = contiguous and normalized[-1] == dense
+    return None if contiguous else tuple(normalized)
 
 
 def _bias(args: CallArguments, heads_q: int, batch: int, dtype: str, device: str):

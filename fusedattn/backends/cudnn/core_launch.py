@@ -24,6 +24,7 @@ class CoreLaunch:
         from fusedattn.backends.cudnn.native import core
 
         self._core, self._blob, self._uids, self.device = core, blob, uids, device
+        self._library = core.library()  # loaded once here: core.library() takes a lock on every call
         self._slots = ctypes.c_void_p * len(uids)
         self.plan_id = self.workspace = None
         self.register()
@@ -39,16 +40,17 @@ class CoreLaunch:
     def __call__(self, addresses, workspace: int, stream: int) -> None:
         """Launch on `stream` with these buffers (host addresses for pass-by-value scalars) and a
         workspace of at least the graph's size."""
-        library = self._core.library()
         slots = self._slots(*addresses)
-        status = library.fusedattn_core_execute(self.plan_id, self.device, stream, slots, len(addresses),
-                                                workspace or None, self.workspace)
+        status = self._execute(slots, workspace, stream)
         if status == self._core.NOT_REGISTERED:
             self.register()
-            status = library.fusedattn_core_execute(self.plan_id, self.device, stream, slots, len(addresses),
-                                                    workspace or None, self.workspace)
+            status = self._execute(slots, workspace, stream)
         if status != 0:
-            raise RuntimeError(f"fusedattn: the launch core: {library.fusedattn_core_last_error().decode()}")
+            raise RuntimeError(f"fusedattn: the launch core: {self._library.fusedattn_core_last_error().decode()}")
+
+    def _execute(self, slots, workspace: int, stream: int) -> int:
+        return self._library.fusedattn_core_execute(self.plan_id, self.device, stream, slots, len(slots),
+                                                    workspace or None, self.workspace)
 
 
 def unavailable() -> str | None:

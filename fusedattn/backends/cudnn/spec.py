@@ -54,8 +54,9 @@ def layout_strides(cfg: AttentionConfig, role: str) -> TensorSpec:
     packed_qkv = name in ("bs3hd", "sb3hd")
     packed_kv = name in ("bshd_bs2hd", "sbhd_sb2hd") and role in ("k", "v")
     base = "BSHD" if name.startswith("bs") else "SBHD" if name.startswith("sb") else _MEMORY[cfg.layout]
-    if role != "o" and cfg.strides is not None and _reads_in_place(cfg.strides["qkv".index(role)]):
-        strides = dict(zip(base, cfg.strides["qkv".index(role)]))
+    view = cfg.strides["qkv".index(role)] if role != "o" and cfg.strides is not None else None
+    if view is not None and _reads_in_place(view):
+        strides = dict(zip(base, view))
     elif role != "o" and (packed_qkv or packed_kv):
         count = 3 if packed_qkv else 2
         memory = base[:2] + "P" + base[2:]  # e.g. B S P H D with P the pack of 3 or 2
