@@ -9,8 +9,8 @@ eager           softmax(q k^T * scale + mask) v in bf16 (only S <= 4096: it mate
 varlen_attn     torch.nn.attention.varlen.varlen_attn (THD case only)
 
 Workloads: B=4, H=16, bf16, S in {1024, 4096, 16384}, D in {64, 128}, causal and not, modes fwd and
-fwd+bwd; a GQA case (Hq=16, Hkv=4, S=4096, D=128, causal); a THD case (packed sequences of 4096,
-3072, 2048 and 1024 tokens, H=16, D=128, causal). "fwd" times the forward of inputs that require
+fwd+bwd; at S=1024 and 4096, a GQA case (Hq=16, Hkv=4, D=128, causal) and a THD case (packed sequences
+of S, 3S/4, S/2 and S/4 tokens, H=16, D=128, causal). "fwd" times the forward of inputs that require
 grad (the training forward, as FlashAttention's benchmarks do; --fwd-no-grad for inference);
 "fwd+bwd" times the forward plus torch.autograd.grad of (q, k, v) with a fixed random output gradient.
 
@@ -94,16 +94,15 @@ class Case:
 
 
 def make_cases(seqlens: list[int], head_dims: list[int]) -> list[Case]:
-    """Dense cases up to S=4096, then the GQA and THD cases, then the long dense ones (a cut-off run keeps most)."""
+    """Dense cases up to S=4096, then the GQA and THD cases (at S=1024 and 4096 where run, else at the
+    longest S), then the long dense ones (a cut-off run keeps most)."""
     dense = [Case("dense", 4, 16, 16, s, d, causal) for s in seqlens for d in head_dims for causal in (True, False)]
-    s_special = 4096 if 4096 in seqlens else max(seqlens)
+    special_seqlens = [s for s in seqlens if s in (1024, 4096)] or [max(seqlens)]
     d_special = 128 if 128 in head_dims else max(head_dims)
-    special = [
-        Case("gqa", 4, 16, 4, s_special, d_special, True),
-        # THD hook: cu_seqlens layout. Ours raises (and is recorded as an error) until THD is wired to cuDNN.
-        Case("thd", 4, 16, 16, s_special, d_special, True,
-             seqlens=(s_special, 3 * s_special // 4, s_special // 2, s_special // 4)),
-    ]
+    special = []
+    for s in special_seqlens:
+        special += [Case("gqa", 4, 16, 4, s, d_special, True),
+                    Case("thd", 4, 16, 16, s, d_special, True, seqlens=(s, 3 * s // 4, s // 2, s // 4))]
     return ([c for c in dense if c.S <= 4096] + special + [c for c in dense if c.S > 4096])
 
 

@@ -30,7 +30,7 @@ from fusedattn.options import settings as settings_of
 from fusedattn.score_mods.core import as_score_mod, bind, needs_gradient
 from fusedattn.selection import ENV_BACKEND, recall_call, remember_call
 from fusedattn.torch.autograd import run_attention
-from fusedattn.torch.ops import config_of, register_config
+from fusedattn.torch.ops import backend_of, config_of, register_config
 from fusedattn.xp.torch_ops import OPS
 
 __all__ = ["attention", "explain"]
@@ -173,7 +173,9 @@ def attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | 
         if native is not None:
             return _native_call(native, signature, (cfg, selection, native), q, k, v, sink, options)
     check = None
-    if trusted:  # their values were not read: checked on the device
+    # Offsets whose values were not read are checked on the device: by the cuDNN backend itself
+    # (its sequence table, backends/cudnn/sequences.py), else here.
+    if trusted and selection.name != "cudnn":
         passed = tuple(x for x in (q, k, v) if x is not None)
         check = check_unread_offsets(cfg, passed, dict(zip(TENSOR_ARGUMENTS[6:], offsets)))
         arrays = guard_inputs(cfg, passed, arrays, check)
@@ -334,8 +336,6 @@ def _compile_time_plan(described: tuple, options: tuple, backend, grad_enabled: 
 def _compile_time_native(key: str, device: torch.device) -> int:
     """The native operator's plan for a compiled call (registered while tracing, as eager calls register
     theirs), or -1: the call runs as the Python custom op. Dynamo bakes the id into the graph."""
-    from fusedattn.torch.ops import backend_of
-
     plan = _native_plan_on(config_of(key), backend_of(key), device)
     return -1 if plan is None else plan
 
@@ -353,7 +353,8 @@ def _compiled_attention(q, k, v, given: dict):
     passed = tuple(x for x in (q, k, v) if x is not None)
     unpacked = split_packed(options["layout"], passed)
     arrays, check = (*unpacked, *tensors[3:]), None
-    if any(x is not None for x in tensors[6:]):  # offsets are never read while compiling: checked on the device
+    # Offsets are never read while compiling: checked on the device (by the cuDNN backend itself).
+    if any(x is not None for x in tensors[6:]) and backend_of(key) != "cudnn":
         cfg = config_of(key)
         check = check_unread_offsets(cfg, passed, dict(zip(TENSOR_ARGUMENTS[6:], tensors[6:])))
         arrays = guard_inputs(cfg, passed, arrays, check)

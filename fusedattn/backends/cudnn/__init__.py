@@ -41,12 +41,13 @@ class CudnnBackend(Backend):
     def forward(self, cfg, inputs):
         from fusedattn.backends.cudnn.torch_run import forward
 
-        return forward(cfg, inputs), None
+        saved = {}
+        return forward(cfg, inputs, saved=saved), saved
 
     def backward(self, cfg, inputs, saved, outputs, grad_out, grad_lse=None):
         from fusedattn.backends.cudnn.torch_run import backward
 
-        return backward(cfg, inputs, outputs, grad_out, grad_lse)
+        return backward(cfg, inputs, outputs, grad_out, grad_lse, saved=saved)
 
     def address_runner(self, cfg):
         from fusedattn.backends.cudnn import pointer_run

@@ -81,7 +81,7 @@ def _relevant(cfg: AttentionConfig) -> str:
 
 
 def execute(built: BuiltGraph, buffers: dict, device: int) -> None:
-    """Run a graph with {our name: tensor} on torch's current stream.
+    """Run a graph with {our name: tensor, or an int address} on torch's current stream.
 
     cuDNN gets device pointers (THD tensors are (T, H, D) in torch but logical (B, H, S, D) in
     the graph, so only their addresses mean the same thing). After one public execute, calls that
@@ -90,19 +90,25 @@ def execute(built: BuiltGraph, buffers: dict, device: int) -> None:
     """
     stream = torch.cuda.current_stream(device).cuda_stream
     names = tuple(name for name in buffers if name in built.tensors)
+    addresses = []
     for name in names:
-        if name not in OUTPUT_NAMES and buffers[name].is_cuda and buffers[name].data_ptr() % ALIGNMENT:
-            buffers[name] = aligned_copy(buffers[name])
+        buffer = buffers[name]
+        if isinstance(buffer, int):  # an address already (a sequence table's row, 16-byte aligned)
+            addresses.append(buffer)
+            continue
+        if name not in OUTPUT_NAMES and buffer.is_cuda and buffer.data_ptr() % ALIGNMENT:
+            buffers[name] = buffer = aligned_copy(buffer)
+        addresses.append(buffer.data_ptr())
     launcher = built.launchers.get(names)
     if launcher is not None:  # the core's copy of the graph says how much workspace it needs
         workspace = torch.empty(max(launcher.workspace, 1), dtype=torch.uint8, device=device)
-        launcher([buffers[name].data_ptr() for name in names], workspace.data_ptr(), stream)
+        launcher(addresses, workspace.data_ptr(), stream)
         return
     workspace = torch.empty(max(built.workspace, 1), dtype=torch.uint8, device=device)
     # Addresses, not tensors (a pass-by-value scalar's is a host address): tensors reach cuDNN
     # through DLPack, which may order work on the legacy stream (not allowed while a CUDA graph is
     # captured), and hold references the frontend's objects keep for as long as they live.
-    pack = {built.tensors[name]: buffers[name].data_ptr() for name in names}
+    pack = {built.tensors[name]: address for name, address in zip(names, addresses)}
     built.graph.execute(pack, workspace.data_ptr(), handle=_handle(device, stream))
     if names not in built.launchers:
         uids = [built.tensors[name].get_uid() for name in names]

@@ -14,6 +14,8 @@ import torch
 from fusedattn.backends.base import AttentionInputs, AttentionOutputs, no_lse_gradient
 from fusedattn.backends.cudnn.runtime import execute, get_graph
 from fusedattn.backends.cudnn.score_mod_graph import aux_name, mask_plan
+from fusedattn.backends.cudnn.sequences import Layout as TableLayout
+from fusedattn.backends.cudnn.sequences import SequenceTable, layout_of
 from fusedattn.backends.cudnn.spec import (
     SdpaSpec,
     TensorSpec,
@@ -38,6 +40,7 @@ class _Plan:
     to_bhsd: tuple[int, ...]
     from_bhsd: tuple[int, ...]
     grads: dict  # role -> TensorSpec of its gradient
+    sequences: TableLayout | None  # padded and THD configs: their sequence table's layout
 
 
 _plans: LRUCache = register("cudnn.torch_run.plans", LRUCache(1024))
@@ -48,9 +51,12 @@ def _plan(cfg: AttentionConfig) -> _Plan:
         spec = sdpa_spec(cfg)
         base = layout_spec(cfg.layout).base
         grads = {role: gradient_spec(getattr(spec, role)) for role in ("q", "k", "v")}
+        sequences = None
+        if spec.padding:
+            sequences = layout_of(cfg, _ragged_units(cfg, spec, grads) if spec.ragged else {})
         if cfg.layout.is_ragged:  # THD tensors are passed as they are, with ragged offsets
-            return _Plan(spec, (), (), grads)
-        return _Plan(spec, _TO_BHSD[base], _FROM_BHSD[base], grads)
+            return _Plan(spec, (), (), grads, sequences)
+        return _Plan(spec, _TO_BHSD[base], _FROM_BHSD[base], grads, sequences)
 
     return _plans.get_or_build(cfg, make)
 
@@ -71,17 +77,12 @@ def _fits(x: torch.Tensor, dim, stride, dtype) -> bool:
             and all(n == 1 or a == b for n, a, b in zip(dim, x.stride(), stride)))
 
 
-def _empty_bhsd(spec: TensorSpec, plan: _Plan, dtype, device, zero=False, into=None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def _empty_bhsd(spec: TensorSpec, plan: _Plan, dtype, device, into=None) -> tuple[torch.Tensor, torch.Tensor]:
     """A tensor with spec's strides, as (base-layout view, BHSD view): the caller's buffer `into`
     when it has them (the JAX bridge's output buffers), else a new one."""
     if into is not None and _fits(into.permute(plan.to_bhsd), spec.dim, spec.stride, dtype):
-        if zero:
-            into.zero_()
         return into, into.permute(plan.to_bhsd)
     bhsd = torch.empty_strided(spec.dim, spec.stride, dtype=dtype, device=device)
-    if zero:
-        bhsd.zero_()
     return bhsd.permute(plan.from_bhsd), bhsd
 
 
@@ -103,41 +104,35 @@ def _tokens(x: torch.Tensor, spec: TensorSpec, role: str) -> torch.Tensor:
                      "pass the packed tensor itself (not a copy of one slice)")
 
 
-def _offsets(inputs: AttentionInputs, side: str):
-    """(start offsets (B+1,), lengths (B,)) of the sequences on one side, from cu_seqlens."""
-    cu = getattr(inputs, f"cu_seqlens_{side}")
-    padded = getattr(inputs, f"cu_seqlens_{side}_padded")
-    return (padded if padded is not None else cu), cu[1:] - cu[:-1]
+def _sequence_table(cfg: AttentionConfig, plan: _Plan, inputs: AttentionInputs) -> SequenceTable:
+    """Lengths and ragged offsets (THD) of this call on the device, and the offsets' check (sequences.py)."""
+    totals = (inputs.q.shape[0], inputs.k.shape[0]) if plan.spec.ragged else None
+    return SequenceTable.build(plan.sequences, inputs.cu_seqlens_q, inputs.cu_seqlens_kv, inputs.cu_seqlens_q_padded,
+                               inputs.cu_seqlens_kv_padded, totals)
 
 
-def _sequence_buffers(cfg: AttentionConfig, plan: _Plan, inputs: AttentionInputs, buffers: dict) -> None:
-    """seq_len_q/kv for padding masks, and for THD the ragged offsets of every tensor."""
-    spec = plan.spec
-    starts_q, lengths_q = _offsets(inputs, "q")
-    starts_kv, lengths_kv = _offsets(inputs, "kv")
-    buffers["seq_len_q"] = lengths_q.to(torch.int32).reshape(-1, 1, 1, 1)
-    buffers["seq_len_kv"] = lengths_kv.to(torch.int32).reshape(-1, 1, 1, 1)
-    if not spec.ragged:
-        return
-    units = {"q": spec.token_stride("q"), "k": spec.token_stride("k"), "v": spec.token_stride("v"),
-             "o": spec.token_stride("o"), "stats": cfg.heads_q}
-    for role, unit in (("dq", plan.grads["q"].stride[2]), ("dk", plan.grads["k"].stride[2]),
-                       ("dv", plan.grads["v"].stride[2])):
-        units[role] = unit
-    for name, unit in units.items():
-        starts = starts_q if name in ("q", "o", "stats", "dq") else starts_kv
-        buffers["ro_" + name] = (starts.to(torch.int64) * unit).to(torch.int32).reshape(-1, 1, 1, 1)
+def _ragged_units(cfg: AttentionConfig, spec: SdpaSpec, grads: dict) -> dict:
+    """Elements per token of every tensor a THD graph reads through ragged offsets."""
+    units = {role: spec.token_stride(role) for role in ("q", "k", "v", "o")}
+    units["stats"] = cfg.heads_q
+    for role in ("q", "k", "v"):
+        units["d" + role] = grads[role].stride[2]
+    return units
 
 
-def _shared_buffers(cfg: AttentionConfig, plan: _Plan, inputs: AttentionInputs) -> dict:
+def _shared_buffers(cfg: AttentionConfig, plan: _Plan, inputs: AttentionInputs
+                    ) -> tuple[dict, SequenceTable | None]:
+    """The graph's inputs by name (a sequence table's rows as addresses), and the table (padded, THD)."""
     spec = plan.spec
     if spec.ragged:  # (T, H, D) tensors: cuDNN reads them through logical (B, H, S, D) dims + offsets
         buffers = {role: _tokens(getattr(inputs, role), getattr(spec, role), role) for role in ("q", "k", "v")}
     else:
         buffers = {"q": _bhsd(inputs.q, plan, spec.q), "k": _bhsd(inputs.k, plan, spec.k),
                    "v": _bhsd(inputs.v, plan, spec.v)}
+    table = None
     if spec.padding:
-        _sequence_buffers(cfg, plan, inputs, buffers)
+        table = _sequence_table(cfg, plan, inputs)
+        buffers.update(table.addresses)
     if spec.bias is not None:
         bias = inputs.bias.to(inputs.q.dtype)
         if cfg.bias is BiasType.PRE_SCALE:  # (qk + b) * scale == qk * scale + b * scale
@@ -153,8 +148,8 @@ def _shared_buffers(cfg: AttentionConfig, plan: _Plan, inputs: AttentionInputs) 
         buffers["dropout_seed"] = inputs.dropout_seed.reshape(1, 1, 1, 1)
         buffers["dropout_offset"] = inputs.dropout_offset.reshape(1, 1, 1, 1)
     if spec.score_mod:
-        _score_mod_buffers(cfg, inputs, buffers)
-    return buffers
+        _score_mod_buffers(cfg, inputs, buffers, table)
+    return buffers, table
 
 
 _HOST_TYPES = {"float32": torch.float32, "int32": torch.int32}
@@ -165,7 +160,7 @@ def _host_scalar(value, dtype: str) -> torch.Tensor:
     return torch.full((1, 1, 1, 1), value, dtype=_HOST_TYPES[dtype])
 
 
-def _score_mod_buffers(cfg: AttentionConfig, inputs: AttentionInputs, buffers: dict) -> None:
+def _score_mod_buffers(cfg: AttentionConfig, inputs: AttentionInputs, buffers: dict, table) -> None:
     """The score_mod's aux values, and the inputs of the masks written after it."""
     for name, value in inputs.score_mod.values.items():
         buffers[aux_name(name)] = (_host_scalar(value.value, value.dtype) if isinstance(value, RuntimeScalar)
@@ -174,65 +169,12 @@ def _score_mod_buffers(cfg: AttentionConfig, inputs: AttentionInputs, buffers: d
     if plan.padding:  # 0 inside each sequence, MASKED outside
         rows = torch.arange(cfg.seqlen_q, device=inputs.q.device, dtype=torch.int32).reshape(1, 1, -1, 1)
         cols = torch.arange(cfg.seqlen_kv, device=inputs.q.device, dtype=torch.int32).reshape(1, 1, 1, -1)
-        buffers["sm_row_penalty"] = torch.where(rows < buffers["seq_len_q"], 0.0, MASKED).to(torch.float32)
-        col_penalty = torch.where(cols < buffers["seq_len_kv"], 0.0, MASKED).to(torch.float32)
+        buffers["sm_row_penalty"] = torch.where(rows < table.lengths("q"), 0.0, MASKED).to(torch.float32)
+        col_penalty = torch.where(cols < table.lengths("kv"), 0.0, MASKED).to(torch.float32)
         buffers["sm_col_penalty"] = col_penalty.expand(cfg.batch, 1, cfg.seqlen_q, cfg.seqlen_kv)
     if plan.left or plan.right:
         buffers["sm_masked"] = _host_scalar(MASKED, "float32")
     buffers.update({name: _host_scalar(value, "int32") for name, value in plan.scalar_bounds(cfg).items()})
-
-
-def _empty_sides(buffers: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B,) booleans: sequences with no query, and sequences with no key (from the lengths bound)."""
-    return buffers["seq_len_q"].view(-1) == 0, buffers["seq_len_kv"].view(-1) == 0
-
-
-def _tokens_of(inputs: AttentionInputs, side: str, flags: torch.Tensor, tokens: int) -> torch.Tensor:
-    """(T,) booleans: THD tokens inside a sequence whose flag is set."""
-    starts, lengths = _offsets(inputs, side)
-    starts, lengths = starts[:-1].to(torch.int64), lengths.to(torch.int64)
-    token = torch.arange(tokens, device=starts.device, dtype=torch.int64)
-    sequence = (torch.searchsorted(starts, token, right=True) - 1).clamp(min=0)
-    inside = (token - starts[sequence] >= 0) & (token - starts[sequence] < lengths[sequence])
-    return inside & flags[sequence]
-
-
-def _lse_without_keys(cfg: AttentionConfig, inputs: AttentionInputs, heads_axis_shape: tuple) -> torch.Tensor:
-    """The LSE of a row that sees no key: the log of the sink term (-inf without a sink), per head."""
-    if cfg.softmax is SoftmaxType.LEARNABLE:
-        return inputs.sink.to(torch.float32).reshape(heads_axis_shape)
-    value = 0.0 if cfg.softmax is SoftmaxType.OFF_BY_ONE else float("-inf")
-    return torch.full(heads_axis_shape, value, dtype=torch.float32, device=inputs.q.device)
-
-
-def _clear_rows_without_keys(cfg: AttentionConfig, inputs: AttentionInputs, buffers: dict, out: torch.Tensor,
-                             lse: torch.Tensor) -> torch.Tensor:
-    """Queries of a sequence with no key: output 0 and the LSE of an empty row, whatever cuDNN left
-    there (a THD row of such a sequence came back with a finite LSE on cuDNN 9.19). Returns the LSE."""
-    _, no_keys = _empty_sides(buffers)
-    if cfg.layout.is_ragged:
-        rows = _tokens_of(inputs, "q", no_keys, out.shape[0])
-        out.masked_fill_(rows.view(-1, 1, 1), 0)
-        return torch.where(rows.view(-1, 1), _lse_without_keys(cfg, inputs, (1, cfg.heads_q)), lse)
-    out_bhsd = out.permute(_plan(cfg).to_bhsd)
-    out_bhsd.masked_fill_(no_keys.view(-1, 1, 1, 1), 0)
-    rows = no_keys.view(-1, 1, 1, 1) & _is_query(cfg, buffers)
-    return torch.where(rows, _lse_without_keys(cfg, inputs, (1, cfg.heads_q, 1, 1)), lse)
-
-
-def _clear_gradients_of_empty_sequences(cfg: AttentionConfig, inputs: AttentionInputs, grads: dict,
-                                        buffers: dict) -> None:
-    """No gradient for queries of a sequence with no key, nor for keys/values of one with no query (cuDNN
-    9.19 left garbage there for a zero-length sequence under a padding mask)."""
-    no_queries, no_keys = _empty_sides(buffers)
-    empty = no_queries | no_keys
-    if cfg.layout.is_ragged:
-        for role, side in (("q", "q"), ("k", "kv"), ("v", "kv")):
-            rows = _tokens_of(inputs, side, empty, grads[role].shape[0])
-            grads[role].masked_fill_(rows.view(-1, 1, 1), 0)
-        return
-    for role in ("q", "k", "v"):
-        buffers["d" + role].masked_fill_(empty.view(-1, 1, 1, 1), 0)
 
 
 def _clear_empty_rows(out_rows: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
@@ -250,62 +192,75 @@ def _backward_stats(lse: torch.Tensor) -> torch.Tensor:
     return lse.masked_fill(lse == float("-inf"), float("inf"))
 
 
-def forward(cfg: AttentionConfig, inputs: AttentionInputs, into: AttentionOutputs | None = None
-            ) -> AttentionOutputs:
-    """into: preallocated (out, lse, max_logit) the outputs are written into where they fit."""
+def forward(cfg: AttentionConfig, inputs: AttentionInputs, into: AttentionOutputs | None = None,
+            saved: dict | None = None) -> AttentionOutputs:
+    """into: preallocated (out, lse, max_logit) the outputs are written into where they fit. saved: a dict
+    that receives what the backward can reuse (the stats of a padded call)."""
     if rows_without_keys(cfg):
         return _forward_rows_with_keys(cfg, inputs)
     into = into or AttentionOutputs(None, None, None)
     device = inputs.q.device
     plan = _plan(cfg)
     spec = plan.spec
-    buffers = _shared_buffers(cfg, plan, inputs)
+    buffers, table = _shared_buffers(cfg, plan, inputs)
+    sink = buffers.get("sink") if cfg.softmax is SoftmaxType.LEARNABLE else None
     if spec.ragged:
-        # cuDNN writes only each sequence's tokens: gaps and trailing tokens stay 0.
+        # cuDNN writes only each sequence's tokens: fix_rows writes the others.
         tokens = inputs.q.shape[0]
         buffers["o"] = out = _contiguous_target((tokens, cfg.heads_q, cfg.head_dim_v), inputs.q.dtype, device,
-                                                into.out)
-        buffers["stats"] = lse = _contiguous_target((tokens, cfg.heads_q), torch.float32, device, into.lse)
+                                                into.out, zero=False)
+        buffers["stats"] = lse = _contiguous_target((tokens, cfg.heads_q), torch.float32, device, into.lse,
+                                                    zero=False)
         execute(get_graph(cfg, "forward", device.index), buffers, device.index)
         if spec.score_mod:
             lse = _clear_empty_rows(out, lse)
-        lse = _clear_rows_without_keys(cfg, inputs, buffers, out, lse)
+        table.fix_rows("q", out, lse=lse, stats=lse, seqlen=cfg.seqlen_q, sink=sink, softmax=cfg.softmax)
         return AttentionOutputs(out, lse, torch.empty(0, dtype=torch.float32, device=device))
-    # With padding, rows past a sequence's end are not written: start from zeros.
-    out, buffers["o"] = _empty_bhsd(spec.o, plan, inputs.q.dtype, device, zero=spec.padding, into=into.out)
+    out, buffers["o"] = _empty_bhsd(spec.o, plan, inputs.q.dtype, device, into=into.out)
     if spec.max_logit:
         for name in ("row_max", "sum_exp"):
             buffers[name] = torch.empty(spec.stats.dim, dtype=torch.float32, device=device)
     else:
-        lse_into = into.lse.view(spec.stats.dim) if into.lse is not None and into.lse.is_contiguous() else None
+        lse_into = None if spec.padding else into.lse  # padded: the stats stay apart, for the backward
+        lse_into = lse_into.view(spec.stats.dim) if lse_into is not None and lse_into.is_contiguous() else None
         buffers["stats"] = _contiguous_target(spec.stats.dim, torch.float32, device, lse_into, zero=False)
     execute(get_graph(cfg, "forward", device.index), buffers, device.index)
     if spec.score_mod:
         buffers["stats"] = _clear_empty_rows(buffers["o"], buffers["stats"])
+    max_logit = torch.empty(0, dtype=torch.float32, device=device)  # not requested
     if spec.max_logit:
         row_max = buffers["row_max"]
         if spec.padding:
-            row_max = row_max.masked_fill(~_is_query(cfg, buffers), float("-inf"))
-        lse = row_max + torch.log(buffers["sum_exp"])
+            row_max = row_max.masked_fill(~_is_query(cfg, table), float("-inf"))
+        buffers["stats"] = row_max + torch.log(buffers["sum_exp"])
         max_logit = row_max.amax(dim=(0, 2, 3))
-    else:
-        lse = buffers["stats"]
-        max_logit = torch.empty(0, dtype=torch.float32, device=device)  # not requested
-    if spec.padding:  # rows past a sequence's end are not queries: lse -inf, as the reference says
-        lse = lse.masked_fill(~_is_query(cfg, buffers), float("-inf"))
-        lse = _clear_rows_without_keys(cfg, inputs, buffers, out, lse)
-    return AttentionOutputs(out, lse.view(cfg.batch, cfg.heads_q, cfg.seqlen_q), max_logit)
+        if spec.padding:
+            max_logit = torch.where(table.broken(), float("nan"), max_logit)
+    stats = buffers["stats"]
+    if not spec.padding:
+        return AttentionOutputs(out, stats.view(cfg.batch, cfg.heads_q, cfg.seqlen_q), max_logit)
+    # Rows past a sequence's end are not queries (LSE -inf, as the reference says); the stats the
+    # backward reads stay finite there.
+    lse = _contiguous_target((cfg.batch, cfg.heads_q, cfg.seqlen_q), torch.float32, device, into.lse, zero=False)
+    stats_bsh = stats.view(lse.shape).permute(0, 2, 1)
+    table.fix_rows("q", buffers["o"].permute(0, 2, 1, 3), lse=lse.permute(0, 2, 1),
+                   stats=lse.permute(0, 2, 1) if spec.max_logit else stats_bsh, seqlen=cfg.seqlen_q, sink=sink,
+                   softmax=cfg.softmax)
+    if saved is not None and not spec.max_logit:
+        saved["stats"] = stats
+    return AttentionOutputs(out, lse, max_logit)
 
 
-def _is_query(cfg: AttentionConfig, buffers: dict) -> torch.Tensor:
+def _is_query(cfg: AttentionConfig, table: SequenceTable) -> torch.Tensor:
     """(B, 1, Sq, 1) True for rows inside their sequence."""
-    rows = torch.arange(cfg.seqlen_q, device=buffers["seq_len_q"].device).reshape(1, 1, -1, 1)
-    return rows < buffers["seq_len_q"]
+    rows = torch.arange(cfg.seqlen_q, device=table.table.device).reshape(1, 1, -1, 1)
+    return rows < table.lengths("q")
 
 
 def backward(cfg: AttentionConfig, inputs: AttentionInputs, outputs: AttentionOutputs, grad_out, grad_lse,
-             into: dict | None = None) -> dict:
-    """into: preallocated {"q"|"k"|"v": buffer} the gradients are written into where they fit."""
+             into: dict | None = None, saved: dict | None = None) -> dict:
+    """into: preallocated {"q"|"k"|"v": buffer} the gradients are written into where they fit. saved: what
+    the forward kept (see forward), or None."""
     into = into or {}
     if grad_lse is not None:
         raise no_lse_gradient("fusedattn.torch.attention", "cudnn")
@@ -314,7 +269,7 @@ def backward(cfg: AttentionConfig, inputs: AttentionInputs, outputs: AttentionOu
     device = inputs.q.device
     plan = _plan(cfg)
     spec = plan.spec
-    buffers = _shared_buffers(cfg, plan, inputs)
+    buffers, table = _shared_buffers(cfg, plan, inputs)
     if grad_out is None:  # only max_logit was used
         grad_out = torch.zeros_like(outputs.out)
     built = get_graph(cfg, "backward", device.index)
@@ -323,38 +278,49 @@ def backward(cfg: AttentionConfig, inputs: AttentionInputs, outputs: AttentionOu
         buffers["o"], buffers["dO"], buffers["stats"] = outputs.out, grad_out.contiguous(), outputs.lse
         if spec.score_mod:
             buffers["stats"] = _backward_stats(outputs.lse)
-        for role in ("q", "k", "v"):  # zeros: tokens outside every sequence get no gradient
+        for role in ("q", "k", "v"):  # fix_rows writes the tokens outside every sequence
             source = getattr(inputs, role)
             heads, dim = (cfg.heads_q, cfg.head_dim_qk) if role == "q" else (
                 cfg.heads_kv, cfg.head_dim_qk if role == "k" else cfg.head_dim_v)
             grads[role] = buffers["d" + role] = _contiguous_target((source.shape[0], heads, dim), source.dtype,
-                                                                   device, into.get(role))
+                                                                   device, into.get(role), zero=False)
+        fixed = {role: grads[role] for role in ("q", "k", "v")}
     else:
         buffers["o"] = outputs.out.permute(plan.to_bhsd)
         buffers["dO"] = _bhsd(grad_out, plan, spec.o)
         lse = outputs.lse.reshape(spec.stats.dim)
         if spec.score_mod:
             buffers["stats"] = _backward_stats(lse)
+        elif spec.padding:  # finite past each sequence's end
+            kept = (saved or {}).get("stats")
+            buffers["stats"] = kept if kept is not None else lse.masked_fill(~_is_query(cfg, table), 0.0)
         else:
-            buffers["stats"] = lse.masked_fill(~_is_query(cfg, buffers), 0.0) if spec.padding else lse
-        for role in ("q", "k", "v"):  # with padding cuDNN skips rows past a sequence's end: zeros
+            buffers["stats"] = lse
+        for role in ("q", "k", "v"):  # with padding, fix_rows writes the rows past each sequence's end
             grads[role], buffers["d" + role] = _empty_bhsd(plan.grads[role], plan, inputs.q.dtype, device,
-                                                           zero=spec.padding, into=into.get(role))
+                                                           into=into.get(role))
+        fixed = {role: buffers["d" + role].permute(0, 2, 1, 3) for role in ("q", "k", "v")}
     if "dbias" in built.tensors:
         buffers["dbias"] = torch.empty(spec.bias.dim, dtype=inputs.q.dtype, device=device)
     if "dsink" in built.tensors:
         buffers["dsink"] = torch.empty(1, cfg.heads_q, 1, 1, dtype=torch.float32, device=device)
     execute(built, buffers, device.index)
-    if spec.padding:
-        _clear_gradients_of_empty_sequences(cfg, inputs, grads, buffers)
+    if table is not None:
+        table.fix_rows("q", fixed["q"], seqlen=cfg.seqlen_q)
+        table.fix_rows("kv", fixed["k"], fixed["v"], seqlen=cfg.seqlen_kv)
     if "dbias" in buffers:
         dbias = _reduce_to(buffers["dbias"], cfg.bias_shape)
         if cfg.bias is BiasType.PRE_SCALE:
             dbias = dbias * cfg.scale
-        grads["bias"] = dbias.reshape(inputs.bias.shape).to(inputs.bias.dtype)
+        grads["bias"] = _poisoned(dbias.reshape(inputs.bias.shape).to(inputs.bias.dtype), table)
     if "dsink" in buffers and cfg.softmax is SoftmaxType.LEARNABLE:
-        grads["sink"] = buffers["dsink"].reshape(cfg.heads_q).to(inputs.sink.dtype)
+        grads["sink"] = _poisoned(buffers["dsink"].reshape(cfg.heads_q).to(inputs.sink.dtype), table)
     return grads
+
+
+def _poisoned(grad: torch.Tensor, table: SequenceTable | None) -> torch.Tensor:
+    """NaN when the call's offsets were broken (fix_rows does the same for q, k, v)."""
+    return grad if table is None else torch.where(table.broken(), float("nan"), grad)
 
 
 def _reduce_to(grad: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -375,7 +341,7 @@ def dropout_mask(cfg: AttentionConfig, inputs: AttentionInputs) -> torch.Tensor:
     plan = _plan(cfg)
     with _build_lock(device.index):
         built = build_forward(cfg, plan.spec, _handle(device.index), dump_dropout=True)
-    buffers = _shared_buffers(cfg, plan, inputs)
+    buffers, _ = _shared_buffers(cfg, plan, inputs)
     _, buffers["o"] = _empty_bhsd(plan.spec.o, plan, inputs.q.dtype, device)
     buffers["stats"] = torch.empty(plan.spec.stats.dim, dtype=torch.float32, device=device)
     buffers["rng_dump"] = torch.empty(cfg.batch, cfg.heads_q, cfg.seqlen_q, cfg.seqlen_kv, device=device)

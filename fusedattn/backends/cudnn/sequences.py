@@ -1,0 +1,118 @@
+"""Per-sequence tables and row fix-ups of cuDNN's padded and THD calls (kernels: sequence_kernels.py).
+
+A padded or THD pass is: `SequenceTable.build` (one kernel: lengths, ragged offsets and the offsets'
+check, into one int32 tensor whose rows cuDNN reads by address), the cuDNN graph, then `fix_rows` on
+each side's outputs (one kernel per side). Nothing is read back to the host and nothing depends on
+whether the offsets were read before: a broken call gives NaN in every output and gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from fusedattn.backends.cudnn.sequence_kernels import MAX_UNITS, fix_rows, sequence_tables
+from fusedattn.config import AttentionConfig, SoftmaxType
+
+__all__ = ["Layout", "layout_of", "SequenceTable"]
+
+_TABLE_BLOCK = 128  # sequences per step of the table kernel
+_ROWS_PER_PROGRAM = 16
+_ELEMENTS_PER_STEP = 1024
+_SINK_KINDS = {SoftmaxType.VANILLA: 0, SoftmaxType.OFF_BY_ONE: 1, SoftmaxType.LEARNABLE: 2}
+_Q_SIDE = ("q", "o", "stats", "dq")  # ragged offsets in query tokens; the others in key tokens
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a config fixes about its table: the ragged offsets' names and units, the table's width."""
+
+    batch: int
+    width: int  # int32 entries per row: B + 1 rounded up to 16 bytes
+    offsets: tuple  # ((name, unit), ...), query side first
+    queries: int  # how many of `offsets` are on the query side
+    ragged: bool
+    limits: tuple  # (longest query sequence, longest key sequence)
+
+    @property
+    def rows(self) -> int:
+        return 4 + len(self.offsets) + 1
+
+    @property
+    def flag_row(self) -> int:
+        return 4 + len(self.offsets)
+
+
+def layout_of(cfg: AttentionConfig, units: dict) -> Layout:
+    """units: {ragged offset name: elements per token} for THD (empty for padded layouts)."""
+    if len(units) > MAX_UNITS:
+        raise ValueError(f"{len(units)} ragged offsets; the table kernel writes at most {MAX_UNITS}")
+    query_side = [(name, unit) for name, unit in units.items() if name in _Q_SIDE]
+    key_side = [(name, unit) for name, unit in units.items() if name not in _Q_SIDE]
+    return Layout(cfg.batch, -(-(cfg.batch + 1) // 4) * 4, (*query_side, *key_side), len(query_side),
+                  cfg.layout.is_ragged, (cfg.seqlen_q, cfg.seqlen_kv))
+
+
+class SequenceTable:
+    """One call's table on the device: its rows' addresses, tensor views where a caller needs them."""
+
+    def __init__(self, layout: Layout, table: torch.Tensor):
+        self.layout, self.table = layout, table
+        step = layout.width * 4  # bytes per row
+        base = table.data_ptr()
+        self.addresses = {"seq_len_q": base, "seq_len_kv": base + step}
+        for row, (name, _) in enumerate(layout.offsets, start=4):
+            self.addresses["ro_" + name] = base + row * step
+
+    @classmethod
+    def build(cls, layout: Layout, cu_q: torch.Tensor, cu_kv: torch.Tensor, padded_q: torch.Tensor | None,
+              padded_kv: torch.Tensor | None, totals: tuple[int, int] | None) -> SequenceTable:
+        """totals: (query tokens, key tokens) of THD tensors, the bound of the last offset; None when padded."""
+        table = torch.empty(layout.rows, layout.width, dtype=torch.int32, device=cu_q.device)
+        units = [unit for _, unit in layout.offsets] + [0] * (MAX_UNITS - len(layout.offsets))
+        sequence_tables[(1,)](
+            cu_q, cu_kv, cu_q if padded_q is None else padded_q, cu_kv if padded_kv is None else padded_kv,
+            table, layout.batch, *layout.limits, *(totals or (0, 0)), layout.width, *units,
+            N_Q=layout.queries, N_UNITS=len(layout.offsets), PADDED_Q=padded_q is not None,
+            PADDED_KV=padded_kv is not None, CHECK_TOTAL=totals is not None, BLOCK=_TABLE_BLOCK,
+            BLOCKS=triton.cdiv(layout.batch + 1, _TABLE_BLOCK))
+        return cls(layout, table)
+
+    def lengths(self, side: str) -> torch.Tensor:
+        """(B, 1, 1, 1) int32 lengths of one side ("q" or "kv"), as the graph binds them."""
+        return self.table[0 if side == "q" else 1, :self.layout.batch].view(-1, 1, 1, 1)
+
+    def broken(self) -> torch.Tensor:
+        """A 0-d boolean: the offsets broke the rules (every output is NaN then)."""
+        return self.table[self.layout.flag_row, 0] != 0
+
+    def fix_rows(self, side: str, x: torch.Tensor, y: torch.Tensor | None = None, *, seqlen: int,
+                 lse: torch.Tensor | None = None, stats: torch.Tensor | None = None, sink: torch.Tensor | None = None,
+                 softmax: SoftmaxType = SoftmaxType.VANILLA) -> None:
+        """Fix the rows of one side in place. x, y: (B, S, H, D) views (THD: (T, H, D)) of that side's outputs
+        or gradients; lse, stats: (B, S, H) views (THD: (T, H)) of the returned LSE and of the stats cuDNN
+        wrote (the same tensor for THD), for the forward's query side."""
+        layout = self.layout
+        ragged = layout.ragged
+        rows = x.shape[0] if ragged else x.shape[0] * x.shape[1]
+        if rows == 0:
+            return
+        seqlen = 1 if ragged else seqlen
+        strides = lambda t: (0, *t.stride()[:2]) if ragged else t.stride()[:3]  # noqa: E731
+        heads = x.shape[-2]
+        steps = lambda t: triton.cdiv(heads * t.shape[-1], _ELEMENTS_PER_STEP)  # noqa: E731
+        has_lse = lse is not None
+        fix_rows[(triton.cdiv(rows, _ROWS_PER_PROGRAM),)](
+            x, x if y is None else y, lse if has_lse else x, stats if has_lse else x,
+            sink if sink is not None else x, self.table, layout.width, layout.batch, rows, seqlen, heads,
+            x.shape[-1], x.shape[-1] if y is None else y.shape[-1], 0.0 if ragged else float("-inf"),
+            *strides(x), *strides(x if y is None else y),
+            *(strides(lse) if has_lse else (0, 0, 0)),
+            SIDE=0 if side == "q" else 1, N_UNITS=len(layout.offsets), RAGGED=ragged,
+            SEARCH_STEPS=max(layout.batch.bit_length() + 1, 1), HAS_Y=y is not None, HAS_LSE=has_lse,
+            STATS_APART=has_lse and stats is not lse, SINK_KIND=_SINK_KINDS[softmax],
+            BLOCK_R=_ROWS_PER_PROGRAM, BLOCK_E=_ELEMENTS_PER_STEP,
+            STEPS_X=steps(x), STEPS_Y=steps(x if y is None else y),
+            BLOCK_H=triton.next_power_of_2(max(heads, 1)))
