@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Hashable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 from fusedattn.checks import check_probability, check_scale, check_window
 
@@ -283,6 +283,18 @@ class AttentionConfig:
 
     def replace(self, **changes) -> AttentionConfig:
         return replace(self, **changes)
+
+    # Configs key many caches, several per call: the hash of their thirty fields is computed once. It
+    # stays out of pickles (a string's hash differs between processes).
+    def __hash__(self) -> int:
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash(tuple(getattr(self, f.name) for f in fields(self) if f.compare))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+    def __getstate__(self) -> dict:
+        return {name: value for name, value in self.__dict__.items() if name != "_hash"}
 
     def summary(self) -> str:
         """One line of the attributes that matter for selection, in the public vocabulary."""

@@ -80,6 +80,37 @@ def profile_thd(calls: int) -> None:
         torch.cuda.synchronize()
         whole = (time.perf_counter() - start) / calls * 1e6
         print(f"THD {label}: host {host:.1f} us/call, with the queue drained {whole:.1f} us/call")
+    # The sequence kernels' launches alone (backends/cudnn/sequences.py).
+    from fusedattn.backends.cudnn.sequences import SequenceTable, layout_of
+    from fusedattn.config import AttentionConfig
+
+    cfg = AttentionConfig(layout="thd", batch=len(lengths), seqlen_q=1024, seqlen_kv=1024, heads_q=H, heads_kv=H,
+                          head_dim_qk=D, head_dim_v=D, dtype="bfloat16", mask="padding_causal")
+    layout = layout_of(cfg, {name: H * D for name in ("q", "o", "dq", "k", "v", "dk", "dv")} | {"stats": H})
+    built = SequenceTable.build(layout, offsets, offsets, None, None, (total, total))
+    out, lse = torch.empty(total, H, D, device=device, dtype=torch.bfloat16), torch.empty(total, H, device=device)
+    for label, launch in (("sequence table", lambda: SequenceTable.build(layout, offsets, offsets, None, None,
+                                                                         (total, total))),
+                          ("fix_rows with lse", lambda: built.fix_rows("q", out, lse=lse, stats=lse, seqlen=1024)),
+                          ("fix_rows", lambda: built.fix_rows("kv", out, out, seqlen=1024))):
+        launch()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(200):
+            launch()
+        print(f"{label}: {(time.perf_counter() - start) / 200 * 1e6:.1f} us/launch (host)")
+        torch.cuda.synchronize()
+    # Python's share, function by function (tottime: time in the function itself).
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls * 5):
+        torch.autograd.grad(call(), (q, k, v), grad)
+    profiler.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(calls):

@@ -209,7 +209,8 @@ def graph_key(cfg: AttentionConfig, direction: str, device: int) -> tuple:
     """Cache key of a built graph: the whole config, the pass, and the GPU it was built for."""
     if direction not in ("forward", "backward"):
         raise ValueError(f"direction: expected 'forward' or 'backward', got {direction!r}")
-    return (cfg.replace(unaligned=()), direction, int(device))  # an aligned copy runs the same graph
+    aligned = cfg.replace(unaligned=()) if cfg.unaligned else cfg  # an aligned copy runs the same graph
+    return (aligned, direction, int(device))
 
 
 def rows_without_keys(cfg: AttentionConfig) -> int:
