@@ -13,7 +13,9 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from fusedattn.backends.cudnn.sequence_kernels import MAX_UNITS, fix_rows, sequence_tables
+from fusedattn.backends.cudnn import sequence_kernels
+from fusedattn.backends.cudnn.sequence_kernels import MAX_UNITS
+from fusedattn.backends.fast_launch import FastLaunch
 from fusedattn.config import AttentionConfig, SoftmaxType
 
 __all__ = ["Layout", "layout_of", "SequenceTable"]
@@ -23,6 +25,8 @@ _ROWS_PER_PROGRAM = 16
 _ELEMENTS_PER_STEP = 1024
 _SINK_KINDS = {SoftmaxType.VANILLA: 0, SoftmaxType.OFF_BY_ONE: 1, SoftmaxType.LEARNABLE: 2}
 _Q_SIDE = ("q", "o", "stats", "dq")  # ragged offsets in query tokens; the others in key tokens
+_sequence_tables = FastLaunch(sequence_kernels.sequence_tables)
+_fix_rows = FastLaunch(sequence_kernels.fix_rows)
 
 
 @dataclass(frozen=True)
@@ -72,7 +76,7 @@ class SequenceTable:
         """totals: (query tokens, key tokens) of THD tensors, the bound of the last offset; None when padded."""
         table = torch.empty(layout.rows, layout.width, dtype=torch.int32, device=cu_q.device)
         units = [unit for _, unit in layout.offsets] + [0] * (MAX_UNITS - len(layout.offsets))
-        sequence_tables[(1,)](
+        _sequence_tables((1,),
             cu_q, cu_kv, cu_q if padded_q is None else padded_q, cu_kv if padded_kv is None else padded_kv,
             table, layout.batch, *layout.limits, *(totals or (0, 0)), layout.width, *units,
             N_Q=layout.queries, N_UNITS=len(layout.offsets), PADDED_Q=padded_q is not None,
@@ -104,7 +108,7 @@ class SequenceTable:
         heads = x.shape[-2]
         steps = lambda t: triton.cdiv(heads * t.shape[-1], _ELEMENTS_PER_STEP)  # noqa: E731
         has_lse = lse is not None
-        fix_rows[(triton.cdiv(rows, _ROWS_PER_PROGRAM),)](
+        _fix_rows((triton.cdiv(rows, _ROWS_PER_PROGRAM),),
             x, x if y is None else y, lse if has_lse else x, stats if has_lse else x,
             sink if sink is not None else x, self.table, layout.width, layout.batch, rows, seqlen, heads,
             x.shape[-1], x.shape[-1] if y is None else y.shape[-1], 0.0 if ragged else float("-inf"),
