@@ -209,3 +209,11 @@ def test_gradient_rows_of_both_sides(ragged):
             inside = np.arange(seqlen)[None, :] < own[:, None]
             alone = inside & (other[:, None] == 0)
         np.testing.assert_array_equal(x.numpy(), expected_rows(inside, alone, False, old))
+
+
+def test_offsets_past_int32_are_refused_with_the_numbers():
+    layout = Layout(1, 4, (("q", 16 * 128), ("k", 8 * 128)), 1, True, (2**20, 2**20))
+    cu = torch.tensor([0, 5], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"'q' reach 1048576 tokens x 2048 elements .*int32"):
+        SequenceTable.build(layout, cu, cu, None, None, (2**20, 10))
+    SequenceTable.build(layout, cu, cu, None, None, (2**19, 2**20))  # 2^30 and 2^30: fits

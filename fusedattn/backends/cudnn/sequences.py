@@ -59,6 +59,19 @@ def layout_of(cfg: AttentionConfig, units: dict) -> Layout:
                   cfg.layout.is_ragged, (cfg.seqlen_q, cfg.seqlen_kv))
 
 
+_INT32_MAX = 2**31 - 1
+
+
+def _check_offsets_fit(layout: Layout, totals: tuple[int, int]) -> None:
+    """cuDNN's ragged offsets are int32 element offsets: refuse packed tensors whose offsets could pass that."""
+    for index, (name, unit) in enumerate(layout.offsets):
+        tokens = totals[0] if index < layout.queries else totals[1]
+        if tokens * unit > _INT32_MAX:
+            raise ValueError(
+                f"fusedattn: cudnn: THD offsets of {name!r} reach {tokens} tokens x {unit} elements = {tokens * unit}, "
+                f"past cuDNN's int32 ragged offsets ({_INT32_MAX}); split the packed batch, or use backend='reference'")
+
+
 class SequenceTable:
     """One call's table on the device: its rows' addresses, tensor views where a caller needs them."""
 
@@ -74,6 +87,8 @@ class SequenceTable:
     def build(cls, layout: Layout, cu_q: torch.Tensor, cu_kv: torch.Tensor, padded_q: torch.Tensor | None,
               padded_kv: torch.Tensor | None, totals: tuple[int, int] | None) -> SequenceTable:
         """totals: (query tokens, key tokens) of THD tensors, the bound of the last offset; None when padded."""
+        if totals is not None:
+            _check_offsets_fit(layout, totals)
         table = torch.empty(layout.rows, layout.width, dtype=torch.int32, device=cu_q.device)
         units = [unit for _, unit in layout.offsets] + [0] * (MAX_UNITS - len(layout.offsets))
         _sequence_tables((1,),
