@@ -78,10 +78,13 @@ def test_sinks(softmax_type, mask):
     check_against_reference((q, k, v), options, torch.bfloat16)
 
 
-@pytest.mark.parametrize("mask,softmax_type", [("none", "vanilla"), ("causal", "vanilla"), ("causal", "learnable")])
+@pytest.mark.parametrize("mask,softmax_type", [("none", "vanilla"), ("causal", "vanilla"), ("causal", "learnable"),
+                                               ("padding_causal", "vanilla"), ("padding", "vanilla")])
 def test_max_logit_and_lse(mask, softmax_type):
-    q, k, v = make(2, 128, 128, 4, 4, 64, 64, torch.bfloat16, seed=10)
+    q, k, v = make(3, 128, 128, 4, 4, 64, 64, torch.bfloat16, seed=10)
     options = {"mask": mask, "softmax_type": softmax_type}
+    if mask.startswith("padding"):  # rows past each end, and a sequence without keys
+        options.update(cu_seqlens_q=_lengths([128, 70, 33]), cu_seqlens_kv=_lengths([100, 0, 128]))
     if softmax_type == "learnable":
         options["sink"] = torch.randn(4, device="cuda")
     check_against_reference((q, k, v), options, torch.bfloat16, max_logit=True)

@@ -235,18 +235,16 @@ def forward(cfg: AttentionConfig, inputs: AttentionInputs, into: AttentionOutput
         buffers["stats"] = row_max + torch.log(buffers["sum_exp"])
         max_logit = row_max.amax(dim=(0, 2, 3))
         if spec.padding:
-            max_logit = torch.where(table.broken(), float("nan"), max_logit)
+            max_logit = _poisoned(max_logit, table)
     stats = buffers["stats"]
     if not spec.padding:
         return AttentionOutputs(out, stats.view(cfg.batch, cfg.heads_q, cfg.seqlen_q), max_logit)
     # Rows past a sequence's end are not queries (LSE -inf, as the reference says); the stats the
     # backward reads stay finite there.
     lse = _contiguous_target((cfg.batch, cfg.heads_q, cfg.seqlen_q), torch.float32, device, into.lse, zero=False)
-    stats_bsh = stats.view(lse.shape).permute(0, 2, 1)
     table.fix_rows("q", buffers["o"].permute(0, 2, 1, 3), lse=lse.permute(0, 2, 1),
-                   stats=lse.permute(0, 2, 1) if spec.max_logit else stats_bsh, seqlen=cfg.seqlen_q, sink=sink,
-                   softmax=cfg.softmax)
-    if saved is not None and not spec.max_logit:
+                   stats=stats.view(lse.shape).permute(0, 2, 1), seqlen=cfg.seqlen_q, sink=sink, softmax=cfg.softmax)
+    if saved is not None:
         saved["stats"] = stats
     return AttentionOutputs(out, lse, max_logit)
 
