@@ -22,8 +22,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-MAX_UNITS = 8  # ragged-offset units the table holds (q, o, dq, stats and k, v, dk, dv at most)
-
 
 @triton.jit
 def _lengths(CU, STARTS, i, ok, PADDED: tl.constexpr):
@@ -58,20 +56,15 @@ def _side_violated(CU, STARTS, B, LIMIT, TOTAL, PADDED: tl.constexpr, CHECK_TOTA
 
 
 @triton.jit
-def _write_offsets(TABLE, at, starts, unit, i, ok, keep):
-    tl.store(TABLE + at + i, tl.where(keep, starts * unit, 0).to(tl.int32), mask=ok)
-
-
-@triton.jit
 def sequence_tables(
     CU_Q, CU_KV, STARTS_Q, STARTS_KV, TABLE, B, LIMIT_Q, LIMIT_KV, TOTAL_Q, TOTAL_KV, WIDTH,
-    U0, U1, U2, U3, U4, U5, U6, U7,
-    N_Q: tl.constexpr, N_UNITS: tl.constexpr, PADDED_Q: tl.constexpr, PADDED_KV: tl.constexpr,
-    CHECK_TOTAL: tl.constexpr, BLOCK: tl.constexpr, BLOCKS: tl.constexpr,
+    ROW_UNITS: tl.constexpr, ROW_SIDES: tl.constexpr, N_ROWS: tl.constexpr, PADDED_Q: tl.constexpr,
+    PADDED_KV: tl.constexpr, CHECK_TOTAL: tl.constexpr, BLOCK: tl.constexpr, BLOCKS: tl.constexpr,
 ):
-    """TABLE rows of WIDTH int32 (WIDTH >= B + 1): len_q, len_kv, starts_q, starts_kv, then the ragged
-    offsets starts * U<i> (q side for i < N_Q, kv side after), then the flag (row 4 + N_UNITS, first
-    entry). STARTS_*: padded offsets where PADDED_*, else the cu_seqlens themselves. BLOCKS * BLOCK > B."""
+    """TABLE rows of WIDTH int32 (WIDTH >= B + 1): len_q, len_kv, then N_ROWS rows of starts * ROW_UNITS[r]
+    on side ROW_SIDES[r] (0 queries, 1 keys; the first two: the starts themselves, unit 1), then the flag
+    (first entry of row 2 + N_ROWS). STARTS_*: padded offsets where PADDED_*, else the cu_seqlens
+    themselves. BLOCKS * BLOCK > B. Units are constexprs: one config, one set of units."""
     bad = _side_violated(CU_Q, STARTS_Q, B, LIMIT_Q, TOTAL_Q, PADDED_Q, CHECK_TOTAL, BLOCK, BLOCKS)
     bad = bad | _side_violated(CU_KV, STARTS_KV, B, LIMIT_KV, TOTAL_KV, PADDED_KV, CHECK_TOTAL, BLOCK, BLOCKS)
     keep = bad == 0
@@ -84,26 +77,10 @@ def sequence_tables(
         starts_kv = tl.load(STARTS_KV + i, mask=ok, other=0).to(tl.int64)
         tl.store(TABLE + i, tl.where(keep, len_q, 0).to(tl.int32), mask=i < B)
         tl.store(TABLE + WIDTH + i, tl.where(keep, len_kv, 0).to(tl.int32), mask=i < B)
-        _write_offsets(TABLE, 2 * WIDTH, starts_q, 1, i, ok, keep)
-        _write_offsets(TABLE, 3 * WIDTH, starts_kv, 1, i, ok, keep)
-        # Unrolled: a unit is a scalar argument, not an array to index.
-        if N_UNITS > 0:
-            _write_offsets(TABLE, 4 * WIDTH, starts_q if N_Q > 0 else starts_kv, U0, i, ok, keep)
-        if N_UNITS > 1:
-            _write_offsets(TABLE, 5 * WIDTH, starts_q if N_Q > 1 else starts_kv, U1, i, ok, keep)
-        if N_UNITS > 2:
-            _write_offsets(TABLE, 6 * WIDTH, starts_q if N_Q > 2 else starts_kv, U2, i, ok, keep)
-        if N_UNITS > 3:
-            _write_offsets(TABLE, 7 * WIDTH, starts_q if N_Q > 3 else starts_kv, U3, i, ok, keep)
-        if N_UNITS > 4:
-            _write_offsets(TABLE, 8 * WIDTH, starts_q if N_Q > 4 else starts_kv, U4, i, ok, keep)
-        if N_UNITS > 5:
-            _write_offsets(TABLE, 9 * WIDTH, starts_q if N_Q > 5 else starts_kv, U5, i, ok, keep)
-        if N_UNITS > 6:
-            _write_offsets(TABLE, 10 * WIDTH, starts_q if N_Q > 6 else starts_kv, U6, i, ok, keep)
-        if N_UNITS > 7:
-            _write_offsets(TABLE, 11 * WIDTH, starts_q if N_Q > 7 else starts_kv, U7, i, ok, keep)
-    tl.store(TABLE + (4 + N_UNITS) * WIDTH, bad)
+        for row in tl.static_range(N_ROWS):
+            starts = starts_q if ROW_SIDES[row] == 0 else starts_kv
+            tl.store(TABLE + (2 + row) * WIDTH + i, tl.where(keep, starts * ROW_UNITS[row], 0).to(tl.int32), mask=ok)
+    tl.store(TABLE + (2 + N_ROWS) * WIDTH, bad)
 
 
 @triton.jit

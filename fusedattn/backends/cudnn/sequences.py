@@ -9,12 +9,12 @@ whether the offsets were read before: a broken call gives NaN in every output an
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import triton
 
 from fusedattn.backends.cudnn import sequence_kernels
-from fusedattn.backends.cudnn.sequence_kernels import MAX_UNITS
 from fusedattn.backends.fast_launch import FastLaunch
 from fusedattn.config import AttentionConfig, SoftmaxType
 
@@ -41,18 +41,26 @@ class Layout:
     limits: tuple  # (longest query sequence, longest key sequence)
 
     @property
-    def rows(self) -> int:
-        return 4 + len(self.offsets) + 1
-
-    @property
     def flag_row(self) -> int:
         return 4 + len(self.offsets)
+
+    @property
+    def rows(self) -> int:
+        return self.flag_row + 1
+
+    @cached_property
+    def row_units(self) -> tuple:
+        """Elements per token of the rows from the third on: the starts themselves, then the offsets."""
+        return (1, 1) + tuple(unit for _, unit in self.offsets)
+
+    @cached_property
+    def row_sides(self) -> tuple:
+        """The side (0 queries, 1 keys) whose starts each of those rows scales."""
+        return (0, 1) + tuple(int(index >= self.queries) for index in range(len(self.offsets)))
 
 
 def layout_of(cfg: AttentionConfig, units: dict) -> Layout:
     """units: {ragged offset name: elements per token} for THD (empty for padded layouts)."""
-    if len(units) > MAX_UNITS:
-        raise ValueError(f"{len(units)} ragged offsets; the table kernel writes at most {MAX_UNITS}")
     query_side = [(name, unit) for name, unit in units.items() if name in _Q_SIDE]
     key_side = [(name, unit) for name, unit in units.items() if name not in _Q_SIDE]
     return Layout(cfg.batch, -(-(cfg.batch + 1) // 4) * 4, (*query_side, *key_side), len(query_side),
@@ -90,11 +98,10 @@ class SequenceTable:
         if totals is not None:
             _check_offsets_fit(layout, totals)
         table = torch.empty(layout.rows, layout.width, dtype=torch.int32, device=cu_q.device)
-        units = [unit for _, unit in layout.offsets] + [0] * (MAX_UNITS - len(layout.offsets))
         _sequence_tables((1,),
             cu_q, cu_kv, cu_q if padded_q is None else padded_q, cu_kv if padded_kv is None else padded_kv,
-            table, layout.batch, *layout.limits, *(totals or (0, 0)), layout.width, *units,
-            N_Q=layout.queries, N_UNITS=len(layout.offsets), PADDED_Q=padded_q is not None,
+            table, layout.batch, *layout.limits, *(totals or (0, 0)), layout.width, ROW_UNITS=layout.row_units,
+            ROW_SIDES=layout.row_sides, N_ROWS=len(layout.row_units), PADDED_Q=padded_q is not None,
             PADDED_KV=padded_kv is not None, CHECK_TOTAL=totals is not None, BLOCK=_TABLE_BLOCK,
             BLOCKS=triton.cdiv(layout.batch + 1, _TABLE_BLOCK))
         return cls(layout, table)
