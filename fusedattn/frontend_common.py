@@ -91,7 +91,7 @@ def prepare_call(api: str, framework: str, tensors: dict, *, describe, host_copy
                              "use a padded layout without alibi_slopes")
         # An added term that must learn: the same sum as a post-scale bias, which has a gradient
         # (in q's dtype, as every bias; the cast passes the gradient back to the term's own dtype).
-        term = mod.as_bias(dict(mod.tensors), cfg.seqlen_q, cfg.seqlen_kv)
+        term = mod.as_bias(dict(mod.tensors), (cfg.batch, cfg.heads_q, cfg.seqlen_q, cfg.seqlen_kv), tensors["q"])
         ops = namespace(term)
         if ops.dtype_name(term) != cfg.dtype:
             term = ops.astype(term, cfg.dtype)

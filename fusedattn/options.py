@@ -33,7 +33,7 @@ class Option:
     name: str
     default: Any
     group: str
-    doc: str  # "{array}" reads "tensor" for torch, "array" for JAX
+    doc: str  # "{array}" reads "tensor" for torch, "array" for JAX; "{framework}" torch or jax.numpy
     frameworks: tuple[str, ...] = BOTH
 
 
@@ -92,10 +92,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("backend", None, SELECTION,
            "force one backend by name; its reasons raise if it cannot run the call."),
     Option("score_mod", None, SCORE_MOD,
-           "rewrites the scaled scores inside the kernel: a built-in from fusedattn.score_mods (softcap, "
-           "alibi, ...) or a callback score_mod(graph, score, tensors) -> tensor that builds cuDNN graph ops on "
-           "score (B, Hq, Sq, Skv). It runs before a post-scale bias and ALiBi are added and before the masks. "
-           "Scores it sets to score_mods.MASKED are masked; a row with no visible key gives 0."),
+           "rewrites the scaled scores inside the kernel: score_mod(score, b, h, q_idx, kv_idx) -> score "
+           "written in {framework} (as for FlexAttention; traced once, its derivative derived), a built-in "
+           "from fusedattn.score_mods (softcap, alibi, ...), or a cuDNN-native callback score_mod(graph, "
+           "score, tensors) -> tensor that builds cuDNN graph ops on score (B, Hq, Sq, Skv). It runs before a "
+           "post-scale bias and ALiBi are added and before the masks. Masked scores (-inf, or "
+           "score_mods.MASKED) get no weight; a row with no visible key gives 0."),
     Option("score_mod_bprop", None, SCORE_MOD,
            "callback (graph, dscore, tensors) -> tensor: the derivative of score_mod applied to dLoss/d(its "
            "output). Omit it only when score_mod adds terms or masks (derivative 1)."),
@@ -103,6 +105,9 @@ OPTIONS: tuple[Option, ...] = (
            "{{name: {array} | number}} for the callbacks (one dict for both). {array}s broadcast to (B, Hq, Sq, "
            "Skv) and live on q's device; numbers are passed by value, so changing one never rebuilds a graph."),
     Option("score_mod_bprop_tensors", None, SCORE_MOD, "more values for score_mod_bprop, as score_mod_tensors."),
+    Option("mask_mod", None, SCORE_MOD,
+           "mask_mod(b, h, q_idx, kv_idx) -> bool written in {framework} (as for FlexAttention): keys where it "
+           "is False are masked; combined with a flex-style score_mod, which runs first."),
     Option("segment_ids_q", None, PACKING,
            "THD sequences as (T,) non-decreasing ids in [0, num_sequences) instead of cu_seqlens (larger ids "
            "mark trailing padding), with a static num_sequences.", JAX),
@@ -187,10 +192,11 @@ def signature(framework: str, required: tuple[str, ...] = ("q",), optional: tupl
 def document(framework: str, exclude: tuple[str, ...] = (), indent: str = "        ") -> str:
     """The options' part of a docstring's Args section."""
     array = "tensor" if framework == "torch" else "array"
+    written_in = "torch" if framework == "torch" else "jax.numpy"
     lines = []
     for option in OPTIONS:
         if framework in option.frameworks and option.name not in exclude:
-            text = f"{option.name}: {option.doc.format(array=array)}"
+            text = f"{option.name}: {option.doc.format(array=array, framework=written_in)}"
             lines.append(textwrap.fill(text, 110, initial_indent=indent, subsequent_indent=indent + "    "))
     return "\n".join(lines)
 

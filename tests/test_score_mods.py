@@ -177,8 +177,13 @@ def _call(**kwargs):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(score_mod=3), "score_mod: expected a callable score_mod\\(graph, score, tensors\\)"),
-    (dict(score_mod=lambda s, b, h, qi, ki: s), "fusedattn.score_mods.eager\\(fn\\)"),
+    (dict(score_mod=3), "score_mod: expected a callable score_mod\\(score, b, h, q_idx, kv_idx\\), a cuDNN-native"),
+    (dict(score_mod=lambda s, b, h, qi, ki: s, score_mod_tensors={"x": 1.0}),
+     "score_mod_tensors: expected None with a flex-style score_mod"),
+    (dict(mask_mod=3), "mask_mod: expected a callable mask_mod\\(b, h, q_idx, kv_idx\\)"),
+    (dict(mask_mod=lambda b, h: b), "mask_mod: expected a callable mask_mod\\(b, h, q_idx, kv_idx\\)"),
+    (dict(score_mod=sm.softcap(2.0), mask_mod=lambda b, h, qi, ki: qi >= ki),
+     "score_mod: expected a flex-style score_mod\\(score, b, h, q_idx, kv_idx\\) with a mask_mod"),
     (dict(score_mod_tensors={"x": 1.0}), "score_mod_tensors: expected None without a score_mod"),
     (dict(score_mod=sm.softcap(2.0), score_mod_tensors={"x": 1.0}), "expected None with a ScoreMod"),
     (dict(score_mod=lambda g, s, t: s, score_mod_bprop=5), "score_mod_bprop: expected a callable"),

@@ -188,7 +188,7 @@ def attention(q, k=None, v=None, **options):
     slopes = host_slopes(f"{API}: alibi_slopes", alibi_slopes)
     if slopes is not None:  # a list such as fusedattn.standard_alibi_slopes(Hq), or a NumPy array
         alibi_slopes = jnp.asarray(slopes)
-    mod = as_score_mod(API, *(get(name) for name in SCORE_MOD_NAMES))
+    mod = as_score_mod(API, *(get(name) for name in SCORE_MOD_NAMES), framework="jax")
     q, k, v = check_shard_axes(API, get("layout", "bshd"), q, k, v)
     tensors = {"q": q, "k": k, "v": v, **{name: get(name) for name in TENSORS}, "alibi_slopes": alibi_slopes}
     segments_violated = None

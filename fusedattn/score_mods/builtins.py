@@ -148,7 +148,8 @@ def document_mask(segment_ids, kv_segment_ids=None) -> ScoreMod:
             raise ValueError(f"score_mods.document_mask: {name}: expected a (B, S) integer tensor, got "
                              f"{getattr(ids, 'shape', type(ids).__name__)}")
 
-    def prepare(tensors, seqlen_q, seqlen_kv):
+    def prepare(tensors, full, like):
+        seqlen_q, seqlen_kv = full[2], full[3]
         q_ids, kv_ids = tensors.pop("segment_ids"), tensors.pop("kv_segment_ids")
         if q_ids.shape[1] != seqlen_q or kv_ids.shape[1] != seqlen_kv:
             raise ValueError(f"score_mods.document_mask: segment_ids: expected (B, Sq={seqlen_q}) and (B, "
@@ -185,7 +186,7 @@ def alibi(slopes) -> ScoreMod:
     if len(shape) not in (1, 2):
         raise ValueError(f"score_mods.alibi: slopes: expected a (Hq,) or (B, Hq) float tensor, got {shape or slopes!r}")
 
-    def prepare(tensors, seqlen_q, seqlen_kv):
+    def prepare(tensors, full, like):
         from fusedattn.xp import namespace
 
         values = tensors["slopes"]
@@ -214,7 +215,7 @@ def additive_bias(bias) -> ScoreMod:
     if getattr(bias, "shape", None) is None:
         raise ValueError(f"score_mods.additive_bias: bias: expected a tensor, got {type(bias).__name__}")
     return ScoreMod(_add_bias_forward, None, {"bias": bias}, eager=_add_bias_eager, name="additive_bias()",
-                    as_bias=lambda tensors, seqlen_q, seqlen_kv: tensors["bias"])
+                    as_bias=lambda tensors, full, like: tensors["bias"])
 
 
 def _expand_table(values, reach: int, heads: int, seqlen_q: int, seqlen_kv: int):
@@ -243,15 +244,16 @@ def relative_position_bias(table) -> ScoreMod:
     reach = shape[1] // 2
     expanded: dict = {}
 
-    def prepare(tensors, seqlen_q, seqlen_kv):
+    def prepare(tensors, full, like):
+        seqlen_q, seqlen_kv = full[2], full[3]
         values = tensors.pop("table")
         version = (seqlen_q, seqlen_kv, getattr(values, "_version", None), getattr(values, "requires_grad", None))
         if expanded.get("version") != version or version[2] is None:
             expanded.update(version=version, bias=_expand_table(values, reach, shape[0], seqlen_q, seqlen_kv))
         return {**tensors, "bias": expanded["bias"]}
 
-    def as_bias(tensors, seqlen_q, seqlen_kv):  # fresh each call: it carries the gradient's graph
-        return _expand_table(tensors["table"], reach, shape[0], seqlen_q, seqlen_kv)
+    def as_bias(tensors, full, like):  # fresh each call: it carries the gradient's graph
+        return _expand_table(tensors["table"], reach, shape[0], full[2], full[3])
 
     return ScoreMod(_add_bias_forward, None, {"table": table}, eager=_add_bias_eager, prepare=prepare,
                     as_bias=as_bias, name="relative_position_bias()")
@@ -298,12 +300,12 @@ def compose(*mods: ScoreMod) -> ScoreMod:
             s = mod.eager(ops, s, b, h, qi, ki, _Prefixed(tensors, prefix))
         return s
 
-    def prepare(tensors, seqlen_q, seqlen_kv):
+    def prepare(tensors, full, like):
         out = {}
         for mod, prefix in zip(mods, prefixes):
             own = {name[len(prefix):]: v for name, v in tensors.items() if name.startswith(prefix)}
             if mod.prepare is not None:
-                own = mod.prepare(own, seqlen_q, seqlen_kv)
+                own = mod.prepare(own, full, like)
             out.update({prefix + name: v for name, v in own.items()})
         return out
 

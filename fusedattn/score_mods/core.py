@@ -50,9 +50,10 @@ class ScoreMod:
         for bprop.
     eager(ops, score, b, h, q_idx, kv_idx, tensors) -> score: a twin in array ops that
         the reference backend uses instead of running the callbacks.
-    prepare(tensors, seqlen_q, seqlen_kv) -> tensors: per-call derived tensors (for
-        example a relative-position table expanded to (1, H, Sq, Skv)).
-    as_bias(tensors, seqlen_q, seqlen_kv) -> array: for a mod that only adds a term, that term
+    prepare(tensors, shape, like) -> tensors: per-call derived tensors (for example a
+        relative-position table expanded to (1, H, Sq, Skv)); shape is (B, Hq, Sq, Skv) and
+        like is q (the framework and device of new arrays).
+    as_bias(tensors, shape, like) -> array: for a mod that only adds a term, that term
         as a post-scale bias. A call whose tensors need a gradient runs it as `bias=` (which
         has one) instead of a score_mod (whose tensors have none).
     """
@@ -66,6 +67,7 @@ class ScoreMod:
     as_bias: Callable | None = None
     name: str = "score_mod"
     host: tuple[str, ...] = ()  # tensors given as NumPy arrays, made arrays of q's framework when bound
+    issue: str | None = None  # why a mod without graph callbacks has none (a flex callback we cannot trace)
 
     def __repr__(self) -> str:
         return f"ScoreMod({self.name})"
@@ -128,11 +130,27 @@ def _takes(fn: Callable, count: int) -> bool:
 
 
 def as_score_mod(api: str, score_mod, score_mod_bprop=None, score_mod_tensors=None,
-                 score_mod_bprop_tensors=None) -> ScoreMod | None:
-    """The frontends' score_mod keywords as one ScoreMod (or None), with clear errors."""
+                 score_mod_bprop_tensors=None, mask_mod=None, *, framework: str = "torch") -> ScoreMod | None:
+    """The frontends' score_mod keywords as one ScoreMod (or None), with clear errors.
+
+    A score_mod(score, b, h, q_idx, kv_idx) or a mask_mod(b, h, q_idx, kv_idx) in the user's
+    framework is traced (score_mods.flex); a score_mod(graph, score, tensors) is cuDNN-native.
+    """
     extras = {"score_mod_bprop": score_mod_bprop, "score_mod_tensors": score_mod_tensors,
               "score_mod_bprop_tensors": score_mod_bprop_tensors}
     given = [name for name, value in extras.items() if value is not None]
+    from fusedattn.score_mods.flex import flex_score_mod, is_flex_score_mod
+
+    if mask_mod is not None or is_flex_score_mod(score_mod):
+        if given:
+            raise ValueError(f"{api}: {given[0]}: expected None with a flex-style score_mod(score, b, h, q_idx, "
+                             "kv_idx) or mask_mod (they read captured tensors and numbers themselves, and their "
+                             f"derivative is derived), got {type(extras[given[0]]).__name__}")
+        if score_mod is not None and not is_flex_score_mod(score_mod):
+            raise ValueError(f"{api}: score_mod: expected a flex-style score_mod(score, b, h, q_idx, kv_idx) with "
+                             f"a mask_mod, got {score_mod!r:.80}; compose a ScoreMod or cuDNN-native callback with "
+                             "masks through score_mods.compose instead")
+        return flex_score_mod(api, framework, score_mod, mask_mod)
     if score_mod is None:
         if given:
             got = type(extras[given[0]]).__name__
@@ -144,12 +162,9 @@ def as_score_mod(api: str, score_mod, score_mod_bprop=None, score_mod_tensors=No
                              f"tensors), got {type(extras[given[0]]).__name__}")
         return score_mod
     if not callable(score_mod):
-        raise ValueError(f"{api}: score_mod: expected a callable score_mod(graph, score, tensors) or a "
-                         f"fusedattn.score_mods.ScoreMod, got {type(score_mod).__name__}")
-    if not _takes(score_mod, 3) and _takes(score_mod, 5):
-        raise ValueError(f"{api}: score_mod: expected a callable score_mod(graph, score, tensors), got a function "
-                         "of 5 arguments; for a FlexAttention-style fn(score, b, h, q_idx, kv_idx) pass "
-                         "fusedattn.score_mods.eager(fn) (reference backend only)")
+        raise ValueError(f"{api}: score_mod: expected a callable score_mod(score, b, h, q_idx, kv_idx), a "
+                         "cuDNN-native score_mod(graph, score, tensors) or a fusedattn.score_mods.ScoreMod, got "
+                         f"{type(score_mod).__name__}")
     if score_mod_bprop is not None and not callable(score_mod_bprop):
         raise ValueError(f"{api}: score_mod_bprop: expected a callable score_mod_bprop(graph, dscore, tensors) or "
                          f"None, got {type(score_mod_bprop).__name__}")
@@ -251,11 +266,11 @@ def bind(api: str, mod: ScoreMod, *, batch: int, heads_q: int, seqlen_q: int, se
         tensors = {name: ops.asarray(value, like, str(value.dtype))
                    if name in mod.host and isinstance(value, np.ndarray) else value for name, value in tensors.items()}
     if mod.prepare is not None:
-        tensors = dict(mod.prepare(tensors, seqlen_q, seqlen_kv))
+        tensors = dict(mod.prepare(tensors, (batch, heads_q, seqlen_q, seqlen_kv), like))
     full = (batch, heads_q, seqlen_q, seqlen_kv)
     values = {name: _normalize(api, name, value, full, device, training) for name, value in tensors.items()}
     if mod.forward is None:
-        return BoundScoreMod(mod, values, EAGER_ONLY_KEY, None)
+        return BoundScoreMod(mod, values, EAGER_ONLY_KEY + ((mod.issue,) if mod.issue else ()), None)
     aux = tuple(sorted((name, describe_aux(value)) for name, value in values.items()))
     key = structural_key(mod.forward, values, mod.bprop, api=api)
     issue = None

@@ -102,7 +102,7 @@ class EagerGraph:
         if op in _COMPARE:
             test = _COMPARE[op]
             return lambda input=None, comparison=None, *, compute_data_type=None, name=None: self._wrap(
-                test(self._float(input), self._float(comparison)))
+                test(self._as_array(self._float(input)), self._float(comparison)))
         if op in _UNARY_SAME_NAME:
             apply = getattr(self._math, op)
             return lambda input=None, *, compute_data_type=None, name=None: self._result(

@@ -110,7 +110,7 @@ def attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | 
     if not _SCORE_MOD_KEYWORDS.isdisjoint(options) and any(get(name) is not None for name in SCORE_MOD_NAMES):
         if compiling:
             return _score_mod_call_outside_graph(q, k, v, **options)
-        mod = as_score_mod(API, *(get(name) for name in SCORE_MOD_NAMES))
+        mod = as_score_mod(API, *(get(name) for name in SCORE_MOD_NAMES), framework="torch")
     if compiling:
         return _compiled_attention(q, k, v, options)
     bias, sink = get("bias"), get("sink")
@@ -284,7 +284,7 @@ def _score_mod_names(options: dict) -> tuple:
     """The score_mod part of a signature: the callbacks' identities and their tensors' names."""
     get = options.get
     return (id(get("score_mod")), id(get("score_mod_bprop")), tuple(get("score_mod_tensors") or ()),
-            tuple(get("score_mod_bprop_tensors") or ()))
+            tuple(get("score_mod_bprop_tensors") or ()), id(get("mask_mod")))
 
 
 # ---------------------------------------------------------------- under torch.compile

@@ -174,7 +174,10 @@ def unsupported(cfg: AttentionConfig) -> list[str]:
 
 
 def _score_mod_reasons(cfg: AttentionConfig) -> list[str]:
-    if cfg.score_mod_key == EAGER_ONLY_KEY or cfg.score_mod_recipe is None:
+    key = cfg.score_mod_key
+    if key[:1] == EAGER_ONLY_KEY or cfg.score_mod_recipe is None:
+        if len(key) > 1:  # a flex-style callback we could not trace or lower: why
+            return [f"score_mod: {key[1]}"]
         return ["score_mod: an eager-only score_mod (score_mods.eager: a Python function of the score matrix) "
                 "runs on the reference only; write it as score_mod(graph, score, tensors) for cuDNN"]
     reasons = []

@@ -1,0 +1,252 @@
+"""Flex-style score_mod and mask_mod, written in torch or jax.numpy, as a ScoreMod.
+
+    attention(q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: 30 * torch.tanh(s / 30))
+    attention(q, k, v, mask_mod=lambda b, h, q_idx, kv_idx: q_idx - kv_idx <= 256)
+
+The function is traced once by the framework's own tracer (trace_torch / trace_jax) into
+our expression graph, and its derivative in the score is traced the same way through the
+framework's vjp, so nobody writes a backward. Both are lowered to cuDNN callbacks
+(lower_cudnn); the pieces that read captured tensors become aux tensors (aux_plan). The
+reference backend calls the user's functions themselves on broadcast index arrays: the
+ground truth the lowered graph is tested against.
+
+Traces are cached per function while the objects its closure, defaults and globals hold
+stay the same ones, so a model calling attention with the same score_mod traces it once;
+a new closure (a new cap) traces again, and builds nothing new: numbers are runtime scalars.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from fusedattn.score_mods.aux_plan import AuxPlan, index_grid, materialize, plan_aux
+from fusedattn.score_mods.core import MASKED, ScoreMod
+from fusedattn.score_mods.expr import Expr, ExprError, ancestors, dependencies
+from fusedattn.score_mods.lower_cudnn import CONSTANTS, aux_name, lowered, scalar_name
+
+__all__ = ["flex_score_mod", "is_flex_score_mod", "Traced", "trace", "SCORE_ARGS", "MASK_ARGS"]
+
+SCORE_ARGS = ("score", "b", "h", "q_idx", "kv_idx")
+MASK_ARGS = ("b", "h", "q_idx", "kv_idx")
+FORWARD, DERIVATIVE = "f.", "g."
+_CAPTURED = "c"  # tensors-dict names of captured tensors: c0, c1, ... (replaced by aux when bound)
+_CACHE_SIZE = 64
+
+
+def _positional_count(fn) -> int | None:
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_POSITIONAL for p in parameters):
+        return None
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty for p in parameters)
+
+
+def is_flex_score_mod(fn) -> bool:
+    """A callable of five positional arguments: score_mod(score, b, h, q_idx, kv_idx)."""
+    return callable(fn) and _positional_count(fn) == 5
+
+
+@dataclass(frozen=True, eq=False)
+class Traced:
+    forward: Expr
+    forward_plan: AuxPlan
+    derivative: Expr | None  # None: the derivative in the score is exactly 1
+    derivative_plan: AuxPlan | None
+    added: int | None  # node X when the forward is score + X with X free of the score (else None)
+
+
+def _combined(framework: str, score_mod, mask_mod):
+    if framework == "torch":
+        import torch
+
+        where = torch.where
+    else:
+        import jax.numpy as jnp
+
+        where = jnp.where
+
+    def combined(score, b, h, q_idx, kv_idx):
+        value = score if score_mod is None else score_mod(score, b, h, q_idx, kv_idx)
+        if mask_mod is not None:
+            value = where(mask_mod(b, h, q_idx, kv_idx), value, -math.inf)
+        return value
+
+    return combined
+
+
+def _derivative_fn(framework: str, fn):
+    if framework == "torch":
+        import torch
+
+        def derivative(score, dscore, b, h, q_idx, kv_idx):
+            return torch.func.vjp(lambda s: fn(s, b, h, q_idx, kv_idx), score)[1](dscore)[0]
+    else:
+        import jax
+
+        def derivative(score, dscore, b, h, q_idx, kv_idx):
+            return jax.vjp(lambda s: fn(s, b, h, q_idx, kv_idx), score)[1](dscore)[0]
+    return derivative
+
+
+def _added_term(expr: Expr) -> int | None:
+    out = expr.nodes[expr.output]
+    if out.op != "add":
+        return None
+    deps = dependencies(expr)
+    for mine, other in (out.args, out.args[::-1]):
+        node = expr.nodes[mine]
+        if node.op == "input" and node.attr == ("score",) and "score" not in deps[other]:
+            return other
+    return None
+
+
+def _trace_now(framework: str, score_mod, mask_mod) -> Traced:
+    if framework == "torch":
+        from fusedattn.score_mods.trace_torch import trace_torch as tracer
+    else:
+        from fusedattn.score_mods.trace_jax import trace_jax as tracer
+    fn = _combined(framework, score_mod, mask_mod)
+    forward = tracer(fn, list(SCORE_ARGS))
+    if forward.nodes[forward.output].kind != "float":
+        raise ExprError(f"expected the score_mod to return a float score, got a {forward.nodes[forward.output].kind}")
+    derivative = tracer(_derivative_fn(framework, fn), ["score", "dscore", "b", "h", "q_idx", "kv_idx"])
+    if derivative.is_input("dscore"):
+        derivative = None
+    return Traced(forward, plan_aux(forward), derivative, None if derivative is None else plan_aux(derivative),
+                  _added_term(forward))
+
+
+def _snapshot(fn) -> tuple | None:
+    """The objects fn reads besides its arguments, compared by identity; None if not a plain function."""
+    if fn is None:
+        return ()
+    if isinstance(fn, functools.partial):
+        inner = _snapshot(fn.func)
+        return None if inner is None else (inner, fn.args, tuple(fn.keywords.items()))
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return None
+    cells = tuple(c.cell_contents for c in (fn.__closure__ or ()))
+    names = tuple(fn.__globals__.get(n) for n in code.co_names)
+    return (cells, fn.__defaults__, names)
+
+
+def _same(a, b) -> bool:
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a is b
+
+
+_TRACES: OrderedDict = OrderedDict()  # (framework, id(score_mod), id(mask_mod)) -> (fns, snapshot, Traced)
+
+
+def trace(framework: str, score_mod, mask_mod) -> Traced:
+    """The traced forward and derivative of score_mod/mask_mod (cached while what they read stays)."""
+    snapshot = (_snapshot(score_mod), _snapshot(mask_mod))
+    cacheable = None not in snapshot
+    key = (framework, id(score_mod), id(mask_mod))
+    if cacheable:
+        hit = _TRACES.get(key)
+        if hit is not None and hit[0][0] is score_mod and hit[0][1] is mask_mod and _same(hit[1], snapshot):
+            _TRACES.move_to_end(key)
+            return hit[2]
+    traced = _trace_now(framework, score_mod, mask_mod)
+    if cacheable:
+        _TRACES[key] = ((score_mod, mask_mod), snapshot, traced)
+        while len(_TRACES) > _CACHE_SIZE:
+            _TRACES.popitem(last=False)
+    return traced
+
+
+def _by_value(value):
+    """A traced number as the float the graph reads; infinities become the finite mask value."""
+    number = float(value)
+    if math.isinf(number):
+        return MASKED if number < 0 else -MASKED
+    return number
+
+
+def _captured_names(traced: Traced) -> dict[int, str]:
+    """id(captured tensor) -> its name in the tensors dict."""
+    names: dict[int, str] = {}
+    for expr in (traced.forward, traced.derivative):
+        for array in (expr.captured if expr is not None else ()):
+            names.setdefault(id(array), f"{_CAPTURED}{len(names)}")
+    return names
+
+
+def _eager(framework: str, score_mod, mask_mod):
+    def eager(ops, s, b, h, q_idx, kv_idx, values):
+        value = s if score_mod is None else score_mod(s, b, h, q_idx, kv_idx)
+        if mask_mod is not None:
+            value = ops.where(mask_mod(b, h, q_idx, kv_idx), value, -math.inf)
+        return value
+
+    return eager
+
+
+def _framework_of_call(like, traced: Traced):
+    from fusedattn.xp import namespace
+
+    return namespace(like)
+
+
+def flex_score_mod(api: str, framework: str, score_mod=None, mask_mod=None) -> ScoreMod:
+    """A ScoreMod for flex-style callbacks; an ExprError's message becomes the cuDNN reason."""
+    for name, fn, count in (("score_mod", score_mod, 5), ("mask_mod", mask_mod, 4)):
+        if fn is not None and (not callable(fn) or _positional_count(fn) not in (None, count)):
+            args = ", ".join(SCORE_ARGS if count == 5 else MASK_ARGS)
+            raise ValueError(f"{api}: {name}: expected a callable {name}({args}), got {fn!r:.80}")
+    label = " and ".join(getattr(fn, "__name__", type(fn).__name__) for fn in (score_mod, mask_mod) if fn is not None)
+    eager = _eager(framework, score_mod, mask_mod)
+    try:
+        traced = trace(framework, score_mod, mask_mod)
+    except ExprError as error:
+        return ScoreMod(None, eager=eager, name=label, issue=f"{api}: {label}: {error}")
+    exprs = [(FORWARD, traced.forward, traced.forward_plan)]
+    if traced.derivative is not None:
+        exprs.append((DERIVATIVE, traced.derivative, traced.derivative_plan))
+    tensors = dict(CONSTANTS)
+    for prefix, expr, _ in exprs:
+        tensors.update({scalar_name(prefix, slot): _by_value(v) for slot, v in enumerate(expr.scalars)})
+    captured = _captured_names(traced)
+    arrays = {id(a): a for _, expr, _ in exprs for a in expr.captured}
+    tensors.update({name: arrays[ident] for ident, name in captured.items()})
+
+    def prepare(values: dict, shape: tuple, like):
+        values = {n: v for n, v in values.items() if not n.startswith(_CAPTURED)}
+        ops = _framework_of_call(like, traced)
+        grid = index_grid(ops, like, shape)
+        for prefix, expr, plan in exprs:
+            for number, entry in enumerate(plan.aux):
+                values[aux_name(prefix, number)] = materialize(expr, entry, ops, grid)
+        return values
+
+    def as_bias(values: dict, shape: tuple, like):
+        ops = _framework_of_call(like, traced)
+        term = materialize(traced.forward, _whole(traced.forward, traced.added), ops, index_grid(ops, like, shape))
+        full = (term.shape[0], term.shape[1], shape[2], shape[3])
+        return term + ops.full(full, 0.0, like, "float32")
+
+    forward = lowered(traced.forward, traced.forward_plan, FORWARD, derivative=False)
+    bprop = None if traced.derivative is None else lowered(traced.derivative, traced.derivative_plan, DERIVATIVE,
+                                                           derivative=True)
+    return ScoreMod(forward, bprop, tensors, eager=eager, prepare=prepare,
+                    as_bias=as_bias if traced.added is not None else None, name=label)
+
+
+def _whole(expr: Expr, node: int):
+    """An aux entry for any score-free node (all its index axes), for as_bias."""
+    from fusedattn.score_mods.aux_plan import Aux
+    from fusedattn.score_mods.expr import INDEX_INPUTS
+
+    deps = set().union(*(dependencies(expr)[n] for n in ancestors(expr, node)))
+    return Aux(node, tuple(a for a in INDEX_INPUTS if a in deps), dense=True)

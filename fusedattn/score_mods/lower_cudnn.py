@@ -1,0 +1,162 @@
+"""Lowering a traced score_mod (expr.Expr) to cuDNN's score_mod graph ops.
+
+Every value is computed in float32 (`compute_data_type=FLOAT`): query and key positions
+come from gen_index, integers stay exact below 2^24, and integer division and remainders
+are floor/trunc of a float quotient. Booleans are cuDNN BOOLEAN tensors from comparisons;
+where a float is needed they become 1/0 through a select. Runtime scalars, the aux
+tensors of aux_plan and the constants 0, 1 and -1 come from the callbacks' shared tensors
+dict, under names this module gives (see `scalar_name`, `aux_name`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from fusedattn.score_mods.aux_plan import AuxPlan
+from fusedattn.score_mods.expr import BOOL, COMPARE, Expr
+from fusedattn.score_mods.graph_ops import col_index, data_type, row_index
+
+__all__ = ["lowered", "scalar_name", "aux_name", "CONSTANTS", "SAVED_SCORE", "NO_CUDNN_FORM"]
+
+CONSTANTS = {"k.zero": 0.0, "k.one": 1.0, "k.minus_one": -1.0}
+SAVED_SCORE = "f.score"  # the forward's score, kept for the derivative's graph
+_UNARY = {"neg": "neg", "abs": "abs", "exp": "exp", "log": "log", "sqrt": "sqrt", "rsqrt": "rsqrt",
+          "tanh": "tanh", "sigmoid": "sigmoid", "sin": "sin", "cos": "cos", "floor": "floor", "ceil": "ceil",
+          "erf": "erf", "reciprocal": "reciprocal"}
+_AB = {"add": "add", "sub": "sub", "mul": "mul", "div": "div"}
+_INPUTS01 = {"max": "max", "min": "min", "pow": "pow"}
+_COMPARE = {"lt": "cmp_lt", "le": "cmp_le", "gt": "cmp_gt", "ge": "cmp_ge", "eq": "cmp_eq", "ne": "cmp_neq"}
+NO_CUDNN_FORM: frozenset = frozenset()  # every op of expr.py has a lowering below
+
+
+def scalar_name(prefix: str, slot: int) -> str:
+    return f"{prefix}s{slot}"
+
+
+def aux_name(prefix: str, number: int) -> str:
+    return f"{prefix}a{number}"
+
+
+class _Lowering:
+    def __init__(self, graph, tensors: dict):
+        self.g, self.t = graph, tensors
+        self.float_type = data_type(graph, "FLOAT")
+
+    def _done(self, value, boolean: bool = False):
+        if boolean:
+            value.set_data_type(data_type(self.g, "BOOLEAN"))
+        return value
+
+    def unary(self, op: str, x):
+        return getattr(self.g, op)(input=x, compute_data_type=self.float_type)
+
+    def ab(self, op: str, a, b):
+        return getattr(self.g, op)(a=a, b=b, compute_data_type=self.float_type)
+
+    def inputs01(self, op: str, a, b):
+        return getattr(self.g, op)(input0=a, input1=b, compute_data_type=self.float_type)
+
+    def compare(self, op: str, a, b):
+        return self._done(getattr(self.g, _COMPARE[op])(input=a, comparison=b, compute_data_type=self.float_type),
+                          boolean=True)
+
+    def select(self, condition, if_true, if_false):
+        return self.g.binary_select(input0=if_true, input1=if_false, mask=condition)
+
+    def as_float(self, value, kind: str):
+        return self.select(value, self.t["k.one"], self.t["k.zero"]) if kind == BOOL else value
+
+    def as_bool(self, value, kind: str):
+        return value if kind == BOOL else self.compare("ne", value, self.t["k.zero"])
+
+    def trunc(self, x):
+        return self.select(self.compare("lt", x, self.t["k.zero"]), self.unary("ceil", x), self.unary("floor", x))
+
+    def logical(self, op: str, a, b=None):
+        g = self.g
+        if op == "not":
+            return self._done(g.logical_not(input=a, compute_data_type=self.float_type), boolean=True)
+        if op == "xor":
+            return self.compare("ne", self.as_float(a, BOOL), self.as_float(b, BOOL))
+        method = g.logical_and if op == "and" else g.logical_or
+        return self._done(method(a=a, b=b, compute_data_type=self.float_type), boolean=True)
+
+
+def _node_value(low: _Lowering, expr: Expr, number: int, values: dict, prefix: str, start, names: dict):
+    node = expr.nodes[number]
+    kinds = [expr.nodes[a].kind for a in node.args]
+    args = [values[a] for a in node.args]
+    op = node.op
+    if op == "input":
+        return names[node.attr[0]](start)
+    if op == "scalar":
+        return low.t[scalar_name(prefix, node.attr[0])]
+    if op == "cast":
+        target = node.attr[0]
+        if target == BOOL:
+            return low.as_bool(args[0], kinds[0])
+        value = low.as_float(args[0], kinds[0])
+        return low.trunc(value) if target == "int" and kinds[0] == "float" else value
+    if op == "where":
+        condition = low.as_bool(args[0], kinds[0])
+        if node.kind == BOOL:
+            return low.as_bool(low.select(condition, low.as_float(args[1], kinds[1]),
+                                          low.as_float(args[2], kinds[2])), "float")
+        return low.select(condition, low.as_float(args[1], kinds[1]), low.as_float(args[2], kinds[2]))
+    if op in ("and", "or", "xor", "not"):
+        return low.logical(op, *(low.as_bool(a, k) for a, k in zip(args, kinds)))
+    args = [low.as_float(a, k) for a, k in zip(args, kinds)]
+    if op in COMPARE:
+        return low.compare(op, *args)
+    if op in _UNARY:
+        return low.unary(_UNARY[op], args[0])
+    if op == "trunc":
+        return low.trunc(args[0])
+    if op == "sign":
+        x, t = args[0], low.t
+        return low.select(low.compare("gt", x, t["k.zero"]), t["k.one"],
+                          low.select(low.compare("lt", x, t["k.zero"]), t["k.minus_one"], t["k.zero"]))
+    if op in _AB:
+        return low.ab(_AB[op], *args)
+    if op in _INPUTS01:
+        return low.inputs01(_INPUTS01[op], *args)
+    a, b = args
+    quotient = low.ab("div", a, b)
+    if op == "floordiv":
+        return low.unary("floor", quotient)
+    if op == "truncdiv":
+        return low.trunc(quotient)
+    if op in ("mod", "rem"):
+        whole = low.unary("floor", quotient) if op == "mod" else low.trunc(quotient)
+        return low.ab("sub", a, low.ab("mul", b, whole))
+    raise ValueError(f"score_mod lowering: op {op!r} has no cuDNN form")
+
+
+def lowered(expr: Expr, plan: AuxPlan, prefix: str, derivative: bool) -> Callable:
+    """A cuDNN callback (graph, start, tensors) -> tensor computing `expr`.
+
+    start is the score (forward) or dLoss/d(output) (derivative: the score then comes from
+    the forward's callback, which keeps it under SAVED_SCORE when `keeps_score`).
+    """
+    aux_of = {entry.node: number for number, entry in enumerate(plan.aux)}
+
+    def callback(graph, start, tensors):
+        low = _Lowering(graph, tensors)
+        names = {"score": (lambda s: tensors[SAVED_SCORE]) if derivative else (lambda s: s),
+                 "dscore": lambda s: s, "q_idx": lambda s: row_index(graph, s if not derivative else
+                                                                     tensors[SAVED_SCORE]),
+                 "kv_idx": lambda s: col_index(graph, s if not derivative else tensors[SAVED_SCORE])}
+        if not derivative:
+            tensors[SAVED_SCORE] = start
+        values: dict = {}
+        for number in sorted(set(plan.graph_nodes) | set(aux_of)):
+            if number in aux_of:
+                aux = tensors[aux_name(prefix, aux_of[number])]
+                node = expr.nodes[number]
+                values[number] = low.as_bool(aux, "float") if node.kind == BOOL else aux
+            elif all(a in values for a in expr.nodes[number].args):
+                values[number] = _node_value(low, expr, number, values, prefix, start, names)
+        result = values[expr.output]
+        return low.as_float(result, expr.nodes[expr.output].kind)
+
+    return callback
