@@ -23,6 +23,8 @@ import pytest
 torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
+from flex_corpus import CORPUS as FLEX_CORPUS  # noqa: E402
+from flex_corpus import jax_array, torch_array  # noqa: E402
 from gpu_checks import assert_close_to_exact  # noqa: E402
 
 import fusedattn  # noqa: E402
@@ -606,6 +608,30 @@ def test_score_mod_aux_arrays_are_traced_arguments_read_at_run_time(cudnn_calls)
             assert_close_to_exact(f"d{name}", as_torch_tensor(grad), same[2][name], exact[2][name])
         outs.append(np.asarray(out))
     assert not np.array_equal(outs[0], outs[1]), "the second aux values changed nothing: baked in at trace time?"
+    assert_cudnn_ran(cudnn_calls)
+
+
+# ----------------------------------------------------------------------------- flex-style callbacks
+
+@pytest.mark.parametrize("name", sorted(FLEX_CORPUS))
+def test_flex_corpus_entry(cudnn_calls, name):
+    """Every corpus callback, written once and traced by make_jaxpr, on cuDNN under jit: out, lse
+    and dq/dk/dv against the torch references of the same callback (traced by make_fx)."""
+    q, k, v = _bf16(*qkv(97, hkv=2, scale_q=2.0))
+    jarrays = {"q": q, "k": k, "v": v}
+    tensors = {n: to_torch(x) for n, x in jarrays.items()}
+    names = ("score_mod", "mask_mod")
+    joptions = {n: f for n, f in zip(names, FLEX_CORPUS[name](jax_array, B, H, S)) if f is not None}
+    topts = {n: f for n, f in zip(names, FLEX_CORPUS[name](lambda x: torch_array(x, "cuda"), B, H, S))
+             if f is not None}
+    g = jnp.asarray(normal(98, q.shape), BF16)
+    same = torch_reference(tensors, topts, to_torch(g))
+    exact = torch_reference(tensors, topts, to_torch(g), wide=True)
+    try:
+        got = jax_cudnn(jarrays, joptions, g)
+    except fusedattn.NoBackendError as error:
+        pytest.fail(f"cuDNN declined a flex callback from JAX: {error}")
+    compare(got, same, exact, list(jarrays))
     assert_cudnn_ran(cudnn_calls)
 
 
