@@ -68,6 +68,7 @@ class ScoreMod:
     name: str = "score_mod"
     host: tuple[str, ...] = ()  # tensors given as NumPy arrays, made arrays of q's framework when bound
     issue: str | None = None  # why a mod without graph callbacks has none (a flex callback we cannot trace)
+    derived: bool = False  # bprop comes from the framework's autodiff (None: derivative exactly 1)
 
     def __repr__(self) -> str:
         return f"ScoreMod({self.name})"
@@ -130,11 +131,13 @@ def _takes(fn: Callable, count: int) -> bool:
 
 
 def as_score_mod(api: str, score_mod, score_mod_bprop=None, score_mod_tensors=None,
-                 score_mod_bprop_tensors=None, mask_mod=None, *, framework: str = "torch") -> ScoreMod | None:
+                 score_mod_bprop_tensors=None, mask_mod=None, *, framework: str = "torch",
+                 device=None) -> ScoreMod | None:
     """The frontends' score_mod keywords as one ScoreMod (or None), with clear errors.
 
     A score_mod(score, b, h, q_idx, kv_idx) or a mask_mod(b, h, q_idx, kv_idx) in the user's
-    framework is traced (score_mods.flex); a score_mod(graph, score, tensors) is cuDNN-native.
+    framework is traced (score_mods.flex; torch on `device`, q's); a score_mod(graph, score,
+    tensors) is cuDNN-native.
     """
     extras = {"score_mod_bprop": score_mod_bprop, "score_mod_tensors": score_mod_tensors,
               "score_mod_bprop_tensors": score_mod_bprop_tensors}
@@ -150,7 +153,7 @@ def as_score_mod(api: str, score_mod, score_mod_bprop=None, score_mod_tensors=No
             raise ValueError(f"{api}: score_mod: expected a flex-style score_mod(score, b, h, q_idx, kv_idx) with "
                              f"a mask_mod, got {score_mod!r:.80}; compose a ScoreMod or cuDNN-native callback with "
                              "masks through score_mods.compose instead")
-        return flex_score_mod(api, framework, score_mod, mask_mod)
+        return flex_score_mod(api, framework, score_mod, mask_mod, device)
     if score_mod is None:
         if given:
             got = type(extras[given[0]]).__name__
@@ -274,7 +277,7 @@ def bind(api: str, mod: ScoreMod, *, batch: int, heads_q: int, seqlen_q: int, se
     aux = tuple(sorted((name, describe_aux(value)) for name, value in values.items()))
     key = structural_key(mod.forward, values, mod.bprop, api=api)
     issue = None
-    if mod.bprop is None:
+    if mod.bprop is None and not mod.derived:
         from fusedattn.score_mods.derivative import score_derivative_issue
 
         issue = score_derivative_issue(key, values)

@@ -58,7 +58,7 @@ class Traced:
     forward_plan: AuxPlan
     derivative: Expr | None  # None: the derivative in the score is exactly 1
     derivative_plan: AuxPlan | None
-    added: int | None  # node X when the forward is score + X with X free of the score (else None)
+    added: tuple | None  # (node X, sign) when the forward is score +/- X with X free of the score
 
 
 def _combined(framework: str, score_mod, mask_mod):
@@ -94,21 +94,26 @@ def _derivative_fn(framework: str, fn):
     return derivative
 
 
-def _added_term(expr: Expr) -> int | None:
+def _added_term(expr: Expr) -> tuple[int, float] | None:
+    """(node X, sign) when the output is score + X or score - X with X free of the score."""
     out = expr.nodes[expr.output]
-    if out.op != "add":
+    if out.op not in ("add", "sub"):
         return None
     deps = dependencies(expr)
-    for mine, other in (out.args, out.args[::-1]):
+    orders = [out.args] if out.op == "sub" else [out.args, out.args[::-1]]  # score - X, or X + score
+    for mine, other in orders:
         node = expr.nodes[mine]
         if node.op == "input" and node.attr == ("score",) and "score" not in deps[other]:
-            return other
+            return other, (-1.0 if out.op == "sub" else 1.0)
     return None
 
 
-def _trace_now(framework: str, score_mod, mask_mod) -> Traced:
+def _trace_now(framework: str, score_mod, mask_mod, device) -> Traced:
     if framework == "torch":
-        from fusedattn.score_mods.trace_torch import trace_torch as tracer
+        from fusedattn.score_mods.trace_torch import trace_torch
+
+        def tracer(fn, names):
+            return trace_torch(fn, names, device)
     else:
         from fusedattn.score_mods.trace_jax import trace_jax as tracer
     fn = _combined(framework, score_mod, mask_mod)
@@ -148,17 +153,18 @@ def _same(a, b) -> bool:
 _TRACES: OrderedDict = OrderedDict()  # (framework, id(score_mod), id(mask_mod)) -> (fns, snapshot, Traced)
 
 
-def trace(framework: str, score_mod, mask_mod) -> Traced:
-    """The traced forward and derivative of score_mod/mask_mod (cached while what they read stays)."""
+def trace(framework: str, score_mod, mask_mod, device=None) -> Traced:
+    """The traced forward and derivative of score_mod/mask_mod (cached while what they read stays).
+    device: torch's device for the stand-ins (q's), beside the tensors the functions capture."""
     snapshot = (_snapshot(score_mod), _snapshot(mask_mod))
     cacheable = None not in snapshot
-    key = (framework, id(score_mod), id(mask_mod))
+    key = (framework, id(score_mod), id(mask_mod), str(device))
     if cacheable:
         hit = _TRACES.get(key)
         if hit is not None and hit[0][0] is score_mod and hit[0][1] is mask_mod and _same(hit[1], snapshot):
             _TRACES.move_to_end(key)
             return hit[2]
-    traced = _trace_now(framework, score_mod, mask_mod)
+    traced = _trace_now(framework, score_mod, mask_mod, device)
     if cacheable:
         _TRACES[key] = ((score_mod, mask_mod), snapshot, traced)
         while len(_TRACES) > _CACHE_SIZE:
@@ -199,7 +205,7 @@ def _framework_of_call(like, traced: Traced):
     return namespace(like)
 
 
-def flex_score_mod(api: str, framework: str, score_mod=None, mask_mod=None) -> ScoreMod:
+def flex_score_mod(api: str, framework: str, score_mod=None, mask_mod=None, device=None) -> ScoreMod:
     """A ScoreMod for flex-style callbacks; an ExprError's message becomes the cuDNN reason."""
     for name, fn, count in (("score_mod", score_mod, 5), ("mask_mod", mask_mod, 4)):
         if fn is not None and (not callable(fn) or _positional_count(fn) not in (None, count)):
@@ -208,7 +214,7 @@ def flex_score_mod(api: str, framework: str, score_mod=None, mask_mod=None) -> S
     label = " and ".join(getattr(fn, "__name__", type(fn).__name__) for fn in (score_mod, mask_mod) if fn is not None)
     eager = _eager(framework, score_mod, mask_mod)
     try:
-        traced = trace(framework, score_mod, mask_mod)
+        traced = trace(framework, score_mod, mask_mod, device)
     except ExprError as error:
         return ScoreMod(None, eager=eager, name=label, issue=f"{api}: {label}: {error}")
     exprs = [(FORWARD, traced.forward, traced.forward_plan)]
@@ -232,7 +238,8 @@ def flex_score_mod(api: str, framework: str, score_mod=None, mask_mod=None) -> S
 
     def as_bias(values: dict, shape: tuple, like):
         ops = _framework_of_call(like, traced)
-        term = materialize(traced.forward, _whole(traced.forward, traced.added), ops, index_grid(ops, like, shape))
+        node, sign = traced.added
+        term = sign * materialize(traced.forward, _whole(traced.forward, node), ops, index_grid(ops, like, shape))
         full = (term.shape[0], term.shape[1], shape[2], shape[3])
         return term + ops.full(full, 0.0, like, "float32")
 
@@ -240,7 +247,7 @@ def flex_score_mod(api: str, framework: str, score_mod=None, mask_mod=None) -> S
     bprop = None if traced.derivative is None else lowered(traced.derivative, traced.derivative_plan, DERIVATIVE,
                                                            derivative=True)
     return ScoreMod(forward, bprop, tensors, eager=eager, prepare=prepare,
-                    as_bias=as_bias if traced.added is not None else None, name=label)
+                    as_bias=as_bias if traced.added is not None else None, name=label, derived=True)
 
 
 def _whole(expr: Expr, node: int):

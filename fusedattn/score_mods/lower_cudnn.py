@@ -16,7 +16,7 @@ from fusedattn.score_mods.aux_plan import AuxPlan
 from fusedattn.score_mods.expr import BOOL, COMPARE, Expr
 from fusedattn.score_mods.graph_ops import col_index, data_type, row_index
 
-__all__ = ["lowered", "scalar_name", "aux_name", "CONSTANTS", "SAVED_SCORE", "NO_CUDNN_FORM"]
+__all__ = ["lowered", "scalar_name", "aux_name", "CONSTANTS", "SAVED_SCORE"]
 
 CONSTANTS = {"k.zero": 0.0, "k.one": 1.0, "k.minus_one": -1.0}
 SAVED_SCORE = "f.score"  # the forward's score, kept for the derivative's graph
@@ -26,7 +26,6 @@ _UNARY = {"neg": "neg", "abs": "abs", "exp": "exp", "log": "log", "sqrt": "sqrt"
 _AB = {"add": "add", "sub": "sub", "mul": "mul", "div": "div"}
 _INPUTS01 = {"max": "max", "min": "min", "pow": "pow"}
 _COMPARE = {"lt": "cmp_lt", "le": "cmp_le", "gt": "cmp_gt", "ge": "cmp_ge", "eq": "cmp_eq", "ne": "cmp_neq"}
-NO_CUDNN_FORM: frozenset = frozenset()  # every op of expr.py has a lowering below
 
 
 def scalar_name(prefix: str, slot: int) -> str:
@@ -38,30 +37,52 @@ def aux_name(prefix: str, number: int) -> str:
 
 
 class _Lowering:
-    def __init__(self, graph, tensors: dict):
-        self.g, self.t = graph, tensors
+    """Graph ops in our vocabulary. cuDNN 9.19 declines a score_mod graph (measured on an H100:
+    "The matmul should either be an entrance node...", "Fused Attention graph was not given to
+    the engine") where an op's first operand is not on the chain from the score: a pass-by-value
+    scalar, an aux tensor, or a value made from those only. So such a first operand is first
+    added to zeros made from the chain's start (`lead`)."""
+
+    def __init__(self, graph, tensors: dict, start):
+        self.g, self.t, self.start = graph, tensors, start
         self.float_type = data_type(graph, "FLOAT")
+        self.on_chain: set[int] = {id(start)}
+        self._zeros = None
+
+    def chain(self, value):
+        """Mark a value as made from the score (or dLoss/d(output))."""
+        self.on_chain.add(id(value))
+        return value
+
+    def lead(self, value):
+        if id(value) in self.on_chain:
+            return value
+        if self._zeros is None:
+            self._zeros = self.chain(self.g.mul(a=self.start, b=self.t["k.zero"], compute_data_type=self.float_type))
+        return self.chain(self.g.add(a=self._zeros, b=value, compute_data_type=self.float_type))
 
     def _done(self, value, boolean: bool = False):
         if boolean:
             value.set_data_type(data_type(self.g, "BOOLEAN"))
-        return value
+        return self.chain(value)
 
     def unary(self, op: str, x):
-        return getattr(self.g, op)(input=x, compute_data_type=self.float_type)
+        return self._done(getattr(self.g, op)(input=self.lead(x), compute_data_type=self.float_type))
 
     def ab(self, op: str, a, b):
-        return getattr(self.g, op)(a=a, b=b, compute_data_type=self.float_type)
+        return self._done(getattr(self.g, op)(a=self.lead(a), b=b, compute_data_type=self.float_type))
 
     def inputs01(self, op: str, a, b):
-        return getattr(self.g, op)(input0=a, input1=b, compute_data_type=self.float_type)
+        return self._done(getattr(self.g, op)(input0=self.lead(a), input1=b, compute_data_type=self.float_type))
 
     def compare(self, op: str, a, b):
-        return self._done(getattr(self.g, _COMPARE[op])(input=a, comparison=b, compute_data_type=self.float_type),
-                          boolean=True)
+        return self._done(getattr(self.g, _COMPARE[op])(input=self.lead(a), comparison=b,
+                                                        compute_data_type=self.float_type), boolean=True)
 
     def select(self, condition, if_true, if_false):
-        return self.g.binary_select(input0=if_true, input1=if_false, mask=condition)
+        if id(condition) not in self.on_chain:  # a boolean scalar or aux: compared on the chain instead
+            condition = self.compare("ne", condition, self.t["k.zero"])
+        return self._done(self.g.binary_select(input0=self.lead(if_true), input1=if_false, mask=condition))
 
     def as_float(self, value, kind: str):
         return self.select(value, self.t["k.one"], self.t["k.zero"]) if kind == BOOL else value
@@ -75,11 +96,11 @@ class _Lowering:
     def logical(self, op: str, a, b=None):
         g = self.g
         if op == "not":
-            return self._done(g.logical_not(input=a, compute_data_type=self.float_type), boolean=True)
+            return self._done(g.logical_not(input=self.lead(a), compute_data_type=self.float_type), boolean=True)
         if op == "xor":
             return self.compare("ne", self.as_float(a, BOOL), self.as_float(b, BOOL))
         method = g.logical_and if op == "and" else g.logical_or
-        return self._done(method(a=a, b=b, compute_data_type=self.float_type), boolean=True)
+        return self._done(method(a=self.lead(a), b=b, compute_data_type=self.float_type), boolean=True)
 
 
 def _node_value(low: _Lowering, expr: Expr, number: int, values: dict, prefix: str, start, names: dict):
@@ -141,13 +162,13 @@ def lowered(expr: Expr, plan: AuxPlan, prefix: str, derivative: bool) -> Callabl
     aux_of = {entry.node: number for number, entry in enumerate(plan.aux)}
 
     def callback(graph, start, tensors):
-        low = _Lowering(graph, tensors)
-        names = {"score": (lambda s: tensors[SAVED_SCORE]) if derivative else (lambda s: s),
-                 "dscore": lambda s: s, "q_idx": lambda s: row_index(graph, s if not derivative else
-                                                                     tensors[SAVED_SCORE]),
-                 "kv_idx": lambda s: col_index(graph, s if not derivative else tensors[SAVED_SCORE])}
+        low = _Lowering(graph, tensors, start)
         if not derivative:
             tensors[SAVED_SCORE] = start
+        score = low.chain(tensors[SAVED_SCORE])
+        names = {"score": lambda s: score, "dscore": lambda s: s,
+                 "q_idx": lambda s: low.chain(row_index(graph, score)),
+                 "kv_idx": lambda s: low.chain(col_index(graph, score))}
         values: dict = {}
         for number in sorted(set(plan.graph_nodes) | set(aux_of)):
             if number in aux_of:

@@ -27,6 +27,7 @@ _LOGICAL = {"and": "and", "or": "or", "xor": "xor", "not": "not"}
 # Shape-only primitives: on one-element values they change nothing.
 _PASS_THROUGH = frozenset({"squeeze", "reshape", "broadcast_in_dim", "expand_dims", "copy", "copy_p",
                            "optimization_barrier", "stop_gradient", "reduce_precision"})
+_NAMED_CALLS = {"floor_divide": "floordiv", "remainder": "mod"}  # jnp functions traced as nested jit calls
 _INLINE = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
            "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr",
            "remat": "jaxpr", "checkpoint": "jaxpr"}
@@ -77,6 +78,9 @@ class _Translator:
 
     def equation(self, env: dict, eqn) -> list:
         name, params, b = eqn.primitive.name, eqn.params, self.b
+        if name in ("pjit", "jit") and params.get("name") in _NAMED_CALLS:
+            # jnp's // and % on integers: one op of ours, not their sign-and-select expansion
+            return [b.op(_NAMED_CALLS[params["name"]], *(self.value(env, v) for v in eqn.invars))]
         if name in _INLINE or (name not in _SAME and any(k in params for k in ("jaxpr", "call_jaxpr"))):
             inner = params.get(_INLINE.get(name, "jaxpr")) or params.get("call_jaxpr") or params.get("jaxpr")
             if callable(inner) and not hasattr(inner, "jaxpr"):  # a thunk (custom_vjp's fun_jaxpr)
@@ -117,6 +121,8 @@ class _Translator:
             if power == 2:
                 return [b.op("mul", operands[0], operands[0])]
             return [b.op("pow", operands[0], b.scalar(float(power)))]
+        if name == "one_minus_square":  # tanh's derivative in newer JAX: 1 - x * x
+            return [b.op("sub", b.scalar(1.0), b.op("mul", operands[0], operands[0]))]
         if name == "square":
             return [b.op("mul", operands[0], operands[0])]
         if name == "clamp":  # clamp(low, x, high)

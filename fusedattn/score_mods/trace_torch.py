@@ -185,20 +185,16 @@ class _Translator:
 _INDEX_DTYPE = torch.int64
 
 
-def _stand_ins(names: list[str]):
-    made = []
-    for name in names:
-        if name in ("score", "dscore"):
-            made.append(torch.zeros(1, dtype=torch.float32))
-        else:
-            made.append(torch.zeros(1, dtype=_INDEX_DTYPE))
-    return made
+def _stand_ins(names: list[str], device):
+    return [torch.zeros(1, dtype=torch.float32 if name in ("score", "dscore") else _INDEX_DTYPE, device=device)
+            for name in names]
 
 
-def trace_torch(fn, names: list[str]) -> Expr:
-    """fn(*inputs named `names`) traced by make_fx into an Expr (names from expr.INPUTS)."""
+def trace_torch(fn, names: list[str], device=None) -> Expr:
+    """fn(*inputs named `names`) traced by make_fx into an Expr (names from expr.INPUTS); the
+    stand-ins live on `device` (q's), beside the tensors fn captures."""
     try:
-        module = make_fx(fn)(*_stand_ins(names))
+        module = make_fx(fn)(*_stand_ins(names, device))
     except ExprError:
         raise
     except Exception as error:  # data-dependent control flow, unsupported Python...

@@ -110,7 +110,8 @@ def attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | 
     if not _SCORE_MOD_KEYWORDS.isdisjoint(options) and any(get(name) is not None for name in SCORE_MOD_NAMES):
         if compiling:
             return _score_mod_call_outside_graph(q, k, v, **options)
-        mod = as_score_mod(API, *(get(name) for name in SCORE_MOD_NAMES), framework="torch")
+        mod = as_score_mod(API, *(get(name) for name in SCORE_MOD_NAMES), framework="torch",
+                           device=q.device)
     if compiling:
         return _compiled_attention(q, k, v, options)
     bias, sink = get("bias"), get("sink")

@@ -77,7 +77,8 @@ def test_corpus_entry_on_thd_with_positions_per_sequence(name):
     gen = torch.Generator(device="cuda").manual_seed(33)
     q, k, v = (torch.randn(sum(lengths), H, D, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(3))
     cu = _lengths(lengths)
-    options = {**_options(name, batch=len(lengths), seqlen=max(lengths)), "cu_seqlens_q": cu, "cu_seqlens_kv": cu,
+    options = {**_options(name, batch=len(lengths), seqlen=max(lengths)), "layout": "thd", "cu_seqlens_q": cu,
+               "cu_seqlens_kv": cu,
                "max_seqlen_q": max(lengths), "max_seqlen_kv": max(lengths)}
     check_on_cudnn((q, k, v), options)
 
