@@ -13,6 +13,8 @@ Modifications, applied to the scaled scores (scale = 1/sqrt(D)):
   relpos    s + table[h, clip(kv_idx - q_idx, -128, 128) + 128] for a (16, 257) bf16 table
   causal    keys after the query masked, written as a score_mod (ours: mask="none" plus causal())
   document  4 contiguous documents of seeded random lengths per batch row; queries see their own document only
+  <mod>_flex  ours given FlexAttention's own function for softcap, alibi or relpos (traced by fusedattn, its
+            derivative derived): the portable path against the hand-written built-in above
 
 Workloads: B=4, H=16, bf16, S in {1024, 4096, 16384}, D in {64, 128}, modes fwd (the training forward:
 inputs require grad) and fwd+bwd (plus torch.autograd.grad of (q, k, v) with a fixed output gradient).
@@ -53,7 +55,8 @@ SUITE = "score_mod"
 OURS_BACKEND = "cudnn"
 DTYPE = bench_cudnn.DTYPE
 BATCH, HEADS = 4, 16
-MODS = ("softcap", "alibi", "relpos", "causal", "document")
+# "<mod>_flex": ours runs FlexAttention's own function (the same object flex gets), traced by fusedattn.
+MODS = ("softcap", "alibi", "relpos", "causal", "document", "softcap_flex", "alibi_flex", "relpos_flex")
 PEERS = ("flex_compiled", "cudnn_plain")
 RATIO_PEERS = ("flex_compiled",)  # the ratio compares implementations of the modification only
 SOFTCAP = 20.0
@@ -155,6 +158,10 @@ class Modifications:
     def build(self, case: Case) -> Modification:
         from fusedattn import score_mods
 
+        if case.mod.endswith("_flex"):  # the flex function itself: traced, derivative derived
+            base = case.mod.removesuffix("_flex")
+            return self._scored(base, self.flex_score_mods[base],
+                                **({"relpos_reach": RELPOS_REACH} if base == "relpos" else {}))
         if case.mod == "softcap":
             return self._scored("softcap", score_mods.softcap(SOFTCAP))
         if case.mod == "alibi":

@@ -127,19 +127,42 @@ def _trace_now(framework: str, score_mod, mask_mod, device) -> Traced:
                   _added_term(forward))
 
 
-def _snapshot(fn) -> tuple | None:
-    """The objects fn reads besides its arguments, compared by identity; None if not a plain function."""
+def _value_snapshot(value, depth: int):
+    """What of a value the trace depends on: helper functions' own reads, containers' items."""
+    if callable(value) and hasattr(value, "__code__") and depth > 0:
+        return ("function", value, _snapshot(value, depth - 1))
+    if isinstance(value, dict) and len(value) <= 64:
+        return ("dict", value, tuple((k, _value_snapshot(v, 0)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)) and len(value) <= 64:
+        return ("sequence", value, tuple(_value_snapshot(v, 0) for v in value))
+    return value
+
+
+def _snapshot(fn, depth: int = 2) -> tuple | None:
+    """The objects fn reads besides its arguments, compared by identity (helper functions it calls
+    and items of dicts and lists it reads, two levels deep); None if fn is not a plain function."""
     if fn is None:
         return ()
     if isinstance(fn, functools.partial):
-        inner = _snapshot(fn.func)
+        inner = _snapshot(fn.func, depth)
         return None if inner is None else (inner, fn.args, tuple(fn.keywords.items()))
+    if inspect.ismethod(fn):  # a bound method: the function, and the attributes of its object
+        inner = _snapshot(fn.__func__, depth)
+        state = getattr(fn.__self__, "__dict__", {})
+        return None if inner is None else (inner, _value_snapshot(state, 0))
     code = getattr(fn, "__code__", None)
     if code is None:
         return None
-    cells = tuple(c.cell_contents for c in (fn.__closure__ or ()))
-    names = tuple(fn.__globals__.get(n) for n in code.co_names)
+    cells = tuple(_value_snapshot(c.cell_contents, depth) for c in (fn.__closure__ or ()))
+    names = tuple(_value_snapshot(fn.__globals__.get(n), depth) for n in code.co_names)
     return (cells, fn.__defaults__, names)
+
+
+def _identity(fn) -> tuple:
+    """Who fn is, for the cache key: a bound method is made anew at each attribute access."""
+    if inspect.ismethod(fn):
+        return (id(fn.__func__), id(fn.__self__))
+    return (id(fn),)
 
 
 def _same(a, b) -> bool:
@@ -158,10 +181,10 @@ def trace(framework: str, score_mod, mask_mod, device=None) -> Traced:
     device: torch's device for the stand-ins (q's), beside the tensors the functions capture."""
     snapshot = (_snapshot(score_mod), _snapshot(mask_mod))
     cacheable = None not in snapshot
-    key = (framework, id(score_mod), id(mask_mod), str(device))
+    key = (framework, _identity(score_mod), _identity(mask_mod), str(device))
     if cacheable:
         hit = _TRACES.get(key)
-        if hit is not None and hit[0][0] is score_mod and hit[0][1] is mask_mod and _same(hit[1], snapshot):
+        if hit is not None and hit[0][0] == score_mod and hit[0][1] == mask_mod and _same(hit[1], snapshot):
             _TRACES.move_to_end(key)
             return hit[2]
     traced = _trace_now(framework, score_mod, mask_mod, device)

@@ -41,10 +41,10 @@ class _Lowering:
     "The matmul should either be an entrance node...", "Fused Attention graph was not given to
     the engine") where an op's first operand is not on the chain from the score: a pass-by-value
     scalar, an aux tensor, or a value made from those only. So such a first operand is first
-    added to zeros made from the chain's start (`lead`)."""
+    added to zeros made from the key index (`lead`)."""
 
-    def __init__(self, graph, tensors: dict, start):
-        self.g, self.t, self.start = graph, tensors, start
+    def __init__(self, graph, tensors: dict, start, score):
+        self.g, self.t, self.start, self.score = graph, tensors, start, score
         self.float_type = data_type(graph, "FLOAT")
         self.on_chain: set[int] = {id(start)}
         self._zeros = None
@@ -57,8 +57,9 @@ class _Lowering:
     def lead(self, value):
         if id(value) in self.on_chain:
             return value
-        if self._zeros is None:
-            self._zeros = self.chain(self.g.mul(a=self.start, b=self.t["k.zero"], compute_data_type=self.float_type))
+        if self._zeros is None:  # from the key index, not the score: 0 * a masked (-inf) score is NaN
+            index = self.chain(col_index(self.g, self.score))
+            self._zeros = self.chain(self.g.mul(a=index, b=self.t["k.zero"], compute_data_type=self.float_type))
         return self.chain(self.g.add(a=self._zeros, b=value, compute_data_type=self.float_type))
 
     def _done(self, value, boolean: bool = False):
@@ -162,10 +163,11 @@ def lowered(expr: Expr, plan: AuxPlan, prefix: str, derivative: bool) -> Callabl
     aux_of = {entry.node: number for number, entry in enumerate(plan.aux)}
 
     def callback(graph, start, tensors):
-        low = _Lowering(graph, tensors, start)
         if not derivative:
             tensors[SAVED_SCORE] = start
-        score = low.chain(tensors[SAVED_SCORE])
+        score = tensors[SAVED_SCORE]
+        low = _Lowering(graph, tensors, start, score)
+        low.chain(score)
         names = {"score": lambda s: score, "dscore": lambda s: s,
                  "q_idx": lambda s: low.chain(row_index(graph, score)),
                  "kv_idx": lambda s: low.chain(col_index(graph, score))}

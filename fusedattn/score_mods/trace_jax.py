@@ -167,7 +167,7 @@ def trace_jax(fn, names: list[str]) -> Expr:
         raise
     except Exception as error:
         text = " ".join(str(error).split())[:300]
-        if "Tracer" in text and ("bool" in text or "concrete" in text.lower()):
+        if "Concretization" in type(error).__name__ or "traced array" in text or "Tracer" in text:
             text = "Python control flow on a traced value; write conditions with jnp.where"
         raise ExprError(f"JAX could not trace the function ({type(error).__name__}: {text})") from None
     builder = Builder()
