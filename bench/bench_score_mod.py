@@ -233,7 +233,8 @@ def _record_diff(params: dict, suffix: str, ours_out: list, theirs: list, mode: 
 
 def _row_params(case: Case, mode: str, mod: Modification, flops: float, warmup: int, repeats: int) -> dict:
     params = case.dense().params(mode)  # mask "none": ours always runs the modification as a score_mod
-    params.update(score_mod=mod.ours.name, flex_form=mod.flex_form, **mod.params, flops=int(flops), warmup=warmup,
+    name = getattr(mod.ours, "name", "flex function (traced)")
+    params.update(score_mod=name, flex_form=mod.flex_form, **mod.params, flops=int(flops), warmup=warmup,
                   repeats=repeats, l2_flushed=False, ratio_peers=list(RATIO_PEERS),
                   max_abs_diff_vs_sdpa=None, max_abs_diff_ref=None)
     if mode == common.FWD:

@@ -25,6 +25,7 @@ _UNARY = {"neg": "neg", "abs": "abs", "exp": "exp", "log": "log", "sqrt": "sqrt"
           "erf": "erf", "reciprocal": "reciprocal"}
 _AB = {"add": "add", "sub": "sub", "mul": "mul", "div": "div"}
 _INPUTS01 = {"max": "max", "min": "min", "pow": "pow"}
+_MIRRORED = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le", "eq": "eq", "ne": "ne"}  # a < b is b > a
 _COMPARE = {"lt": "cmp_lt", "le": "cmp_le", "gt": "cmp_gt", "ge": "cmp_ge", "eq": "cmp_eq", "ne": "cmp_neq"}
 
 
@@ -40,8 +41,10 @@ class _Lowering:
     """Graph ops in our vocabulary. cuDNN 9.19 declines a score_mod graph (measured on an H100:
     "The matmul should either be an entrance node...", "Fused Attention graph was not given to
     the engine") where an op's first operand is not on the chain from the score: a pass-by-value
-    scalar, an aux tensor, or a value made from those only. So such a first operand is first
-    added to zeros made from the key index (`lead`)."""
+    scalar, an aux tensor, or a value made from those only, and gives wrong gradients for some
+    that build (measured: JAX's 30 * dscore). So ops are rewritten to keep the chain first
+    (operands swapped, s - x as -x + s, s / x as (1 / x) * s, selects flipped); only what cannot
+    be rewritten (two aux tensors compared) is added to zeros made from the key index (`lead`)."""
 
     def __init__(self, graph, tensors: dict, start, score):
         self.g, self.t, self.start, self.score = graph, tensors, start, score
@@ -67,22 +70,38 @@ class _Lowering:
             value.set_data_type(data_type(self.g, "BOOLEAN"))
         return self.chain(value)
 
+    def on(self, value) -> bool:
+        return id(value) in self.on_chain
+
     def unary(self, op: str, x):
         return self._done(getattr(self.g, op)(input=self.lead(x), compute_data_type=self.float_type))
 
     def ab(self, op: str, a, b):
+        if not self.on(a) and self.on(b):  # keep the chain first: rewrite rather than add zeros
+            if op in ("add", "mul"):
+                a, b = b, a
+            elif op == "sub":  # s - x = (-x) + s
+                return self.ab("add", self.unary("neg", b), a)
+            elif op == "div":  # s / x = (1 / x) * s
+                return self.ab("mul", self.unary("reciprocal", b), a)
         return self._done(getattr(self.g, op)(a=self.lead(a), b=b, compute_data_type=self.float_type))
 
     def inputs01(self, op: str, a, b):
+        if not self.on(a) and self.on(b) and op in ("max", "min"):
+            a, b = b, a
         return self._done(getattr(self.g, op)(input0=self.lead(a), input1=b, compute_data_type=self.float_type))
 
     def compare(self, op: str, a, b):
+        if not self.on(a) and self.on(b):
+            a, b, op = b, a, _MIRRORED[op]
         return self._done(getattr(self.g, _COMPARE[op])(input=self.lead(a), comparison=b,
                                                         compute_data_type=self.float_type), boolean=True)
 
     def select(self, condition, if_true, if_false):
-        if id(condition) not in self.on_chain:  # a boolean scalar or aux: compared on the chain instead
+        if not self.on(condition):  # a boolean scalar or aux: compared on the chain instead
             condition = self.compare("ne", condition, self.t["k.zero"])
+        if not self.on(if_true) and self.on(if_false):
+            condition, if_true, if_false = self.logical("not", condition), if_false, if_true
         return self._done(self.g.binary_select(input0=self.lead(if_true), input1=if_false, mask=condition))
 
     def as_float(self, value, kind: str):
@@ -101,6 +120,8 @@ class _Lowering:
         if op == "xor":
             return self.compare("ne", self.as_float(a, BOOL), self.as_float(b, BOOL))
         method = g.logical_and if op == "and" else g.logical_or
+        if not self.on(a) and self.on(b):
+            a, b = b, a
         return self._done(method(a=self.lead(a), b=b, compute_data_type=self.float_type), boolean=True)
 
 
