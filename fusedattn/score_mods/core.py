@@ -69,6 +69,7 @@ class ScoreMod:
     host: tuple[str, ...] = ()  # tensors given as NumPy arrays, made arrays of q's framework when bound
     issue: str | None = None  # why a mod without graph callbacks has none (a flex callback we cannot trace)
     derived: bool = False  # bprop comes from the framework's autodiff (None: derivative exactly 1)
+    structure: tuple | None = None  # what the callbacks build, known without recording them (flex mods)
 
     def __repr__(self) -> str:
         return f"ScoreMod({self.name})"
@@ -275,7 +276,10 @@ def bind(api: str, mod: ScoreMod, *, batch: int, heads_q: int, seqlen_q: int, se
     if mod.forward is None:
         return BoundScoreMod(mod, values, EAGER_ONLY_KEY + ((mod.issue,) if mod.issue else ()), None)
     aux = tuple(sorted((name, describe_aux(value)) for name, value in values.items()))
-    key = structural_key(mod.forward, values, mod.bprop, api=api)
+    if mod.structure is not None:  # a traced flex mod: its expressions' keys say what it builds
+        key = ("flex", mod.structure, aux)
+    else:
+        key = structural_key(mod.forward, values, mod.bprop, api=api)
     issue = None
     if mod.bprop is None and not mod.derived:
         from fusedattn.score_mods.derivative import score_derivative_issue

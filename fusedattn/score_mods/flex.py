@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from fusedattn.score_mods.aux_plan import AuxPlan, index_grid, materialize, plan_aux
 from fusedattn.score_mods.core import MASKED, ScoreMod
 from fusedattn.score_mods.expr import Expr, ExprError, ancestors, dependencies
-from fusedattn.score_mods.lower_cudnn import CONSTANTS, aux_name, lowered, scalar_name
+from fusedattn.score_mods.lower_cudnn import CONSTANTS, LOWERING_VERSION, aux_name, lowered, scalar_name
 
 __all__ = ["flex_score_mod", "is_flex_score_mod", "Traced", "trace", "SCORE_ARGS", "MASK_ARGS"]
 
@@ -270,7 +270,9 @@ def flex_score_mod(api: str, framework: str, score_mod=None, mask_mod=None, devi
     bprop = None if traced.derivative is None else lowered(traced.derivative, traced.derivative_plan, DERIVATIVE,
                                                            derivative=True)
     return ScoreMod(forward, bprop, tensors, eager=eager, prepare=prepare,
-                    as_bias=as_bias if traced.added is not None else None, name=label, derived=True)
+                    as_bias=as_bias if traced.added is not None else None, name=label, derived=True,
+                    structure=(LOWERING_VERSION, traced.forward.key,
+                               None if traced.derivative is None else traced.derivative.key))
 
 
 def _whole(expr: Expr, node: int):

@@ -16,8 +16,9 @@ from fusedattn.score_mods.aux_plan import AuxPlan
 from fusedattn.score_mods.expr import BOOL, COMPARE, Expr
 from fusedattn.score_mods.graph_ops import col_index, data_type, row_index
 
-__all__ = ["lowered", "scalar_name", "aux_name", "CONSTANTS", "SAVED_SCORE"]
+__all__ = ["lowered", "scalar_name", "aux_name", "CONSTANTS", "SAVED_SCORE", "LOWERING_VERSION"]
 
+LOWERING_VERSION = 1  # part of a flex mod's key: a graph built by another lowering is never reused
 CONSTANTS = {"k.zero": 0.0, "k.one": 1.0, "k.minus_one": -1.0}
 SAVED_SCORE = "f.score"  # the forward's score, kept for the derivative's graph
 _UNARY = {"neg": "neg", "abs": "abs", "exp": "exp", "log": "log", "sqrt": "sqrt", "rsqrt": "rsqrt",
