@@ -12,22 +12,23 @@ Python operators (+ - * / // % comparisons & | ~) already work on both.
 from __future__ import annotations
 
 import math
+import sys
 
 __all__ = ["tanh", "exp", "log", "sqrt", "abs", "sigmoid", "where", "minimum", "maximum", "floor", "ceil",
            "clip"]
 
 
 def _module(*values):
-    for value in values:
-        kind = type(value).__module__
-        if kind.startswith("torch"):
-            import torch
+    """torch or jax.numpy when one of values is their array, else None. Written with isinstance and
+    sys.modules only, so TorchDynamo can trace it too (torch's own FlexAttention compiles score_mods)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and any(isinstance(v, torch.Tensor) for v in values):
+        return torch
+    jax = sys.modules.get("jax")
+    if jax is not None and any(isinstance(v, jax.Array) for v in values):  # tracers included
+        import jax.numpy as jnp
 
-            return torch
-        if kind.startswith(("jax", "jaxlib")):
-            import jax.numpy as jnp
-
-            return jnp
+        return jnp
     return None
 
 
@@ -70,28 +71,24 @@ def where(condition, x, y):
     return module.where(condition, x, y)
 
 
-def minimum(x, y):
-    """The smaller of x and y, elementwise."""
-    module = _module(x, y)
-    if module is None:
-        return min(x, y)
-    if module.__name__ == "torch" and _module(y) is None:  # a number: stays a runtime scalar when traced
-        return module.clamp(x, max=y)
-    if module.__name__ == "torch" and _module(x) is None:
-        return module.clamp(y, max=x)
-    return module.minimum(x, y)
+def _extreme(name: str, python, clamp_keyword: str):
+    def helper(x, y):
+        module = _module(x, y)
+        if module is None:
+            return python(x, y)
+        if module.__name__ == "torch" and _module(y) is None:  # a number: stays a runtime scalar when traced
+            return module.clamp(x, **{clamp_keyword: y})
+        if module.__name__ == "torch" and _module(x) is None:
+            return module.clamp(y, **{clamp_keyword: x})
+        return getattr(module, name)(x, y)
+
+    helper.__name__ = name
+    helper.__doc__ = f"The {'smaller' if name == 'minimum' else 'larger'} of x and y, elementwise."
+    return helper
 
 
-def maximum(x, y):
-    """The larger of x and y, elementwise."""
-    module = _module(x, y)
-    if module is None:
-        return max(x, y)
-    if module.__name__ == "torch" and _module(y) is None:  # a number: stays a runtime scalar when traced
-        return module.clamp(x, min=y)
-    if module.__name__ == "torch" and _module(x) is None:
-        return module.clamp(y, min=x)
-    return module.maximum(x, y)
+minimum = _extreme("minimum", min, "max")
+maximum = _extreme("maximum", max, "min")
 
 
 def clip(x, low, high):

@@ -1,0 +1,64 @@
+"""`flex_attention`: FlexAttention's signature and meanings, on fusedattn's backends.
+
+A thin translation into `fusedattn.torch.attention` with layout "bhsd": the score_mod is the
+user's own function (traced and fused, its derivative derived: see fusedattn/score_mods/flex.py),
+and a BlockMask contributes its mask_mod (its block sparsity is FlexAttention's way to skip
+work; here the mask runs in the graph). Swap it in for a model that calls FlexAttention:
+
+    >>> from fusedattn.torch import flex_attention
+    >>> out = flex_attention(q, k, v, score_mod=my_score_mod, block_mask=my_block_mask)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fusedattn.torch.functional import attention
+
+__all__ = ["flex_attention"]
+
+API = "fusedattn.torch.flex_attention"
+
+
+def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod=None, block_mask=None,
+                   scale: float | None = None, enable_gqa: bool = False, return_lse: bool = False):
+    """torch.nn.attention.flex_attention.flex_attention, run by fusedattn.
+
+    Args:
+        query: (B, Hq, L, E). key: (B, Hkv, S, E). value: (B, Hkv, S, Ev).
+        score_mod: score_mod(score, b, h, q_idx, kv_idx) -> score, in torch, as for FlexAttention.
+        block_mask: a FlexAttention BlockMask (from create_block_mask) for (L, S); its mask_mod
+            masks the keys where it is False. A row with no visible key gives 0 (LSE -inf).
+        scale: multiplies q kᵀ; default 1/sqrt(E).
+        enable_gqa: allow Hkv < Hq with Hq a multiple of Hkv.
+        return_lse: also return the log-sum-exp of the (modified) scores, (B, Hq, L), float32.
+
+    Returns:
+        out (B, Hq, L, Ev), or (out, lse) with return_lse.
+    """
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 4:
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"{API}: {name}: expected a 4-D tensor (B, H, S, D), got {got}")
+    heads_q, heads_kv = query.shape[1], key.shape[1]
+    if heads_q != heads_kv and not enable_gqa:
+        raise ValueError(f"{API}: enable_gqa: expected True when query has {heads_q} heads and key {heads_kv}, "
+                         "got False")
+    mask_mod = None
+    if block_mask is not None:
+        mask_mod = getattr(block_mask, "mask_mod", None)
+        lengths = tuple(getattr(block_mask, "seq_lengths", ()))
+        if mask_mod is None or not callable(mask_mod):
+            raise ValueError(f"{API}: block_mask: expected a FlexAttention BlockMask (with a mask_mod), got "
+                             f"{type(block_mask).__name__}")
+        wanted = (query.shape[2], key.shape[2])
+        if lengths != wanted:
+            raise ValueError(f"{API}: block_mask: expected one made for (L, S) = {wanted}, got one for {lengths}; "
+                             "build it with create_block_mask(mask_mod, B, H, L, S)")
+        if getattr(mask_mod, "__name__", "") == "noop_mask":  # FlexAttention's "no mask": nothing to trace
+            mask_mod = None
+    result = attention(query, key, value, layout="bhsd", scale=scale, score_mod=score_mod, mask_mod=mask_mod,
+                       return_lse=return_lse)
+    if return_lse:
+        return result.out, result.lse
+    return result
