@@ -14,9 +14,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fusedattn.score_mods.expr import BOOL, INDEX_INPUTS, Expr, ExprError, dependencies, evaluate, evaluate_numbers
+from fusedattn.score_mods.expr import (
+    BOOL,
+    INDEX_INPUTS,
+    Expr,
+    ExprError,
+    ancestors,
+    dependencies,
+    evaluate,
+    evaluate_numbers,
+)
 
-__all__ = ["Aux", "AuxPlan", "plan_aux", "materialize", "index_grid"]
+__all__ = ["Aux", "AuxPlan", "plan_aux", "materialize", "index_grid", "aux_signature"]
 
 _SCORES = frozenset({"score", "dscore"})
 _BATCH_HEAD = frozenset({"b", "h"})
@@ -92,6 +101,24 @@ def plan_aux(expr: Expr) -> AuxPlan:
                 for n in sorted(chosen) if n in needed)
     graph_nodes = tuple(n for n in sorted(needed) if n not in chosen)
     return AuxPlan(aux, graph_nodes)
+
+
+def aux_signature(expr: Expr, node: int) -> tuple:
+    """What a node computes, values included (numbers, which captured tensors): equal signatures give
+    equal aux tensors, across the forward's and the derivative's expressions."""
+    position: dict[int, int] = {}
+    parts = []
+    for number in ancestors(expr, node):
+        n = expr.nodes[number]
+        if n.op == "scalar":
+            attr = (expr.scalars[n.attr[0]],)
+        elif n.op == "load":
+            attr = (id(expr.captured[n.attr[0]]),)
+        else:
+            attr = n.attr
+        position[number] = len(parts)
+        parts.append((n.op, tuple(position[a] for a in n.args), attr, n.kind))
+    return tuple(parts)
 
 
 def index_grid(ops, like, shape: tuple) -> dict:

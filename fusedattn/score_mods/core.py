@@ -15,7 +15,6 @@ the aux descriptions, never the aux values, so caches do not hold user tensors.
 
 from __future__ import annotations
 
-import inspect
 import numbers
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -68,8 +67,9 @@ class ScoreMod:
     name: str = "score_mod"
     host: tuple[str, ...] = ()  # tensors given as NumPy arrays, made arrays of q's framework when bound
     issue: str | None = None  # why a mod without graph callbacks has none (a flex callback we cannot trace)
-    derived: bool = False  # bprop comes from the framework's autodiff (None: derivative exactly 1)
-    structure: tuple | None = None  # what the callbacks build, known without recording them (flex mods)
+    # A traced flex mod: what its callbacks build, known without recording them; its bprop comes
+    # from the framework's autodiff (None: derivative exactly 1).
+    structure: tuple | None = None
 
     def __repr__(self) -> str:
         return f"ScoreMod({self.name})"
@@ -119,16 +119,6 @@ class BoundScoreMod:
     values: dict  # name -> 4-D array or RuntimeScalar
     key: tuple
     recipe: GraphRecipe | None  # None for eager-only mods
-
-
-def _takes(fn: Callable, count: int) -> bool:
-    try:
-        inspect.signature(fn).bind(*([None] * count))
-    except TypeError:
-        return False
-    except ValueError:  # no signature (a builtin): let the call decide
-        return True
-    return True
 
 
 def as_score_mod(api: str, score_mod, score_mod_bprop=None, score_mod_tensors=None,
@@ -269,9 +259,9 @@ def bind(api: str, mod: ScoreMod, *, batch: int, heads_q: int, seqlen_q: int, se
         ops = namespace(like)
         tensors = {name: ops.asarray(value, like, str(value.dtype))
                    if name in mod.host and isinstance(value, np.ndarray) else value for name, value in tensors.items()}
-    if mod.prepare is not None:
-        tensors = dict(mod.prepare(tensors, (batch, heads_q, seqlen_q, seqlen_kv), like))
     full = (batch, heads_q, seqlen_q, seqlen_kv)
+    if mod.prepare is not None:
+        tensors = dict(mod.prepare(tensors, full, like))
     values = {name: _normalize(api, name, value, full, device, training) for name, value in tensors.items()}
     if mod.forward is None:
         return BoundScoreMod(mod, values, EAGER_ONLY_KEY + ((mod.issue,) if mod.issue else ()), None)
@@ -281,7 +271,7 @@ def bind(api: str, mod: ScoreMod, *, batch: int, heads_q: int, seqlen_q: int, se
     else:
         key = structural_key(mod.forward, values, mod.bprop, api=api)
     issue = None
-    if mod.bprop is None and not mod.derived:
+    if mod.bprop is None and mod.structure is None:
         from fusedattn.score_mods.derivative import score_derivative_issue
 
         issue = score_derivative_issue(key, values)

@@ -215,8 +215,18 @@ def _trunc_rem(m, a, b):
     return a - b * m.trunc(a / b)
 
 
+_MATH: dict = {}  # framework name -> its table (built once: evaluate runs on every call's aux tensors)
+
+
 def _math(ops):
     """Elementwise functions of one framework, by our op names."""
+    table = _MATH.get(ops.name)
+    if table is None:
+        table = _MATH[ops.name] = _math_table(ops)
+    return table
+
+
+def _math_table(ops):
     m = ops.module
     if ops.name == "torch":
         sigmoid, rsqrt, power = m.sigmoid, m.rsqrt, m.pow

@@ -23,10 +23,11 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from fusedattn.score_mods.aux_plan import AuxPlan, index_grid, materialize, plan_aux
+from fusedattn.score_mods.aux_plan import Aux, AuxPlan, aux_signature, index_grid, materialize, plan_aux
 from fusedattn.score_mods.core import MASKED, ScoreMod
-from fusedattn.score_mods.expr import Expr, ExprError, ancestors, dependencies
+from fusedattn.score_mods.expr import INDEX_INPUTS, Expr, ExprError, dependencies
 from fusedattn.score_mods.lower_cudnn import CONSTANTS, LOWERING_VERSION, aux_name, lowered, scalar_name
+from fusedattn.xp import namespace
 
 __all__ = ["flex_score_mod", "is_flex_score_mod", "Traced", "trace", "SCORE_ARGS", "MASK_ARGS"]
 
@@ -61,23 +62,15 @@ class Traced:
     added: tuple | None  # (node X, sign) when the forward is score +/- X with X free of the score
 
 
-def _combined(framework: str, score_mod, mask_mod):
-    if framework == "torch":
-        import torch
-
-        where = torch.where
-    else:
-        import jax.numpy as jnp
-
-        where = jnp.where
-
-    def combined(score, b, h, q_idx, kv_idx):
+def _modded(where, score_mod, mask_mod):
+    """The score through score_mod, then -inf where mask_mod is False; `where` is the framework's."""
+    def modded(score, b, h, q_idx, kv_idx):
         value = score if score_mod is None else score_mod(score, b, h, q_idx, kv_idx)
         if mask_mod is not None:
             value = where(mask_mod(b, h, q_idx, kv_idx), value, -math.inf)
         return value
 
-    return combined
+    return modded
 
 
 def _derivative_fn(framework: str, fn):
@@ -116,7 +109,7 @@ def _trace_now(framework: str, score_mod, mask_mod, device) -> Traced:
             return trace_torch(fn, names, device)
     else:
         from fusedattn.score_mods.trace_jax import trace_jax as tracer
-    fn = _combined(framework, score_mod, mask_mod)
+    fn = _modded(namespace(framework).where, score_mod, mask_mod)
     forward = tracer(fn, list(SCORE_ARGS))
     if forward.nodes[forward.output].kind != "float":
         raise ExprError(f"expected the score_mod to return a float score, got a {forward.nodes[forward.output].kind}")
@@ -173,7 +166,7 @@ def _same(a, b) -> bool:
     return a is b
 
 
-_TRACES: OrderedDict = OrderedDict()  # (framework, id(score_mod), id(mask_mod)) -> (fns, snapshot, Traced)
+_TRACES: OrderedDict = OrderedDict()  # (framework, identities, device) -> (fns, snapshot, Traced)
 
 
 def trace(framework: str, score_mod, mask_mod, device=None) -> Traced:
@@ -203,31 +196,6 @@ def _by_value(value):
     return number
 
 
-def _captured_names(traced: Traced) -> dict[int, str]:
-    """id(captured tensor) -> its name in the tensors dict."""
-    names: dict[int, str] = {}
-    for expr in (traced.forward, traced.derivative):
-        for array in (expr.captured if expr is not None else ()):
-            names.setdefault(id(array), f"{_CAPTURED}{len(names)}")
-    return names
-
-
-def _eager(framework: str, score_mod, mask_mod):
-    def eager(ops, s, b, h, q_idx, kv_idx, values):
-        value = s if score_mod is None else score_mod(s, b, h, q_idx, kv_idx)
-        if mask_mod is not None:
-            value = ops.where(mask_mod(b, h, q_idx, kv_idx), value, -math.inf)
-        return value
-
-    return eager
-
-
-def _framework_of_call(like, traced: Traced):
-    from fusedattn.xp import namespace
-
-    return namespace(like)
-
-
 def flex_score_mod(api: str, framework: str, score_mod=None, mask_mod=None, device=None) -> ScoreMod:
     """A ScoreMod for flex-style callbacks; an ExprError's message becomes the cuDNN reason."""
     for name, fn, count in (("score_mod", score_mod, 5), ("mask_mod", mask_mod, 4)):
@@ -235,7 +203,9 @@ def flex_score_mod(api: str, framework: str, score_mod=None, mask_mod=None, devi
             args = ", ".join(SCORE_ARGS if count == 5 else MASK_ARGS)
             raise ValueError(f"{api}: {name}: expected a callable {name}({args}), got {fn!r:.80}")
     label = " and ".join(getattr(fn, "__name__", type(fn).__name__) for fn in (score_mod, mask_mod) if fn is not None)
-    eager = _eager(framework, score_mod, mask_mod)
+    def eager(ops, score, b, h, q_idx, kv_idx, values):  # the reference: the user's own functions
+        return _modded(ops.where, score_mod, mask_mod)(score, b, h, q_idx, kv_idx)
+
     try:
         traced = trace(framework, score_mod, mask_mod, device)
     except ExprError as error:
@@ -246,23 +216,28 @@ def flex_score_mod(api: str, framework: str, score_mod=None, mask_mod=None, devi
     tensors = dict(CONSTANTS)
     for prefix, expr, _ in exprs:
         tensors.update({scalar_name(prefix, slot): _by_value(v) for slot, v in enumerate(expr.scalars)})
-    captured = _captured_names(traced)
-    arrays = {id(a): a for _, expr, _ in exprs for a in expr.captured}
-    tensors.update({name: arrays[ident] for ident, name in captured.items()})
+    # The captured tensors stay in the dict (needs_gradient reads them) until prepare makes the aux.
+    captured = {id(a): a for _, expr, _ in exprs for a in expr.captured}
+    tensors.update({f"{_CAPTURED}{i}": array for i, array in enumerate(captured.values())})
 
     def prepare(values: dict, shape: tuple, like):
         values = {n: v for n, v in values.items() if not n.startswith(_CAPTURED)}
-        ops = _framework_of_call(like, traced)
+        ops = namespace(like)
         grid = index_grid(ops, like, shape)
+        made: dict = {}  # the derivative often needs the forward's aux again (a mask's condition)
         for prefix, expr, plan in exprs:
             for number, entry in enumerate(plan.aux):
-                values[aux_name(prefix, number)] = materialize(expr, entry, ops, grid)
+                same = aux_signature(expr, entry.node)
+                if same not in made:
+                    made[same] = materialize(expr, entry, ops, grid)
+                values[aux_name(prefix, number)] = made[same]
         return values
 
     def as_bias(values: dict, shape: tuple, like):
-        ops = _framework_of_call(like, traced)
+        ops = namespace(like)
         node, sign = traced.added
-        term = sign * materialize(traced.forward, _whole(traced.forward, node), ops, index_grid(ops, like, shape))
+        every_axis = Aux(node, tuple(a for a in INDEX_INPUTS if a in dependencies(traced.forward)[node]), dense=True)
+        term = sign * materialize(traced.forward, every_axis, ops, index_grid(ops, like, shape))
         full = (term.shape[0], term.shape[1], shape[2], shape[3])
         return term + ops.full(full, 0.0, like, "float32")
 
@@ -270,15 +245,7 @@ def flex_score_mod(api: str, framework: str, score_mod=None, mask_mod=None, devi
     bprop = None if traced.derivative is None else lowered(traced.derivative, traced.derivative_plan, DERIVATIVE,
                                                            derivative=True)
     return ScoreMod(forward, bprop, tensors, eager=eager, prepare=prepare,
-                    as_bias=as_bias if traced.added is not None else None, name=label, derived=True,
+                    as_bias=as_bias if traced.added is not None else None, name=label,
                     structure=(LOWERING_VERSION, traced.forward.key,
                                None if traced.derivative is None else traced.derivative.key))
 
-
-def _whole(expr: Expr, node: int):
-    """An aux entry for any score-free node (all its index axes), for as_bias."""
-    from fusedattn.score_mods.aux_plan import Aux
-    from fusedattn.score_mods.expr import INDEX_INPUTS
-
-    deps = set().union(*(dependencies(expr)[n] for n in ancestors(expr, node)))
-    return Aux(node, tuple(a for a in INDEX_INPUTS if a in deps), dense=True)

@@ -126,13 +126,13 @@ class _Lowering:
         return self._done(method(a=self.lead(a), b=b, compute_data_type=self.float_type), boolean=True)
 
 
-def _node_value(low: _Lowering, expr: Expr, number: int, values: dict, prefix: str, start, names: dict):
+def _node_value(low: _Lowering, expr: Expr, number: int, values: dict, prefix: str, inputs):
     node = expr.nodes[number]
     kinds = [expr.nodes[a].kind for a in node.args]
     args = [values[a] for a in node.args]
     op = node.op
     if op == "input":
-        return names[node.attr[0]](start)
+        return inputs(node.attr[0])
     if op == "scalar":
         return low.t[scalar_name(prefix, node.attr[0])]
     if op == "cast":
@@ -180,7 +180,7 @@ def lowered(expr: Expr, plan: AuxPlan, prefix: str, derivative: bool) -> Callabl
     """A cuDNN callback (graph, start, tensors) -> tensor computing `expr`.
 
     start is the score (forward) or dLoss/d(output) (derivative: the score then comes from
-    the forward's callback, which keeps it under SAVED_SCORE when `keeps_score`).
+    the forward's callback, which keeps it under SAVED_SCORE; both callbacks share tensors).
     """
     aux_of = {entry.node: number for number, entry in enumerate(plan.aux)}
 
@@ -190,17 +190,19 @@ def lowered(expr: Expr, plan: AuxPlan, prefix: str, derivative: bool) -> Callabl
         score = tensors[SAVED_SCORE]
         low = _Lowering(graph, tensors, start, score)
         low.chain(score)
-        names = {"score": lambda s: score, "dscore": lambda s: s,
-                 "q_idx": lambda s: low.chain(row_index(graph, score)),
-                 "kv_idx": lambda s: low.chain(col_index(graph, score))}
+
+        def inputs(name: str):
+            if name in ("q_idx", "kv_idx"):
+                return low.chain((row_index if name == "q_idx" else col_index)(graph, score))
+            return start if name == "dscore" else score
+
         values: dict = {}
-        for number in sorted(set(plan.graph_nodes) | set(aux_of)):
+        for number in sorted(set(plan.graph_nodes) | set(aux_of)):  # dependency order
             if number in aux_of:
                 aux = tensors[aux_name(prefix, aux_of[number])]
-                node = expr.nodes[number]
-                values[number] = low.as_bool(aux, "float") if node.kind == BOOL else aux
-            elif all(a in values for a in expr.nodes[number].args):
-                values[number] = _node_value(low, expr, number, values, prefix, start, names)
+                values[number] = low.as_bool(aux, "float") if expr.nodes[number].kind == BOOL else aux
+            else:
+                values[number] = _node_value(low, expr, number, values, prefix, inputs)
         result = values[expr.output]
         return low.as_float(result, expr.nodes[expr.output].kind)
 
