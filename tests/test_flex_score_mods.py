@@ -189,6 +189,29 @@ def test_torch_reference_matches_naive(name, sq, skv, ran):
     assert [(n, phase) for n, phase, _ in ran] == [("reference", "forward"), ("reference", "backward")]
 
 
+EDGE_SHAPES = [(1, 1), (1, 9), (9, 1), (0, 5)]  # one query, one key, a single row each way, no queries
+EDGE_ENTRIES = ("softcap", "alibi", "causal", "relative_table", "query_bias", "head_scale", "block_position")
+
+
+@pytest.mark.parametrize("sq,skv", EDGE_SHAPES)
+@pytest.mark.parametrize("name", EDGE_ENTRIES)
+def test_one_token_and_empty_sequences(name, sq, skv, ran):
+    """The lowering and the reference at the smallest shapes: one token, and no queries at all."""
+    score_mod, mask_mod = corpus_entry("torch", name)
+    mod, bound = bind_flex("torch", score_mod, mask_mod, sq, skv)
+    score = normal("torch", 3, (B, H, sq, skv), scale=4.0)
+    want = user_scores("torch", score_mod, mask_mod, score, index_arrays("torch", (B, H, sq, skv)))
+    got = run_eager(namespace("torch"), mod.forward, score, graph_values(bound), "float64")
+    np.testing.assert_allclose(as_numpy(got), masked_as_graph(as_numpy(want)), rtol=0, atol=1e-6)
+    leaves = [x.requires_grad_() for x in qkv("torch", sq, skv)]
+    cotangent = normal("torch", 7, (B, sq, H, D))
+    got = torch_out_and_grads(lambda q, k, v: fat.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod,
+                                                            backend="reference"), leaves, cotangent)
+    want = torch_out_and_grads(lambda q, k, v: naive_torch(q, k, v, score_mod, mask_mod), leaves, cotangent)
+    assert got[0].shape == (B, sq, H, D)
+    assert_all_close(got, want)
+
+
 JAX_END_TO_END = ("softcap", "causal", "relative_table", "document_causal", "head_scale", "alibi_causal",
                   "window_document_softcap")
 
