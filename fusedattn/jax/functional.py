@@ -28,6 +28,7 @@ from fusedattn.layout import layout_spec
 from fusedattn.options import SCORE_MOD_NAMES, TENSORS, check_keywords, describe_arguments
 from fusedattn.options import settings as settings_of
 from fusedattn.score_mods.core import as_score_mod
+from fusedattn.score_mods.mask_rewrite import rewrite_mask
 from fusedattn.xp.jax_ops import OPS
 
 __all__ = ["attention"]
@@ -183,6 +184,8 @@ def attention(q, k=None, v=None, **options):
         >>> grads = jax.grad(lambda q: attention(q, k, v).sum())(q)
     """
     check_keywords(API, options, "jax")
+    if options.get("mask_mod") is not None:  # its causal, window and padding parts as native masks
+        options, _ = rewrite_mask("jax", q, k, v, options, document_ok=False)
     get = options.get
     alibi_slopes = get("alibi_slopes")
     slopes = host_slopes(f"{API}: alibi_slopes", alibi_slopes)

@@ -151,6 +151,23 @@ class Builder:
             return args[0]
         return self._add(Node(name, tuple(args), attr, result_kind(name, kinds, attr)))
 
+    def include(self, expr: Expr, node: int | None = None) -> int:
+        """Copy expr's node (default its output) and what it reads into this builder; inputs are shared
+        by name, scalars and captured tensors keep their values. Returns the copy's number."""
+        copied: dict[int, int] = {}
+        for number in ancestors(expr, expr.output if node is None else node):
+            n = expr.nodes[number]
+            args = [copied[a] for a in n.args]
+            if n.op == "input":
+                copied[number] = self.input(n.attr[0], n.kind)
+            elif n.op == "scalar":
+                copied[number] = self.scalar(expr.scalars[n.attr[0]])
+            elif n.op == "load":
+                copied[number] = self.load(expr.captured[n.attr[0]], args, n.kind)
+            else:
+                copied[number] = self.op(n.op, *args, attr=n.attr)
+        return copied[expr.output if node is None else node]
+
     def finish(self, output: int) -> Expr:
         """The Expr of `output`: unused nodes dropped, scalar and captured slots renumbered in use order."""
         needed: set[int] = set()

@@ -25,11 +25,13 @@ from dataclasses import dataclass
 
 from fusedattn.score_mods.aux_plan import Aux, AuxPlan, aux_signature, index_grid, materialize, plan_aux
 from fusedattn.score_mods.core import MASKED, ScoreMod
-from fusedattn.score_mods.expr import INDEX_INPUTS, Expr, ExprError, dependencies
+from fusedattn.score_mods.expr import BOOL, FLOAT, INDEX_INPUTS, Builder, Expr, ExprError, dependencies
 from fusedattn.score_mods.lower_cudnn import CONSTANTS, LOWERING_VERSION, aux_name, lowered, scalar_name
+from fusedattn.score_mods.mask_forms import MaskForms, mask_forms
 from fusedattn.xp import namespace
 
-__all__ = ["flex_score_mod", "is_flex_score_mod", "Traced", "trace", "SCORE_ARGS", "MASK_ARGS"]
+__all__ = ["flex_score_mod", "is_flex_score_mod", "Traced", "trace", "trace_mask", "PartialMask", "SCORE_ARGS",
+           "MASK_ARGS"]
 
 SCORE_ARGS = ("score", "b", "h", "q_idx", "kv_idx")
 MASK_ARGS = ("b", "h", "q_idx", "kv_idx")
@@ -101,23 +103,58 @@ def _added_term(expr: Expr) -> tuple[int, float] | None:
     return None
 
 
-def _trace_now(framework: str, score_mod, mask_mod, device) -> Traced:
+def _tracer(framework: str, device):
     if framework == "torch":
         from fusedattn.score_mods.trace_torch import trace_torch
 
-        def tracer(fn, names):
-            return trace_torch(fn, names, device)
-    else:
-        from fusedattn.score_mods.trace_jax import trace_jax as tracer
-    fn = _modded(namespace(framework).where, score_mod, mask_mod)
-    forward = tracer(fn, list(SCORE_ARGS))
-    if forward.nodes[forward.output].kind != "float":
-        raise ExprError(f"expected the score_mod to return a float score, got a {forward.nodes[forward.output].kind}")
-    derivative = tracer(_derivative_fn(framework, fn), ["score", "dscore", "b", "h", "q_idx", "kv_idx"])
-    if derivative.is_input("dscore"):
-        derivative = None
-    return Traced(forward, plan_aux(forward), derivative, None if derivative is None else plan_aux(derivative),
-                  _added_term(forward))
+        return lambda fn, names: trace_torch(fn, names, device)
+    from fusedattn.score_mods.trace_jax import trace_jax
+
+    return trace_jax
+
+
+def _trace_mask_now(framework: str, mask_mod, device) -> MaskForms:
+    expr = _tracer(framework, device)(mask_mod, list(MASK_ARGS))
+    if expr.nodes[expr.output].kind != BOOL:  # a 0/1 mask: nonzero keeps
+        builder = Builder()
+        expr = builder.finish(builder.op("cast", builder.include(expr), attr=(BOOL,)))
+    return mask_forms(expr)
+
+
+def _trace_now(framework: str, score_mod, mask_mod, device, kept) -> Traced:
+    """score_mod and the kept conditions of mask_mod (all when kept is None) as one forward and one
+    derivative: where(mask, score_mod(score), -inf) and where(mask, d score_mod/d score * dscore, 0)."""
+    tracer = _tracer(framework, device)
+    forward, derivative = Builder(), Builder()
+    score, dscore = forward.input("score", FLOAT), derivative.input("dscore", FLOAT)
+    plain_derivative = True
+    if score_mod is not None:
+        modded = tracer(score_mod, list(SCORE_ARGS))
+        if modded.nodes[modded.output].kind != FLOAT:
+            raise ExprError(f"expected the score_mod to return a float score, got a "
+                            f"{modded.nodes[modded.output].kind}")
+        score = forward.include(modded)
+        derived = tracer(_derivative_fn(framework, score_mod), ["score", "dscore", "b", "h", "q_idx", "kv_idx"])
+        plain_derivative = derived.is_input("dscore")
+        dscore = derivative.include(derived)
+    if mask_mod is not None:
+        forms = trace_mask(framework, mask_mod, device)
+        conditions = [n for i, (n, _) in enumerate(forms.conditions) if kept is None or i in kept]
+        if conditions:
+            score = forward.op("where", _all(forward, forms.expr, conditions), score, forward.scalar(-math.inf))
+            dscore = derivative.op("where", _all(derivative, forms.expr, conditions), dscore,
+                                   derivative.scalar(0.0))
+            plain_derivative = False
+    forward_expr = forward.finish(score)
+    derivative_expr = None if plain_derivative else derivative.finish(dscore)
+    return Traced(forward_expr, plan_aux(forward_expr), derivative_expr,
+                  None if derivative_expr is None else plan_aux(derivative_expr), _added_term(forward_expr))
+
+
+def _all(builder: Builder, expr: Expr, conditions: list[int]) -> int:
+    """The `and` of some conditions of expr, copied into builder."""
+    copies = [builder.include(expr, n) for n in conditions]
+    return functools.reduce(lambda a, b: builder.op("and", a, b), copies)
 
 
 def _value_snapshot(value, depth: int):
@@ -166,26 +203,50 @@ def _same(a, b) -> bool:
     return a is b
 
 
-_TRACES: OrderedDict = OrderedDict()  # (framework, identities, device) -> (fns, snapshot, Traced)
+_TRACES: OrderedDict = OrderedDict()  # key -> (fns, snapshot, result)
 
 
-def trace(framework: str, score_mod, mask_mod, device=None) -> Traced:
-    """The traced forward and derivative of score_mod/mask_mod (cached while what they read stays).
-    device: torch's device for the stand-ins (q's), beside the tensors the functions capture."""
-    snapshot = (_snapshot(score_mod), _snapshot(mask_mod))
+def _cached(key: tuple, fns: tuple, build):
+    """build() for these functions, cached under key while what they read stays the same objects."""
+    snapshot = tuple(_snapshot(fn) for fn in fns)
     cacheable = None not in snapshot
-    key = (framework, _identity(score_mod), _identity(mask_mod), str(device))
     if cacheable:
         hit = _TRACES.get(key)
-        if hit is not None and hit[0][0] == score_mod and hit[0][1] == mask_mod and _same(hit[1], snapshot):
+        if hit is not None and all(a == b for a, b in zip(hit[0], fns)) and _same(hit[1], snapshot):
             _TRACES.move_to_end(key)
             return hit[2]
-    traced = _trace_now(framework, score_mod, mask_mod, device)
+    result = build()
     if cacheable:
-        _TRACES[key] = ((score_mod, mask_mod), snapshot, traced)
+        _TRACES[key] = (fns, snapshot, result)
         while len(_TRACES) > _CACHE_SIZE:
             _TRACES.popitem(last=False)
-    return traced
+    return result
+
+
+def trace(framework: str, score_mod, mask_mod, device=None, kept: frozenset | None = None) -> Traced:
+    """The traced forward and derivative of score_mod and mask_mod's kept conditions (numbers of
+    trace_mask's conditions; None: all), cached while what the functions read stays.
+    device: torch's device for the stand-ins (q's), beside the tensors the functions capture."""
+    key = ("score", framework, _identity(score_mod), _identity(mask_mod), str(device), kept)
+    return _cached(key, (score_mod, mask_mod), lambda: _trace_now(framework, score_mod, mask_mod, device, kept))
+
+
+def trace_mask(framework: str, mask_mod, device=None) -> MaskForms:
+    """mask_mod traced alone, and which of its conditions are native masks (cached as `trace`)."""
+    key = ("mask", framework, _identity(mask_mod), str(device))
+    return _cached(key, (mask_mod,), lambda: _trace_mask_now(framework, mask_mod, device))
+
+
+@dataclass(frozen=True, eq=False)
+class PartialMask:
+    """A mask_mod of which only the `kept` conditions (numbers of trace_mask's) run in the score_mod
+    graph: the others run as the backends' own masks (mask_rewrite). Calls the whole mask_mod."""
+
+    mask_mod: object
+    kept: frozenset
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return self.mask_mod(b, h, q_idx, kv_idx)
 
 
 def _by_value(value):
@@ -202,12 +263,15 @@ def flex_score_mod(api: str, framework: str, score_mod=None, mask_mod=None, devi
         if fn is not None and (not callable(fn) or _positional_count(fn) not in (None, count)):
             args = ", ".join(SCORE_ARGS if count == 5 else MASK_ARGS)
             raise ValueError(f"{api}: {name}: expected a callable {name}({args}), got {fn!r:.80}")
+    kept = None
+    if isinstance(mask_mod, PartialMask):
+        mask_mod, kept = mask_mod.mask_mod, mask_mod.kept
     label = " and ".join(getattr(fn, "__name__", type(fn).__name__) for fn in (score_mod, mask_mod) if fn is not None)
     def eager(ops, score, b, h, q_idx, kv_idx, values):  # the reference: the user's own functions
         return _modded(ops.where, score_mod, mask_mod)(score, b, h, q_idx, kv_idx)
 
     try:
-        traced = trace(framework, score_mod, mask_mod, device)
+        traced = trace(framework, score_mod, mask_mod, device, kept)
     except ExprError as error:
         return ScoreMod(None, eager=eager, name=label, issue=f"{api}: {label}: {error}")
     exprs = [(FORWARD, traced.forward, traced.forward_plan)]

@@ -162,7 +162,8 @@ def trace_jax(fn, names: list[str]) -> Expr:
     """fn(*inputs named `names`) traced by make_jaxpr into an Expr (names from expr.INPUTS)."""
     stand_ins = [jnp.zeros((), jnp.float32 if n in ("score", "dscore") else jnp.int32) for n in names]
     try:
-        closed = jax.make_jaxpr(fn)(*stand_ins)
+        # A fresh wrapper each time: JAX caches traces by function, and would miss a changed global.
+        closed = jax.make_jaxpr(lambda *args: fn(*args))(*stand_ins)
     except ExprError:
         raise
     except Exception as error:

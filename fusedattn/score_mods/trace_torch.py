@@ -194,7 +194,9 @@ def trace_torch(fn, names: list[str], device=None) -> Expr:
     """fn(*inputs named `names`) traced by make_fx into an Expr (names from expr.INPUTS); the
     stand-ins live on `device` (q's), beside the tensors fn captures."""
     try:
-        module = make_fx(fn)(*_stand_ins(names, device))
+        stand_ins = _stand_ins(names, device)
+        # make_fx reads fn's signature: give it exactly the stand-ins (a bound method has one more).
+        module = make_fx(lambda *args: fn(*args))(*stand_ins)
     except ExprError:
         raise
     except Exception as error:  # data-dependent control flow, unsupported Python...

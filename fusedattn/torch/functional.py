@@ -28,7 +28,9 @@ from fusedattn.layout import split_packed
 from fusedattn.options import SCORE_MOD_NAMES, SETTINGS, TENSORS, check_keywords, describe_arguments, names
 from fusedattn.options import settings as settings_of
 from fusedattn.score_mods.core import as_score_mod, bind, needs_gradient
+from fusedattn.score_mods.mask_rewrite import rewrite_mask
 from fusedattn.selection import ENV_BACKEND, recall_call, remember_call
+from fusedattn.torch import documents as documents_thd
 from fusedattn.torch.autograd import run_attention
 from fusedattn.torch.ops import backend_of, config_of, register_config
 from fusedattn.xp.torch_ops import OPS
@@ -106,6 +108,14 @@ def attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | 
         alibi_slopes = options["alibi_slopes"] = torch.as_tensor(
             host_slopes(f"{API}: alibi_slopes", alibi_slopes), device=q.device)
     compiling = torch.compiler.is_compiling()
+    if get("mask_mod") is not None and not compiling:
+        options, documents = rewrite_mask("torch", q, k, v, options, document_ok=_documents_possible(options))
+        get = options.get
+        if documents is not None:
+            result = _document_call(q, k, v, options, documents)
+            if result is not None:
+                return result
+            options["mask_mod"] = documents.fallback  # ids not sorted: the mask runs in the graph
     mod = None
     if not _SCORE_MOD_KEYWORDS.isdisjoint(options) and any(get(name) is not None for name in SCORE_MOD_NAMES):
         if compiling:
@@ -188,6 +198,33 @@ def attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | 
 
 
 describe_arguments(attention, "torch")
+
+
+def _documents_possible(options: dict) -> bool:
+    """Whether a document mask_mod may run as THD: nothing else that needs the dense layout."""
+    get = options.get
+    return (get("score_mod") is None and get("bias") is None and get("alibi_slopes") is None
+            and not get("return_max_logit"))
+
+
+def _document_call(q, k, v, options: dict, documents):
+    """The call as THD, one sequence per document (fusedattn.torch.documents); None when the ids are
+    not sorted along each row."""
+    layout = options.get("layout") or "bshd"
+    batch = q.shape[1] if layout == "sbhd" else q.shape[0]
+    tokens = [documents_thd.to_tokens(x, layout) for x in (q, k, v)]
+    found = documents_thd.boundaries(documents.ids, batch, tokens[0].shape[0] // batch)
+    if found is None:
+        return None
+    offsets, longest = found
+    result = attention(*tokens, **{**options, "layout": "thd", "cu_seqlens_q": offsets, "cu_seqlens_kv": offsets,
+                                   "max_seqlen_q": longest, "max_seqlen_kv": longest})
+    if isinstance(result, _Configured):  # explain()
+        return result
+    if isinstance(result, AttentionResult):
+        return AttentionResult(documents_thd.from_tokens(result.out, layout, batch),
+                               documents_thd.lse_from_tokens(result.lse, batch), result.max_logit)
+    return documents_thd.from_tokens(result, layout, batch)
 
 
 # explain(): the call goes through attention's own cold path and stops once it is configured.
