@@ -1,0 +1,357 @@
+"""mask_mods run as native masks (score_mods.mask_forms, mask_rewrite, torch.documents).
+
+Three checks: the native masks chosen for a mask_mod hide exactly the keys the mask_mod hides
+(an independent NumPy reading of our mask options against the mask_mod itself, generated
+cases included); a call through the rewrite gives the same output, LSE and gradients as the
+same mask written as a score_mod select (float64, reference backend, torch and JAX); a
+document mask runs as THD only when its ids are sorted, reading them once.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fusedattn.jax as fj
+import fusedattn.torch as fat
+from fusedattn.score_mods import flex
+from fusedattn.score_mods.mask_forms import Band, Document, Length
+from fusedattn.score_mods.mask_rewrite import rewrite_mask
+from fusedattn.torch import documents as documents_thd
+
+LENGTHS = torch.tensor([5, 0, 40])  # one short, one empty, one past the end
+WINDOW = 6
+
+
+def _masks(lengths):
+    """name -> (mask_mod, forms expected, every condition native at Sq == Skv)."""
+    return {
+        "causal": (lambda b, h, q, kv: q >= kv, [Band(None, 0)], True),
+        "causal_mirrored": (lambda b, h, q, kv: kv <= q, [Band(None, 0)], True),
+        "causal_negated": (lambda b, h, q, kv: ~(kv > q), [Band(None, 0)], True),
+        "sliding": (lambda b, h, q, kv: (q - kv <= WINDOW) & (q >= kv), [Band(WINDOW, None), Band(None, 0)], True),
+        "sliding_strict": (lambda b, h, q, kv: (q - kv < WINDOW) & (kv - q <= 0), [Band(WINDOW - 1, None),
+                                                                                   Band(None, 0)], True),
+        "two_sided": (lambda b, h, q, kv: abs(q - kv) <= 3, [Band(3, 3)], True),
+        "shifted": (lambda b, h, q, kv: q + 2 >= kv, [Band(None, 2)], True),
+        "diagonal": (lambda b, h, q, kv: q == kv, [Band(0, 0)], True),
+        "strictly_lower": (lambda b, h, q, kv: q > kv, [Band(None, -1)], False),
+        "key_padding": (lambda b, h, q, kv: kv < lengths[b], [Length("kv_idx", 0, 0)], True),
+        "both_padding": (lambda b, h, q, kv: (q < lengths[b]) & (kv < lengths[b]),
+                         [Length("q_idx", 0, 0), Length("kv_idx", 0, 0)], True),
+        "padding_plus_one": (lambda b, h, q, kv: kv <= lengths[b], [Length("kv_idx", 0, 1)], True),
+        "padded_causal": (lambda b, h, q, kv: (kv < lengths[b]) & (q >= kv), [Length("kv_idx", 0, 0),
+                                                                                Band(None, 0)], True),
+        "padded_window": (lambda b, h, q, kv: (kv < lengths[b]) & (abs(q - kv) <= 2),
+                          [Length("kv_idx", 0, 0), Band(2, 2)], False),  # a window moves with padding
+        "constant_length": (lambda b, h, q, kv: kv < 7, [Length("kv_idx", None, 7)], True),
+        "head_dependent": (lambda b, h, q, kv: (h == 0) | (q >= kv), [None], False),
+        "prefix_lm": (lambda b, h, q, kv: (kv < 4) | (q >= kv), [None], False),
+    }
+
+
+def _grid_mask(options: dict, batch: int, seqlen_q: int, seqlen_kv: int) -> np.ndarray:
+    """(B, Sq, Skv) keys our mask options keep, read independently of the library's own code."""
+    q = np.arange(seqlen_q)[:, None]
+    kv = np.arange(seqlen_kv)[None, :]
+    mask = options.get("mask", "none")
+    keep = np.ones((batch, seqlen_q, seqlen_kv), dtype=bool)
+    if "cu_seqlens_q" in options:
+        lengths_q = np.diff(np.asarray(options["cu_seqlens_q"]))
+        lengths_kv = np.diff(np.asarray(options["cu_seqlens_kv"]))
+        keep &= (q[None] < lengths_q[:, None, None]) & (kv[None] < lengths_kv[:, None, None])
+    top_left = mask in ("causal", "padding_causal")
+    diagonal = q if top_left else q + seqlen_kv - seqlen_q  # the key on each query's diagonal
+    left, right = options.get("window") or (-1, -1)
+    if "causal" in mask:
+        right = 0
+    if right >= 0:
+        keep &= kv <= diagonal + right
+    if left >= 0:
+        keep &= kv >= diagonal - left
+    return keep
+
+
+def _user_mask(mask_mod, batch: int, seqlen_q: int, seqlen_kv: int, heads: int = 1) -> np.ndarray:
+    b = torch.arange(batch)[:, None, None, None]
+    h = torch.arange(heads)[None, :, None, None]
+    q = torch.arange(seqlen_q)[None, None, :, None]
+    kv = torch.arange(seqlen_kv)[None, None, None, :]
+    out = torch.as_tensor(mask_mod(b, h, q, kv))
+    return out.broadcast_to((batch, heads, seqlen_q, seqlen_kv)).numpy()
+
+
+def _rewritten(mask_mod, batch, seqlen_q, seqlen_kv):
+    q = torch.zeros(batch, seqlen_q, 2, 4)
+    k = torch.zeros(batch, seqlen_kv, 2, 4)
+    return rewrite_mask("torch", q, k, k, {"mask_mod": mask_mod}, document_ok=False)[0]
+
+
+def _check_native_is_exact(mask_mod, batch, seqlen_q, seqlen_kv):
+    options = _rewritten(mask_mod, batch, seqlen_q, seqlen_kv)
+    native = _grid_mask(options, batch, seqlen_q, seqlen_kv)[:, None]
+    wanted = _user_mask(mask_mod, batch, seqlen_q, seqlen_kv)
+    kept = options["mask_mod"]
+    if kept is None:
+        np.testing.assert_array_equal(native, wanted)
+    else:  # what stays in the graph is the whole mask_mod or a part of it: the native part may not hide more
+        assert not (wanted & ~native).any()
+    return options
+
+
+@pytest.mark.parametrize("name", list(_masks(LENGTHS)))
+def test_each_condition_is_read_as_its_native_form(name):
+    mask_mod, expected, _ = _masks(LENGTHS)[name]
+    forms = flex.trace_mask("torch", mask_mod, torch.device("cpu"))
+    assert [form for _, form in forms.conditions] == expected
+
+
+@pytest.mark.parametrize("name", ["causal", "sliding", "two_sided", "key_padding", "both_padding", "prefix_lm"])
+def test_jax_reads_the_same_forms(name):
+    mask_mod, expected, _ = _masks(jnp.asarray(LENGTHS.numpy()))[name]
+    forms = flex.trace_mask("jax", mask_mod)
+    assert [form for _, form in forms.conditions] == expected
+
+
+@pytest.mark.parametrize("shape", [(3, 9, 9), (3, 4, 11), (3, 11, 4), (3, 1, 13), (3, 1, 1)])
+@pytest.mark.parametrize("name", list(_masks(LENGTHS)))
+def test_native_masks_hide_exactly_what_the_mask_mod_hides(name, shape):
+    mask_mod, _, all_native = _masks(LENGTHS)[name]
+    options = _check_native_is_exact(mask_mod, *shape)
+    if all_native and shape[1] == shape[2]:
+        assert options["mask_mod"] is None, options
+
+
+_OPS = ["lt", "le", "gt", "ge"]
+
+
+def _compare(op: str, a, b):
+    return {"lt": a < b, "le": a <= b, "gt": a > b, "ge": a >= b}[op]
+
+
+def _band_condition(arrangement: int, op: str, c: int):
+    """One comparison of q_idx - kv_idx with c, written in one of several arrangements."""
+    forms = [
+        lambda q, kv: _compare(op, q - kv, c),
+        lambda q, kv: _compare(op, q, kv + c),
+        lambda q, kv: _compare(op, -c, kv - q),
+        lambda q, kv: _compare(op, q - c, kv),
+        lambda q, kv: ~_compare(op, kv - q, -c),
+        lambda q, kv: _compare(op, 2 * q - q - kv, c),
+    ]
+    return forms[arrangement]
+
+
+@settings(max_examples=120, deadline=None)
+@given(conditions=st.lists(st.tuples(st.integers(0, 5), st.sampled_from(_OPS), st.integers(-6, 6)),
+                           min_size=1, max_size=3),
+       padded=st.booleans(), batch=st.integers(1, 3), seqlen_q=st.integers(1, 12), seqlen_kv=st.integers(1, 12))
+def test_generated_bands_and_padding_are_exact(conditions, padded, batch, seqlen_q, seqlen_kv):
+    parts = [_band_condition(*c) for c in conditions]
+    lengths = torch.tensor([3, 0, 12])[:batch]
+
+    def mask_mod(b, h, q, kv):
+        keep = parts[0](q, kv)
+        for part in parts[1:]:
+            keep = keep & part(q, kv)
+        return (keep & (kv < lengths[b])) if padded else keep
+
+    options = _check_native_is_exact(mask_mod, batch, seqlen_q, seqlen_kv)
+    forms = flex.trace_mask("torch", mask_mod, torch.device("cpu"))
+    assert all(form is not None for _, form in forms.conditions)  # every arrangement was read
+    if not padded and options["mask_mod"] is None:
+        assert "cu_seqlens_q" not in options
+
+
+# ------------------------------------------------------------------ the same results through a call
+
+def _select(mask_mod, where):
+    """The mask written as a score_mod select: the path the rewrite replaces."""
+    return lambda score, b, h, q, kv: where(mask_mod(b, h, q, kv), score, -float("inf"))
+
+
+def _torch_run(q, k, v, layout, **options):
+    result = fat.attention(q, k, v, layout=layout, return_lse=True, **options)
+    lse = torch.where(torch.isfinite(result.lse), result.lse, 0.0)
+    loss = (result.out * torch.cos(result.out)).sum() + (lse * torch.sin(lse)).sum()
+    return result.out, result.lse, torch.autograd.grad(loss, (q, k, v))
+
+
+CALLS = [  # (name, batch, Sq, Skv, heads_q, heads_kv, layout)
+    ("causal", 3, 17, 17, 4, 2, "bshd"),
+    ("causal", 3, 5, 19, 2, 2, "bhsd"),
+    ("sliding", 3, 19, 19, 2, 1, "sbhd"),
+    ("two_sided", 3, 7, 15, 2, 2, "bshd"),
+    ("shifted", 3, 15, 7, 2, 2, "bshd"),
+    ("key_padding", 3, 13, 21, 2, 2, "bshd"),
+    ("both_padding", 3, 21, 21, 2, 2, "bhsd"),
+    ("padded_causal", 3, 21, 21, 4, 1, "bshd"),
+    ("padded_window", 3, 9, 9, 2, 2, "bshd"),
+    ("constant_length", 3, 1, 9, 2, 2, "bshd"),
+    ("prefix_lm", 3, 9, 9, 2, 2, "bshd"),
+]
+
+
+def _shape(layout, batch, seqlen, heads, dim=8):
+    return {"bshd": (batch, seqlen, heads, dim), "bhsd": (batch, heads, seqlen, dim),
+            "sbhd": (seqlen, batch, heads, dim)}[layout]
+
+
+@pytest.mark.parametrize("call", CALLS, ids=[f"{c[0]}-{c[2]}x{c[3]}-{c[6]}" for c in CALLS])
+def test_a_torch_call_gives_what_the_select_gives(call):
+    name, batch, seqlen_q, seqlen_kv, heads_q, heads_kv, layout = call
+    mask_mod = _masks(LENGTHS)[name][0]
+    gen = torch.Generator().manual_seed(len(name) * seqlen_q)
+    q = torch.randn(_shape(layout, batch, seqlen_q, heads_q), generator=gen, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(_shape(layout, batch, seqlen_kv, heads_kv), generator=gen, dtype=torch.float64,
+                        requires_grad=True) for _ in range(2))
+    native = _torch_run(q, k, v, layout, mask_mod=mask_mod)
+    select = _torch_run(q, k, v, layout, score_mod=_select(mask_mod, torch.where))
+    torch.testing.assert_close(native[0], select[0], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(native[1], select[1], rtol=1e-10, atol=1e-10)
+    for a, b in zip(native[2], select[2]):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+def test_a_softcap_with_a_causal_mask_mod_keeps_the_softcap():
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 11, 2, 8, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3))
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return 2.0 * torch.tanh(score / 2.0)
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    native = _torch_run(q, k, v, "bshd", score_mod=softcap, mask_mod=causal)
+    select = _torch_run(q, k, v, "bshd", score_mod=lambda s, b, h, qi, ki: torch.where(
+        qi >= ki, softcap(s, b, h, qi, ki), -float("inf")))
+    for a, b in zip([native[0], native[1], *native[2]], [select[0], select[1], *select[2]]):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("name", ["causal", "sliding", "both_padding", "padded_causal", "prefix_lm"])
+def test_a_jitted_jax_call_gives_what_the_select_gives(name):
+    jax.config.update("jax_enable_x64", True)
+    try:
+        mask_mod = _masks(jnp.asarray(LENGTHS.numpy()))[name][0]
+        keys = jax.random.split(jax.random.key(7), 3)
+        q, k, v = (jax.random.normal(key, (3, 13, 2, 8), jnp.float64) for key in keys)
+
+        def loss(q, k, v, **options):
+            result = fj.attention(q, k, v, return_lse=True, **options)
+            lse = jnp.where(jnp.isfinite(result.lse), result.lse, 0.0)
+            return (result.out * jnp.cos(result.out)).sum() + (lse * jnp.sin(lse)).sum()
+
+        native = jax.jit(jax.value_and_grad(lambda *x: loss(*x, mask_mod=mask_mod), argnums=(0, 1, 2)))(q, k, v)
+        # Both jitted: XLA's own sin/cos differ from the eager ones in the last bits of float64.
+        select = jax.jit(jax.value_and_grad(lambda *x: loss(*x, score_mod=_select(mask_mod, jnp.where)),
+                                            argnums=(0, 1, 2)))(q, k, v)
+        np.testing.assert_allclose(native[0], select[0], rtol=1e-10)
+        for a, b in zip(native[1], select[1]):
+            np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-9)
+    finally:
+        jax.config.update("jax_enable_x64", False)
+
+
+def test_explain_shows_the_native_mask():
+    q = torch.randn(1, 16, 2, 8)
+    text = fat.explain(q, q, q, mask_mod=lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx <= 4))
+    assert "mask=causal" in text and "window=(4, 0)" in text
+
+
+def test_a_call_that_names_a_mask_keeps_its_mask_mod_in_the_graph():
+    q = torch.zeros(1, 8, 2, 4)
+    mask_mod = _masks(LENGTHS)["causal"][0]
+    options, _ = rewrite_mask("torch", q, q, q, {"mask_mod": mask_mod, "mask": "causal"}, document_ok=True)
+    assert options["mask_mod"] is mask_mod and options["mask"] == "causal" and "window" not in options
+
+
+def test_the_kept_part_is_one_object_per_shape():
+    """The warm path's signature names the mask_mod by identity: the same call must pass the same object."""
+    mask_mod = _masks(LENGTHS)["prefix_lm"][0]
+    first = _rewritten(lambda b, h, q, kv: (kv < 4) | (q >= kv), 1, 8, 8)["mask_mod"]
+    assert first is not None
+    assert _rewritten(mask_mod, 1, 8, 8)["mask_mod"] is _rewritten(mask_mod, 1, 8, 8)["mask_mod"]
+
+
+# ------------------------------------------------------------------ document masks as THD
+
+def _document_ids(batch, seqlen, seed, sort=True):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 4, (batch, seqlen), generator=gen)
+    return torch.sort(ids, dim=1).values if sort else ids
+
+
+@pytest.mark.parametrize("layout", ["bshd", "bhsd", "sbhd"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_document_mask_runs_as_thd_and_agrees(layout, causal, monkeypatch):
+    batch, seqlen = 3, 23
+    ids = _document_ids(batch, seqlen, 5)
+    reads = []
+    original = documents_thd._read
+    monkeypatch.setattr(documents_thd, "_read", lambda *a: reads.append(1) or original(*a))
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        same = ids[b, q_idx] == ids[b, kv_idx]
+        return same & (q_idx >= kv_idx) if causal else same
+
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(_shape(layout, batch, seqlen, 2), generator=gen, dtype=torch.float64,
+                           requires_grad=True) for _ in range(3))
+    assert "layout=thd" in fat.explain(q, k, v, layout=layout, mask_mod=mask_mod)
+    native = _torch_run(q, k, v, layout, mask_mod=mask_mod)
+    native_again = _torch_run(q, k, v, layout, mask_mod=mask_mod)
+    select = _torch_run(q, k, v, layout, score_mod=_select(mask_mod, torch.where))
+    assert len(reads) == 1  # the ids were read once for three calls
+    assert native[0].shape == select[0].shape and native[1].shape == select[1].shape
+    for a, b, c in zip([native[0], native[1], *native[2]], [select[0], select[1], *select[2]],
+                       [native_again[0], native_again[1], *native_again[2]]):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(c, a, rtol=0, atol=0)
+
+
+def test_one_dimensional_document_ids_and_a_changed_tensor():
+    seqlen = 17
+    ids = torch.tensor([0] * 5 + [1] * 9 + [2] * 3)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return ids[q_idx] == ids[kv_idx]
+
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, seqlen, 2, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+               for _ in range(3))
+    first = _torch_run(q, k, v, "bshd", mask_mod=mask_mod)
+    ids[5:] = 1  # in place: the cached boundaries must not be reused
+    changed = _torch_run(q, k, v, "bshd", mask_mod=mask_mod)
+    select = _torch_run(q, k, v, "bshd", score_mod=_select(mask_mod, torch.where))
+    torch.testing.assert_close(changed[0], select[0], rtol=1e-9, atol=1e-9)
+    assert not torch.allclose(first[0], changed[0])
+
+
+def test_unsorted_document_ids_run_in_the_graph_and_agree():
+    batch, seqlen = 2, 15
+    ids = _document_ids(batch, seqlen, 9, sort=False)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return ids[b, q_idx] == ids[b, kv_idx]
+
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(batch, seqlen, 2, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+               for _ in range(3))
+    native = _torch_run(q, k, v, "bshd", mask_mod=mask_mod)
+    select = _torch_run(q, k, v, "bshd", score_mod=_select(mask_mod, torch.where))
+    for a, b in zip([native[0], native[1], *native[2]], [select[0], select[1], *select[2]]):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+    assert documents_thd.boundaries(ids, batch, seqlen) is None
+
+
+def test_a_document_mask_is_recognized_in_jax_too():
+    ids = jnp.asarray([0, 0, 1, 1, 1])
+    forms = flex.trace_mask("jax", lambda b, h, q_idx, kv_idx: ids[q_idx] == ids[kv_idx])
+    assert [form for _, form in forms.conditions] == [Document(0, batched=False)]
