@@ -38,6 +38,19 @@ def _selected(tensors, options) -> str:
     return text.split("selected: ", 1)[1].split()[0]
 
 
+def as_select(options: dict) -> dict:
+    """The options with mask_mod folded into the score_mod as a select (-inf where it is False)."""
+    mask_mod = options.get("mask_mod")
+    if mask_mod is None:
+        return options
+    score_mod = options.get("score_mod") or (lambda s, b, h, q_idx, kv_idx: s)
+
+    def select(score, b, h, q_idx, kv_idx):
+        return torch.where(mask_mod(b, h, q_idx, kv_idx), score_mod(score, b, h, q_idx, kv_idx), -float("inf"))
+
+    return {**{k: v for k, v in options.items() if k != "mask_mod"}, "score_mod": select}
+
+
 def check_on_cudnn(tensors, options, dtype=torch.bfloat16):
     """cuDNN (required, never skipped) against the float64 reference, with the same-dtype reference's
     own error as the yardstick (STYLE 15)."""
@@ -46,8 +59,9 @@ def check_on_cudnn(tensors, options, dtype=torch.bfloat16):
     except fusedattn.NoBackendError as error:
         pytest.fail(f"cuDNN declined a flex callback it should run: {error}")
     assert _selected(tensors, options) == "cudnn"
-    same, same_grads = run("reference", tensors, options)
-    exact, exact_grads = run("reference", [t.double() for t in tensors], options)
+    # The references see the mask as a select in the score, not the native masks cuDNN got for it.
+    same, same_grads = run("reference", tensors, as_select(options))
+    exact, exact_grads = run("reference", [t.double() for t in tensors], as_select(options))
     assert torch.isfinite(fused.out).all()
     assert_close_to_exact("out", fused.out, same.out, exact.out)
     finite = torch.isfinite(exact.lse)
@@ -130,3 +144,31 @@ def test_learnable_captured_tensor_in_an_added_term_gets_its_gradient_on_cudnn()
         grads[backend] = slopes.grad.clone()
     torch.testing.assert_close(grads["cudnn"], grads["reference"], atol=0.05 * grads["reference"].abs().max().item(),
                                rtol=0)
+
+
+NATIVE = {"causal": "mask=causal", "causal_shifted": "window=(-1, 2)", "sliding_window": "window=(3, 0)",
+          "sliding_window_both": "window=(2, 2)", "padding": "mask=padding", "document": "layout=thd",
+          "document_causal": "layout=thd"}
+
+
+@pytest.mark.parametrize("name", sorted(NATIVE))
+def test_mask_mods_that_are_native_masks_run_without_a_score_mod_graph(name):
+    q, k, v = make(B, S, S, H, H, D, D, torch.bfloat16, seed=38)
+    config = fat.explain(q, k, v, **_options(name)).splitlines()[0]
+    assert NATIVE[name] in config and "score_mod" not in config, config
+
+
+@pytest.mark.parametrize("name", ["causal", "sliding_window", "padding", "document_causal"])
+def test_warm_native_mask_mod_calls_never_wait_for_the_device(name):
+    q, k, v = make(B, S, S, H, H, D, D, torch.bfloat16, seed=39)
+    leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
+    options = _options(name)
+    for _ in range(2):  # the first call builds (and reads document ids once)
+        fat.attention(*leaves, backend="cudnn", **options).float().sum().backward()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fat.attention(*leaves, backend="cudnn", **options).float().sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
