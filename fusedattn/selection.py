@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from fusedattn.backends import BACKENDS, Backend, backend_names, get_backend
 from fusedattn.cache import LRUCache, register
 from fusedattn.config import AttentionConfig
+from fusedattn.score_mods.key import dense_aux_notes
 
 __all__ = ["Selection", "NoBackendError", "select_backend", "explain", "clear_decisions", "probe_all"]
 
@@ -222,6 +223,9 @@ def explain(cfg: AttentionConfig, backend: str | None = None) -> str:
             lines.append("selected: none; no backend can run this call, which raises NoBackendError")
     else:
         lines.append(f"selected: {chosen}")
+    recipe = cfg.score_mod_recipe
+    if recipe is not None:
+        lines.extend(dense_aux_notes(recipe.aux))
     lines.append("backends (in selection order):")
     notes = {name: get_backend(name).notes(cfg) for name, reasons in table.items() if not reasons}
     lines.extend(_indent_reasons(table, verdicts, notes))

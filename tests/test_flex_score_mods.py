@@ -139,6 +139,16 @@ def test_gathers_over_both_positions_become_dense_aux_tensors(name):
     assert (1, H, 5, 9) in shapes, shapes
 
 
+@pytest.mark.parametrize("name", sorted(DENSE))
+def test_explain_names_a_dense_gather_and_its_memory(name):
+    q = torch.randn(2, 9, H, 8)
+    score_mod, mask_mod = corpus_entry("torch", name)
+    text = fat.explain(q, q, q, score_mod=score_mod, **({"mask_mod": mask_mod} if mask_mod else {}))
+    expected = 2 * H * 9 * 9 * 4 / 2**20  # float32 bytes of one (., Hq, Sq, Skv) tensor, B=2 or broadcast 1
+    line = next(line for line in text.splitlines() if "over every (q_idx, kv_idx) pair" in line)
+    assert f"{expected:.3g} MiB" in line or f"{expected / 2:.3g} MiB" in line, line
+
+
 # ------------------------------------------------------------------ 2. whole calls on the reference
 
 def naive_torch(q, k, v, score_mod, mask_mod):

@@ -162,3 +162,21 @@ def aux_used(score_mod: Callable, names, score_mod_bprop: Callable | None = None
     if score_mod_bprop is not None:
         score_mod_bprop(graph, RecordedTensor(graph, ("dscore",)), shared)
     return shared.read & set(names)
+
+
+_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8}
+
+
+def dense_aux_notes(aux: tuple) -> list[str]:
+    """Lines for explain: the aux tensors that vary over both q_idx and kv_idx, which the call
+    makes (or reads) whole every time, with their memory."""
+    notes = []
+    for name, description in aux:
+        if description[0] != "array" or len(description[1]) != 4 or min(description[1][2:]) <= 1:
+            continue
+        shape, dtype = description[1], description[2]
+        size = math.prod(shape) * _BYTES.get(dtype, 4)
+        notes.append(f"score_mod: {name} is a {list(shape)} {dtype} tensor over every (q_idx, kv_idx) pair, "
+                     f"{size / 2**20:.3g} MiB per call (an index that mixes q_idx and kv_idx is a gather, "
+                     "materialized)")
+    return notes
