@@ -1,10 +1,12 @@
 """score_mod suite: fusedattn's cudnn backend with a score_mod against torch.compile'd FlexAttention doing the same.
 
 ours           fusedattn.torch.attention(q, k, v, layout="bshd", mask="none", backend="cudnn", score_mod=<mod>)
+               (the mask_mod rows pass mask_mod=<fn> too, or instead; softcap_jax runs fusedattn.jax, see below)
 flex_compiled  torch.compile(flex_attention) on (B, H, S, D) views of the same inputs, in the form users run:
                a score_mod for softcap, alibi and relpos; a BlockMask from a mask_mod (built outside the timed
-               region, so flex skips fully masked blocks) for causal and document
-cudnn_plain    the same cudnn call without score_mod (mask="causal" on the causal rows, "none" otherwise):
+               region, so flex skips fully masked blocks) for causal and document, and for the mask_mod rows
+               the BlockMask of the very function ours gets
+cudnn_plain    the same cudnn call without score_mod (mask="causal" on the causal and window rows, "none" otherwise):
                what the modification costs; params.ours_ms_over_cudnn_plain = ours ms / its ms
 
 Modifications, applied to the scaled scores (scale = 1/sqrt(D)):
@@ -15,20 +17,33 @@ Modifications, applied to the scaled scores (scale = 1/sqrt(D)):
   document  4 contiguous documents of seeded random lengths per batch row; queries see their own document only
   <mod>_flex  ours given FlexAttention's own function for softcap, alibi or relpos (traced by fusedattn, its
             derivative derived): the portable path against the hand-written built-in above
+FlexAttention's mask_mod given to ours as it is (mask_mod=; fusedattn maps its conditions onto cuDNN's own masks,
+so masked tiles are skipped; params.mask_mod_native records what it ran as):
+  causal_flex          q_idx >= kv_idx (flex_causal)
+  window_flex          (q_idx - kv_idx <= 256) & (q_idx >= kv_idx): causal sliding window of 256 keys back
+  document_flex        doc[b, q_idx] == doc[b, kv_idx] over the document row's ids (flex_document; runs as THD)
+  softcap_causal_flex  softcap_flex's score_mod and causal_flex's mask_mod together
+softcap_jax  the softcap as one portable function, 20 * fusedattn.score_mods.tanh(s / 20), through
+             fusedattn.jax.attention under jax.jit on the same arrays (shared with torch by DLPack); fwd is the jit
+             of the forward, fwd+bwd the jit of jax.vjp's output and (dq, dk, dv) for the same output gradient.
+             Timed by wall clock: median of 3 loops of `repeats` back-to-back calls, each loop ended by one
+             jax.block_until_ready (CUDA events on torch's stream do not see JAX's). Flex and cudnn_plain as for
+             softcap. No JAX: the row's ours is an error entry. JAX allocates on demand (no preallocation)
 
 Workloads: B=4, H=16, bf16, S in {1024, 4096, 16384}, D in {64, 128}, modes fwd (the training forward:
 inputs require grad) and fwd+bwd (plus torch.autograd.grad of (q, k, v) with a fixed output gradient).
 
 FLOPs: 4*B*H*S*S*D forward, fwd+bwd = 3.5x forward, counted the same for ours and flex so ratios compare
 times: halved for causal (attention_flops(causal=True)); for document scaled by the exact fraction of
-visible (q, kv) pairs, sum over documents of length^2 / (B*S^2) (params.visible_fraction). cudnn_plain's
+visible (q, kv) pairs, sum over documents of length^2 / (B*S^2) (params.visible_fraction), for window_flex
+by sum over rows i of (min(i, 256) + 1) / S^2. cudnn_plain's
 TFLOP/s count the work of its own call (dense, or causal). ratio_vs_best_peer = flex_compiled ms / ours ms
 (> 1: ours faster; cudnn_plain is a baseline, not a peer, so it is left out: params.ratio_peers).
 
 Checks: max_abs_diff_vs_sdpa / max_abs_grad_diff_vs_sdpa hold max |ours - flex_compiled| over the output
 and the gradients (the keys of bench_cudnn's rows; max_abs_diff_ref names the reference); the _vs_cudnn_plain
-keys hold the same against the unmodified call, ~0 on causal rows and clearly > 0 on the others (0 there
-would mean the modification was ignored).
+keys hold the same against the unmodified call, ~0 on causal_flex and causal rows and clearly > 0 on the others
+(0 there would mean the modification was ignored).
 
 Timing, sizing of big rows and error entries as in bench_cudnn. The JSON (bench/results/score_mod.json by
 default) is rewritten after every row.
@@ -38,7 +53,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -56,13 +73,21 @@ OURS_BACKEND = "cudnn"
 DTYPE = bench_cudnn.DTYPE
 BATCH, HEADS = 4, 16
 # "<mod>_flex": ours runs FlexAttention's own function (the same object flex gets), traced by fusedattn.
-MODS = ("softcap", "alibi", "relpos", "causal", "document", "softcap_flex", "alibi_flex", "relpos_flex")
+# "<x>_flex" mask_mod rows (MASK_MODS): ours runs FlexAttention's mask_mod, flex the BlockMask of that same function.
+MASK_MODS = ("causal_flex", "window_flex", "document_flex", "softcap_causal_flex")
+MODS = ("softcap", "alibi", "relpos", "causal", "document", "softcap_flex", "alibi_flex", "relpos_flex",
+        *MASK_MODS, "softcap_jax")
 PEERS = ("flex_compiled", "cudnn_plain")
 RATIO_PEERS = ("flex_compiled",)  # the ratio compares implementations of the modification only
 SOFTCAP = 20.0
 RELPOS_REACH = 128  # M: the table has 2M + 1 columns
 DOCUMENTS = 4  # per batch row
 SEED = bench_cudnn.SEED
+WINDOW = 256  # window_flex: keys back from the query (causal)
+JAX_LOOPS = 3  # softcap_jax: timed loops of `repeats` calls, median taken
+
+# softcap_jax runs JAX beside torch on one GPU: JAX takes memory as it needs it, not a preallocated pool.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
 # --- workloads ---------------------------------------------------------------------------------------------------
@@ -106,7 +131,31 @@ def flex_relpos(table: torch.Tensor, reach: int):
 
 
 def flex_document(segment_ids: torch.Tensor):
-    return lambda b, h, q_idx, kv_idx: segment_ids[b, q_idx] == segment_ids[b, kv_idx]
+    def same_document(b, h, q_idx, kv_idx):  # named: the rows record mask_mods by __name__
+        return segment_ids[b, q_idx] == segment_ids[b, kv_idx]
+    return same_document
+
+
+def flex_causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def flex_window(window: int):
+    def sliding_window(b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx <= window) & (q_idx >= kv_idx)
+    return sliding_window
+
+
+def portable_softcap(cap: float):
+    """The softcap once for torch and JAX alike: fusedattn's portable tanh dispatches on its argument."""
+    from fusedattn import score_mods
+
+    return lambda score, b, h, q_idx, kv_idx: cap * score_mods.tanh(score / cap)
+
+
+def window_fraction(S: int, window: int) -> float:
+    """Visible share of the (q, kv) pairs under a causal window: query i sees min(i, window) + 1 keys."""
+    return sum(min(i, window) + 1 for i in range(S)) / (S * S)
 
 
 def document_lengths(S: int) -> list[list[int]]:
@@ -130,11 +179,13 @@ def segment_ids(lengths: list[list[int]], device: torch.device) -> torch.Tensor:
 class Modification:
     """One case's modification for ours and for flex; made before anything is timed."""
 
-    ours: object  # a fusedattn ScoreMod
-    flex: Callable[[], dict]  # -> flex_attention keywords (score_mod= or block_mask=)
-    flex_form: str  # "score_mod" or "block_mask"
+    ours: object  # a fusedattn ScoreMod or a flex-style score_mod; None on mask_mod-only rows
+    flex: Callable[[], dict]  # -> flex_attention keywords (score_mod= and/or block_mask=)
+    flex_form: str  # "score_mod", "block_mask" or "score_mod+block_mask"
     fraction: float = 1.0  # share of the dense FLOPs counted for ours and flex
     plain_causal: bool = False  # cudnn_plain runs mask="causal"
+    ours_mask: Callable | None = None  # a flex-style mask_mod for ours (fusedattn maps it onto cuDNN's masks)
+    framework: str = "torch"  # "jax": ours runs through fusedattn.jax under jax.jit (ours_jax)
     params: dict = field(default_factory=dict)
 
 
@@ -142,7 +193,8 @@ class Modifications:
     """Builds each case's Modification.
 
     Tensors that do not depend on S, and the flex functions over them, are made once: every
-    row passes flex the same function object, so it compiles once per shape.
+    row passes flex the same function object, so it compiles once per shape. The document ids,
+    their mask_mod and the BlockMasks are made once per S, shared by the rows that use them.
     """
 
     def __init__(self, device: torch.device, flex: bench_cudnn.Flex):
@@ -154,10 +206,20 @@ class Modifications:
         self.table = torch.randn(HEADS, 2 * RELPOS_REACH + 1, generator=generator, dtype=DTYPE, device=device) * 0.5
         self.flex_score_mods = {"softcap": flex_softcap(SOFTCAP), "alibi": flex_alibi(self.slopes),
                                 "relpos": flex_relpos(self.table, RELPOS_REACH)}
+        self.window_mask = flex_window(WINDOW)
+        self.portable_softcap = portable_softcap(SOFTCAP)
+        self._block_masks, self._documents = {}, {}
 
     def build(self, case: Case) -> Modification:
         from fusedattn import score_mods
 
+        if case.mod in MASK_MODS:
+            return self._mask_mod(case)
+        if case.mod == "softcap_jax":
+            return self._scored("softcap", self.portable_softcap, framework="jax",
+                                ours_call="fusedattn.jax.attention under jax.jit (arrays shared by DLPack)",
+                                ours_timing=f"wall clock: median of {JAX_LOOPS} loops of `repeats` back-to-back "
+                                            "calls, each ended by jax.block_until_ready")
         if case.mod.endswith("_flex"):  # the flex function itself: traced, derivative derived
             base = case.mod.removesuffix("_flex")
             return self._scored(base, self.flex_score_mods[base],
@@ -173,32 +235,110 @@ class Modifications:
                                 "block_mask", fraction=0.5, plain_causal=True)
         return self._document(case, score_mods)
 
-    def _scored(self, mod: str, ours, **params) -> Modification:
+    def _scored(self, mod: str, ours, framework: str = "torch", **params) -> Modification:
         kwargs = {"score_mod": self.flex_score_mods[mod]}
-        return Modification(ours, lambda: kwargs, "score_mod", params=params)
+        return Modification(ours, lambda: kwargs, "score_mod", framework=framework, params=params)
 
-    def _document(self, case: Case, score_mods) -> Modification:
-        lengths = document_lengths(case.S)
-        ids = segment_ids(lengths, self.device)
-        visible = sum(n * n for row in lengths for n in row) / (BATCH * case.S * case.S)
+    def _mask_mod(self, case: Case) -> Modification:
+        """The MASK_MODS rows: ours gets FlexAttention's mask_mod (and score_mod) as they are."""
+        if case.mod == "window_flex":
+            visible = window_fraction(case.S, WINDOW)
+            return self._masked(case, self.window_mask, fraction=visible, plain_causal=True,
+                                params={"window": WINDOW, "visible_fraction": round(visible, 6)})
+        if case.mod == "document_flex":
+            _, mask_mod, fields = self._document_mask(case.S)
+            return self._masked(case, mask_mod, BATCH, **fields)
+        score_mod = self.flex_score_mods["softcap"] if case.mod == "softcap_causal_flex" else None
+        return self._masked(case, flex_causal, score_mod=score_mod, fraction=0.5, plain_causal=True)
 
-        def flex_kwargs():
+    def _masked(self, case: Case, mask_mod, batch: int | None = None, *, score_mod=None, builtin=None,
+                **fields) -> Modification:
+        """Flex: the BlockMask of mask_mod (plus score_mod). Ours: the same mask_mod and score_mod, or the
+        built-in ScoreMod given as builtin in their place."""
+        def flex_kwargs():  # made when flex's Impl is: outside the timed region, a failure is flex's entry
+            kwargs = {"block_mask": self._block_mask(mask_mod, case.S, batch)}
+            return kwargs if score_mod is None else {**kwargs, "score_mod": score_mod}
+
+        form = "block_mask" if score_mod is None else "score_mod+block_mask"
+        if builtin is not None:
+            return Modification(builtin, flex_kwargs, form, **fields)
+        return Modification(score_mod, flex_kwargs, form, ours_mask=mask_mod, **fields)
+
+    def _block_mask(self, mask_mod, S: int, batch: int | None):
+        """create_block_mask of mask_mod at S, made once (mask_mod is the key, so it must live as long)."""
+        key = (mask_mod, S, batch)
+        if key not in self._block_masks:
             from torch.nn.attention.flex_attention import create_block_mask
 
-            mask = create_block_mask(flex_document(ids), BATCH, None, case.S, case.S, device=str(self.device))
-            return {"block_mask": mask}
+            self._block_masks[key] = create_block_mask(mask_mod, batch, None, S, S, device=str(self.device))
+        return self._block_masks[key]
 
-        return Modification(score_mods.document_mask(ids), flex_kwargs, "block_mask", fraction=visible,
-                            params={"documents": lengths, "visible_fraction": round(visible, 6)})
+    def _document_mask(self, S: int) -> tuple[torch.Tensor, Callable, dict]:
+        """(ids, flex_document over them, the rows' fraction= and params=) for S, made once per S: both
+        document rows get the same ids and mask_mod object."""
+        if S not in self._documents:
+            lengths = document_lengths(S)
+            ids = segment_ids(lengths, self.device)
+            visible = sum(n * n for row in lengths for n in row) / (BATCH * S * S)
+            self._documents[S] = (ids, flex_document(ids), {
+                "fraction": visible, "params": {"documents": lengths, "visible_fraction": round(visible, 6)}})
+        return self._documents[S]
+
+    def _document(self, case: Case, score_mods) -> Modification:
+        ids, mask_mod, fields = self._document_mask(case.S)
+        return self._masked(case, mask_mod, BATCH, builtin=score_mods.document_mask(ids), **fields)
 
 
 # --- implementations ---------------------------------------------------------------------------------------------
 
-def ours(x: bench_cudnn.Inputs, score_mod, backend: str) -> common.Impl:
+def ours(x: bench_cudnn.Inputs, mod: Modification, backend: str) -> common.Impl:
     import fusedattn.torch as fat
 
-    call = partial(fat.attention, x.q, x.k, x.v, layout="bshd", mask="none", backend=backend, score_mod=score_mod)
+    mask_mod = {} if mod.ours_mask is None else {"mask_mod": mod.ours_mask}
+    call = partial(fat.attention, x.q, x.k, x.v, layout="bshd", mask="none", backend=backend, score_mod=mod.ours,
+                   **mask_mod)
     return common.Impl("ours", call, (x.q, x.k, x.v), x.grad_out)
+
+
+def _bench_jax():
+    """bench_jax (which imports jax), imported when a JAX row runs: without JAX only that row fails."""
+    import jax  # noqa: F401  (first, so a missing JAX is what the error entry names)
+
+    try:
+        from . import bench_jax
+    except ImportError:
+        import bench_jax
+    return bench_jax
+
+
+def ours_jax(x: bench_cudnn.Inputs, score_mod, backend: str, *, mode: str, warmup: int, repeats: int,
+             device: torch.device) -> tuple[dict, list[torch.Tensor] | None]:
+    """common.measure's (entry, outputs) for fusedattn.jax.attention under jax.jit on x's arrays.
+
+    Wall-clock timed (bench_jax.timed_ms): CUDA events on torch's stream would not wait for JAX's.
+    Never raises: a failure (JAX missing included) becomes the entry.
+    """
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            bench_jax = _bench_jax()  # first: without JAX, the entry says so
+            jax = bench_jax.jax
+
+            import fusedattn.jax as faj
+
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # x is made on torch's stream; JAX reads it on its own
+            leaves = (x.q, x.k, x.v, x.grad_out) if mode == common.FWD_BWD else (x.q, x.k, x.v)
+            inputs = [jax.dlpack.from_dlpack(t.detach()) for t in leaves]
+            attention = partial(faj.attention, layout="bshd", mask="none", backend=backend, score_mod=score_mod)
+            step = bench_jax.jitted(attention, mode)
+            outputs = jax.block_until_ready(step(*inputs))  # compiles; (out,) or (out, dq, dk, dv)
+            for _ in range(warmup):
+                jax.block_until_ready(step(*inputs))
+            ms = bench_jax.timed_ms(step, inputs, JAX_LOOPS, repeats)
+            return {"ms": ms}, [torch.from_dlpack(t) for t in outputs]
+        except Exception as error:  # as common.measure: any failure of ours becomes its entry
+            return common.error_entry(error, caught), None
 
 
 def flex_compiled(flex: bench_cudnn.Flex, x: bench_cudnn.Inputs, kwargs: Callable[[], dict]) -> common.Impl:
@@ -231,14 +371,33 @@ def _record_diff(params: dict, suffix: str, ours_out: list, theirs: list, mode: 
         params[f"max_abs_diff_{suffix}"] = common.error_entry(error)["error"]
 
 
-def _row_params(case: Case, mode: str, mod: Modification, flops: float, warmup: int, repeats: int) -> dict:
-    params = case.dense().params(mode)  # mask "none": ours always runs the modification as a score_mod
-    name = getattr(mod.ours, "name", "flex function (traced)")
+def native_masks(mask_mod, S: int, device: torch.device, document_ok: bool) -> dict | str:
+    """What fusedattn.torch runs mask_mod as at (BATCH, S, S): cuDNN's own masks (tiles skipped), documents as
+    THD, and how many conditions stay selects in the score_mod graph; the error text if it cannot say."""
+    try:
+        from fusedattn.score_mods.flex import trace_mask
+        from fusedattn.score_mods.mask_rewrite import native_mask
+
+        chosen = native_mask(mask_mod, trace_mask("torch", mask_mod, device), BATCH, S, S, document_ok)
+    except Exception as error:
+        return common.error_entry(error)["error"]
+    return {"mask": chosen.mask, "window": chosen.window, "padding": bool(chosen.lengths),
+            "document_as_thd": chosen.document is not None, "conditions_in_graph": len(chosen.kept)}
+
+
+def _row_params(case: Case, mode: str, mod: Modification, flops: float, warmup: int, repeats: int,
+                device: torch.device) -> dict:
+    params = case.dense().params(mode)  # mask "none": ours runs the modification as a score_mod and/or mask_mod
+    name = None if mod.ours is None else getattr(mod.ours, "name", "flex function (traced)")
     params.update(score_mod=name, flex_form=mod.flex_form, **mod.params, flops=int(flops), warmup=warmup,
                   repeats=repeats, l2_flushed=False, ratio_peers=list(RATIO_PEERS),
                   max_abs_diff_vs_sdpa=None, max_abs_diff_ref=None)
+    if mod.ours_mask is not None:
+        params["mask_mod"] = f"flex function {mod.ours_mask.__name__} (traced)"
+        params["mask_mod_native"] = native_masks(mod.ours_mask, case.S, device, document_ok=mod.ours is None)
     if mode == common.FWD:
-        params["fwd_under_no_grad"] = False  # the training forward (inputs require grad)
+        # the training forward (inputs require grad); JAX has none: its fwd is the jit of the forward alone
+        params["fwd_under_no_grad"] = False if mod.framework == "torch" else None
     return params
 
 
@@ -247,11 +406,14 @@ def run_row(case: Case, mode: str, args, device: torch.device, mods: Modificatio
     flops = case.dense().flops(mode) * mod.fraction
     plain_flops = case.dense(mod.plain_causal).flops(mode)
     warmup, repeats = bench_cudnn._sized(args, flops)
-    params = _row_params(case, mode, mod, flops, warmup, repeats)
+    params = _row_params(case, mode, mod, flops, warmup, repeats, device)
     timing = dict(mode=mode, warmup=warmup, repeats=repeats, device=device)
     x = bench_cudnn.make_inputs(case.dense(), device)
 
-    entry, reference = _measure(partial(ours, x, mod.ours, args.ours_backend), True, timing)
+    if mod.framework == "jax":
+        entry, reference = ours_jax(x, mod.ours, args.ours_backend, **timing)
+    else:
+        entry, reference = _measure(partial(ours, x, mod, args.ours_backend), True, timing)
     ours_entry = {"backend": args.ours_backend, **bench_cudnn._with_value(entry, flops)}
     peers = {}
     for name, build, peer_flops, suffix in (
@@ -283,6 +445,8 @@ def parse_args(argv=None):
         epilog="examples:\n"
                "  python bench/bench_score_mod.py --quick\n"
                "  python bench/bench_score_mod.py --mods softcap,document --modes fwd\n"
+               "  python bench/bench_score_mod.py --mods causal_flex,window_flex,document_flex,softcap_causal_flex,"
+               "softcap_jax --merge\n"
                "  python bench/bench_score_mod.py --seqlens 16384 --merge     # add rows to an existing file\n"
                "  python bench/bench_score_mod.py --device cpu --ours-backend reference --seqlens 256 "
                "--head-dims 64 --out /tmp/smoke.json   # smoke test")
