@@ -629,3 +629,10 @@ def test_portable_helpers_on_two_arrays():
         np.testing.assert_array_equal(as_numpy(sm.maximum(array(x), array(y))), np.maximum(x, y))
         np.testing.assert_array_equal(as_numpy(sm.where(array(x) > array(y), array(x), array(y))), np.maximum(x, y))
     assert sm.where(True, 2.0, 3.0) == 2.0 and sm.where(False, 2.0, 3.0) == 3.0
+
+
+def test_a_torch_softcap_derivative_is_one_tanh_backward():
+    """torch's tanh_backward stays one node (cuDNN's tanh_backward), not 1 - y * y expanded."""
+    traced = flex.trace("torch", lambda s, b, h, qi, ki: 20.0 * torch.tanh(s / 20.0), None, torch.device("cpu"))
+    ops = [node.op for node in traced.derivative.nodes]
+    assert ops.count("tanh_grad") == 1 and "tanh" not in ops, ops

@@ -26,7 +26,8 @@ FLOAT, INT, BOOL = "float", "int", "bool"
 
 UNARY = ("neg", "abs", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "sin", "cos", "floor", "ceil", "trunc",
          "erf", "sign", "reciprocal")
-BINARY = ("add", "sub", "mul", "div", "floordiv", "truncdiv", "mod", "rem", "max", "min", "pow")
+# tanh_grad(g, x) = g * (1 - tanh(x)^2): torch's tanh_backward kept whole, one cuDNN op (tanh_backward)
+BINARY = ("add", "sub", "mul", "div", "floordiv", "truncdiv", "mod", "rem", "max", "min", "pow", "tanh_grad")
 COMPARE = ("lt", "le", "gt", "ge", "eq", "ne")
 LOGICAL = ("and", "or", "xor", "not")
 _INTEGRAL_UNARY = ("neg", "abs", "sign", "floor", "ceil", "trunc")  # keep an int an int
@@ -258,7 +259,7 @@ def _math_table(ops):
         "add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
         "div": lambda a, b: a / b, "floordiv": lambda a, b: m.floor(a / b), "truncdiv": lambda a, b: m.trunc(a / b),
         "mod": lambda a, b: _floor_mod(m, a, b), "rem": lambda a, b: _trunc_rem(m, a, b),
-        "max": m.maximum, "min": m.minimum, "pow": power,
+        "max": m.maximum, "min": m.minimum, "pow": power, "tanh_grad": lambda g, x: g * (1.0 - m.tanh(x) ** 2),
         "lt": lambda a, b: a < b, "le": lambda a, b: a <= b, "gt": lambda a, b: a > b, "ge": lambda a, b: a >= b,
         "eq": lambda a, b: a == b, "ne": lambda a, b: a != b,
         "and": m.logical_and, "or": m.logical_or, "xor": m.logical_xor, "not": m.logical_not,
@@ -329,7 +330,7 @@ _NUMBER_OPS = {
     "add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b, "div": lambda a, b: a / b,
     "floordiv": lambda a, b: math.floor(a / b), "truncdiv": lambda a, b: math.trunc(a / b),
     "mod": lambda a, b: a - b * math.floor(a / b), "rem": lambda a, b: a - b * math.trunc(a / b),
-    "max": max, "min": min, "pow": lambda a, b: a ** b,
+    "max": max, "min": min, "pow": lambda a, b: a ** b, "tanh_grad": lambda g, x: g * (1.0 - math.tanh(x) ** 2),
     "lt": lambda a, b: a < b, "le": lambda a, b: a <= b, "gt": lambda a, b: a > b, "ge": lambda a, b: a >= b,
     "eq": lambda a, b: a == b, "ne": lambda a, b: a != b,
     "and": lambda a, b: bool(a) and bool(b), "or": lambda a, b: bool(a) or bool(b),

@@ -18,7 +18,7 @@ from fusedattn.score_mods.graph_ops import col_index, data_type, row_index
 
 __all__ = ["lowered", "scalar_name", "aux_name", "CONSTANTS", "SAVED_SCORE", "LOWERING_VERSION"]
 
-LOWERING_VERSION = 1  # part of a flex mod's key: a graph built by another lowering is never reused
+LOWERING_VERSION = 2  # part of a flex mod's key: a graph built by another lowering is never reused
 CONSTANTS = {"k.zero": 0.0, "k.one": 1.0, "k.minus_one": -1.0}
 SAVED_SCORE = "f.score"  # the forward's score, kept for the derivative's graph
 _UNARY = {"neg": "neg", "abs": "abs", "exp": "exp", "log": "log", "sqrt": "sqrt", "rsqrt": "rsqrt",
@@ -86,6 +86,13 @@ class _Lowering:
             elif op == "div":  # s / x = (1 / x) * s
                 return self.ab("mul", self.unary("reciprocal", b), a)
         return self._done(getattr(self.g, op)(a=self.lead(a), b=b, compute_data_type=self.float_type))
+
+    def tanh_grad(self, g, x):
+        """g * (1 - tanh(x)^2) as cuDNN's tanh_backward (one op), g on the chain."""
+        if not self.on(g):
+            t = self.unary("tanh", x)
+            return self.ab("mul", g, self.ab("sub", self.t["k.one"], self.ab("mul", t, t)))
+        return self._done(self.g.tanh_backward(loss=g, input=x, compute_data_type=self.float_type))
 
     def inputs01(self, op: str, a, b):
         if not self.on(a) and self.on(b) and op in ("max", "min"):
@@ -164,6 +171,8 @@ def _node_value(low: _Lowering, expr: Expr, number: int, values: dict, prefix: s
         return low.ab(_AB[op], *args)
     if op in _INPUTS01:
         return low.inputs01(_INPUTS01[op], *args)
+    if op == "tanh_grad":
+        return low.tanh_grad(*args)
     a, b = args
     quotient = low.ab("div", a, b)
     if op == "floordiv":

@@ -138,6 +138,9 @@ class _Translator:
             return b.op("sub", b.op("exp", x), one) if name == "expm1" else b.op("log", b.op("add", x, one))
         if name == "tanh_backward":  # (grad, tanh's output)
             grad, y = self.value(args[0]), self.value(args[1])
+            tanh = b.nodes[y]
+            if tanh.op == "tanh" and b.kind(grad) == FLOAT:  # one op: cuDNN's own tanh derivative
+                return b.op("tanh_grad", grad, tanh.args[0])
             return b.op("mul", grad, b.op("sub", b.scalar(1.0), b.op("mul", y, y)))
         if name == "sigmoid_backward":  # (grad, sigmoid's output)
             grad, y = self.value(args[0]), self.value(args[1])
