@@ -40,7 +40,8 @@ JOIN_TIMEOUT = 30.0  # seconds for all threads together; a deadlock fails instea
 SMALL = 4  # every cache's capacity in the contention tests: constant eviction
 
 EXPECTED_CACHES = {"selection.decisions", "selection.calls", "torch.ops.configs", "cudnn.pointer_run.eligible",
-                   "cudnn.pointer_run.workspaces", "jax.native.plans", "cudnn.native.torch_plans"}
+                   "cudnn.pointer_run.workspaces", "jax.native.plans", "cudnn.native.torch_plans",
+                   "score_mods.flex.traces", "torch.documents.boundaries"}
 CUDNN_CACHES = {"cudnn.graphs", "cudnn.torch_run.plans"}
 
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-from collections import OrderedDict
 from dataclasses import dataclass
 
+from fusedattn.cache import LRUCache, register
 from fusedattn.score_mods.aux_plan import Aux, AuxPlan, aux_signature, index_grid, materialize, plan_aux
 from fusedattn.score_mods.core import MASKED, ScoreMod
 from fusedattn.score_mods.expr import BOOL, FLOAT, INDEX_INPUTS, Builder, Expr, ExprError, dependencies
@@ -203,7 +203,7 @@ def _same(a, b) -> bool:
     return a is b
 
 
-_TRACES: OrderedDict = OrderedDict()  # key -> (fns, snapshot, result)
+_TRACES: LRUCache = register("score_mods.flex.traces", LRUCache(_CACHE_SIZE))  # key -> (fns, snapshot, result)
 
 
 def _cached(key: tuple, fns: tuple, build):
@@ -213,13 +213,10 @@ def _cached(key: tuple, fns: tuple, build):
     if cacheable:
         hit = _TRACES.get(key)
         if hit is not None and all(a == b for a, b in zip(hit[0], fns)) and _same(hit[1], snapshot):
-            _TRACES.move_to_end(key)
             return hit[2]
     result = build()
     if cacheable:
-        _TRACES[key] = (fns, snapshot, result)
-        while len(_TRACES) > _CACHE_SIZE:
-            _TRACES.popitem(last=False)
+        _TRACES.put(key, (fns, snapshot, result))
     return result
 
 

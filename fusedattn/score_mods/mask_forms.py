@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from fusedattn.cache import LRUCache
 from fusedattn.score_mods.expr import BOOL, Expr
 
 __all__ = ["Band", "Length", "Document", "MaskForms", "mask_forms"]
@@ -28,6 +29,7 @@ __all__ = ["Band", "Length", "Document", "MaskForms", "mask_forms"]
 _FLIPPED = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le", "eq": "eq", "ne": "ne"}
 _NEGATED = {"lt": "ge", "le": "gt", "gt": "le", "ge": "lt", "eq": "ne", "ne": "eq"}
 _ONE = "1"  # the constant term of a linear form
+_CHOICES_PER_MASK = 64
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,8 @@ class MaskForms:
 
     expr: Expr
     conditions: tuple  # ((node, Band | Length | Document | None), ...)
-    choices: dict = field(default_factory=dict, repr=False)  # mask_rewrite's, per call shape
+    # mask_rewrite's choices per call shape (bounded: a server sees many lengths)
+    choices: LRUCache = field(default_factory=lambda: LRUCache(_CHOICES_PER_MASK), repr=False)
 
     def of(self, kind) -> list:
         return [(node, form) for node, form in self.conditions if isinstance(form, kind)]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fusedattn.layout import layout_spec
 from fusedattn.score_mods.expr import ExprError
 from fusedattn.score_mods.flex import PartialMask, is_flex_score_mod, trace_mask
 from fusedattn.score_mods.mask_forms import Band, Document, Length, MaskForms
@@ -27,7 +28,6 @@ from fusedattn.xp import namespace
 
 __all__ = ["NativeMask", "Documents", "native_mask", "rewrite_mask"]
 
-_DENSE_AXES = {"bshd": (0, 1), "sbhd": (1, 0), "bhsd": (0, 2)}  # (batch axis, sequence axis) of each layout
 _UNTOUCHED = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "segment_ids_q",
               "segment_ids_kv")
 _INTEGERS = ("int8", "int16", "int32", "int64", "uint8")
@@ -43,27 +43,31 @@ class NativeMask:
     document: Document | None  # run as THD by the frontend (torch)
     kept: frozenset  # numbers of the conditions left in the score_mod graph
     partial: PartialMask | None  # the mask_mod to pass on: its kept conditions (one object per choice)
+    fallback: PartialMask | None  # with a document: the same plus the document condition (ids not sorted)
+
+
+def _window(left: int | None, right: int | None) -> tuple[int, int] | None:
+    """Our window for bounds around a diagonal (None: unbounded, -1), or None if one is negative."""
+    if (left is not None and left < 0) or (right is not None and right < 0):
+        return None
+    return (-1 if left is None else left, -1 if right is None else right)
 
 
 def _band_options(band: Band, seqlen_q: int, seqlen_kv: int, padded: bool) -> tuple[str, tuple] | None:
     """(mask, window) for a band in absolute positions, or None when no native mask is that band."""
-    left, right = band.left, band.right
-    if (left is not None and left < 0) or (right is not None and right < 0):
+    top_left = _window(band.left, band.right)
+    if top_left is None:
         return None
-    as_window = (-1 if left is None else left, -1 if right is None else right)
-    if right == 0:
-        return ("padding_causal" if padded else "causal"), as_window
+    if band.right == 0:
+        return ("padding_causal" if padded else "causal"), top_left
     if padded:  # padding masks align other windows per sequence, not in absolute positions
         return None
     shift = seqlen_kv - seqlen_q  # the bottom-right diagonal is kv_idx = q_idx + shift
-    left = None if left is None else left + shift
-    right = None if right is None else right - shift
-    if (left is not None and left < 0) or (right is not None and right < 0):
+    window = _window(None if band.left is None else band.left + shift,
+                     None if band.right is None else band.right - shift)
+    if window is None:
         return None
-    window = (-1 if left is None else left, -1 if right is None else right)
-    if right == 0 and shift != 0:
-        return "causal_bottom_right", window
-    return "none", window
+    return ("causal_bottom_right" if window[1] == 0 and shift != 0 else "none"), window
 
 
 def _length_usable(forms: MaskForms, length: Length, batch: int) -> bool:
@@ -78,11 +82,8 @@ def native_mask(mask_mod, forms: MaskForms, batch: int, seqlen_q: int, seqlen_kv
                 document_ok: bool) -> NativeMask:
     """The native masks for these shapes (cached on forms, mask_mod's trace). document_ok: the
     frontend can run a document mask as THD when nothing else stays in the graph."""
-    key = (batch, seqlen_q, seqlen_kv, document_ok)
-    made = forms.choices.get(key)
-    if made is None:
-        made = forms.choices[key] = _choose(mask_mod, forms, batch, seqlen_q, seqlen_kv, document_ok)
-    return made
+    return forms.choices.get_or_build((batch, seqlen_q, seqlen_kv, document_ok),
+                                      lambda: _choose(mask_mod, forms, batch, seqlen_q, seqlen_kv, document_ok))
 
 
 def _choose(mask_mod, forms: MaskForms, batch: int, seqlen_q: int, seqlen_kv: int,
@@ -92,7 +93,7 @@ def _choose(mask_mod, forms: MaskForms, batch: int, seqlen_q: int, seqlen_kv: in
     lengths = {}
     for node, length in forms.of(Length):
         size = seqlen_q if length.axis == "q_idx" else seqlen_kv
-        if length.slot is None and length.offset >= size:  # always true here
+        if length.slot is None and length.offset >= size:  # true at every position of this call
             native.add(number[node])
         elif length.axis not in lengths and _length_usable(forms, length, batch):
             lengths[length.axis] = length
@@ -105,16 +106,17 @@ def _choose(mask_mod, forms: MaskForms, batch: int, seqlen_q: int, seqlen_kv: in
         if mapped is not None:
             mask, window = mapped
             native.update(number[node] for node, _ in bands)
-    document = None
+    document = fallback = None
     documents = forms.of(Document)
     rest = [i for i in range(len(forms.conditions)) if i not in native]
     if (document_ok and not lengths and len(documents) == 1 and rest == [number[documents[0][0]]]
             and _document_usable(forms, documents[0][1], batch, seqlen_q)):
         document = documents[0][1]
+        fallback = PartialMask(mask_mod, frozenset(rest))
         native.add(rest.pop())
     kept = frozenset(rest)
     return NativeMask(mask, window, tuple(lengths.values()), document, kept,
-                      PartialMask(mask_mod, kept) if kept else None)
+                      PartialMask(mask_mod, kept) if kept else None, fallback)
 
 
 def _document_usable(forms: MaskForms, document: Document, batch: int, seqlen: int) -> bool:
@@ -142,10 +144,17 @@ def _cumulative(ops, counts, like):
 
 
 def _shapes(q, k, layout: str) -> tuple[int, int, int] | None:
-    axes = _DENSE_AXES.get(layout)
-    if axes is None or getattr(q, "ndim", 0) != 4 or getattr(k, "ndim", 0) != 4:
+    """(B, Sq, Skv) of a dense unpacked layout (bshd, sbhd, bhsd), else None."""
+    try:
+        spec = layout_spec(layout)
+    except ValueError:
+        return None  # the call's own validation names the bad layout
+    axes = spec.tensors[0][1]
+    packed_or_ragged = spec.base is not spec.layout or spec.layout.is_ragged
+    if packed_or_ragged or getattr(q, "ndim", 0) != 4 or getattr(k, "ndim", 0) != 4:
         return None
-    return q.shape[axes[0]], q.shape[axes[1]], k.shape[axes[1]]
+    batch, sequence = axes.index("B"), axes.index("S")
+    return q.shape[batch], q.shape[sequence], k.shape[sequence]
 
 
 @dataclass(frozen=True)
@@ -153,7 +162,8 @@ class Documents:
     """A document mask for the frontend to run as THD: the ids, (B, S) when batched, else (S,)."""
 
     ids: object
-    batched: bool
+    batch: int
+    seqlen: int
     fallback: PartialMask  # the mask_mod with the document condition kept, if the ids are not sorted
 
 
@@ -193,7 +203,5 @@ def rewrite_mask(framework: str, q, k, v, options: dict, document_ok: bool) -> t
             options[f"max_seqlen_{name}"] = size
     documents = None
     if chosen.document is not None:
-        number = next(i for i, (_, form) in enumerate(forms.conditions) if form is chosen.document)
-        documents = Documents(forms.expr.captured[chosen.document.slot], chosen.document.batched,
-                              PartialMask(mask_mod, chosen.kept | {number}))
+        documents = Documents(forms.expr.captured[chosen.document.slot], batch, seqlen_q, chosen.fallback)
     return options, documents

@@ -10,15 +10,17 @@ so the layers of one step read it once). Ids that are not sorted run as a select
 from __future__ import annotations
 
 import weakref
-from collections import OrderedDict
 
 import numpy as np
 import torch
 
+from fusedattn.cache import LRUCache, register
+from fusedattn.layout import from_bhsd, to_bhsd
+
 __all__ = ["boundaries", "to_tokens", "from_tokens", "lse_from_tokens"]
 
-_CACHE_SIZE = 8
-_SEEN: OrderedDict = OrderedDict()  # (id, version, address, shape) -> (weakref to ids, result)
+# (id, version, address, shape, B, S) -> (weakref to ids, result)
+_SEEN: LRUCache = register("torch.documents.boundaries", LRUCache(8))
 
 
 def _read(ids: torch.Tensor, batch: int, seqlen: int):
@@ -40,32 +42,21 @@ def boundaries(ids: torch.Tensor, batch: int, seqlen: int):
     some row's ids are not sorted."""
     key = (id(ids), ids._version, ids.data_ptr(), tuple(ids.shape), batch, seqlen)
     hit = _SEEN.get(key)
-    if hit is not None and hit[0]() is ids:
-        _SEEN.move_to_end(key)
+    if hit is not None and hit[0]() is ids:  # the same tensor, not a new one at a freed address
         return hit[1]
     result = _read(ids, batch, seqlen)
-    _SEEN[key] = (weakref.ref(ids), result)
-    while len(_SEEN) > _CACHE_SIZE:
-        _SEEN.popitem(last=False)
+    _SEEN.put(key, (weakref.ref(ids), result))
     return result
 
 
 def to_tokens(x: torch.Tensor, layout: str) -> torch.Tensor:
     """(B*S, H, D) tokens, batch-major, from a dense layout."""
-    if layout == "sbhd":
-        x = x.transpose(0, 1)
-    elif layout == "bhsd":
-        x = x.transpose(1, 2)
+    x = to_bhsd(x, layout).transpose(1, 2)
     return x.reshape(-1, x.shape[2], x.shape[3])
 
 
 def from_tokens(x: torch.Tensor, layout: str, batch: int) -> torch.Tensor:
-    x = x.reshape(batch, -1, x.shape[1], x.shape[2])
-    if layout == "sbhd":
-        return x.transpose(0, 1)
-    if layout == "bhsd":
-        return x.transpose(1, 2)
-    return x
+    return from_bhsd(x.reshape(batch, -1, x.shape[1], x.shape[2]).transpose(1, 2), layout)
 
 
 def lse_from_tokens(lse: torch.Tensor | None, batch: int) -> torch.Tensor | None:

@@ -210,13 +210,12 @@ def _documents_possible(options: dict) -> bool:
 def _document_call(q, k, v, options: dict, documents):
     """The call as THD, one sequence per document (fusedattn.torch.documents); None when the ids are
     not sorted along each row."""
-    layout = options.get("layout") or "bshd"
-    batch = q.shape[1] if layout == "sbhd" else q.shape[0]
-    tokens = [documents_thd.to_tokens(x, layout) for x in (q, k, v)]
-    found = documents_thd.boundaries(documents.ids, batch, tokens[0].shape[0] // batch)
+    layout, batch = options.get("layout") or "bshd", documents.batch
+    found = documents_thd.boundaries(documents.ids, batch, documents.seqlen)
     if found is None:
         return None
     offsets, longest = found
+    tokens = [documents_thd.to_tokens(x, layout) for x in (q, k, v)]
     result = attention(*tokens, **{**options, "layout": "thd", "cu_seqlens_q": offsets, "cu_seqlens_kv": offsets,
                                    "max_seqlen_q": longest, "max_seqlen_kv": longest})
     if isinstance(result, _Configured):  # explain()
