@@ -16,6 +16,12 @@ on (B, H, S, D) views of the same tensors, default dispatch. Each round times, p
          gpu_us  = CUDA-event time from the spin's end to the last call / calls is the GPU time of a
          call with the queue full. gpu_held says in how many rounds the spin outlasted the loop.
 
+Variants (on; --no-variants leaves them out): ours with a modification, same shapes, rounds and conventions.
+ours_softcap_flex: score_mod=softcap (a flex function, 30 * tanh(score / 30)); ours_softcap_builtin:
+score_mods.softcap(30.0); ours_alibi_flex: a flex closure, score + slopes[h] * (kv_idx - q_idx); ours_bias:
+bias=(1, H, S, S) bf16. They sit in "peers" but the ratios compare ours with SDPA only (params.ratio_peers);
+"host_extra_us" holds each variant's host_us minus ours' (printed on a line under the row).
+
 Rows keep medians over --rounds. In the JSON "ms" is host_us / 1000 (so ratio_vs_best_peer = sdpa
 host time / ours, > 1: ours cheaper), "value" the attention TFLOP/s at gpu_us (4*B*H*S^2*D/2 forward,
 x3.5 with backward); each entry also holds host_us, gpu_us, loop_us and wait_us. On CPU (--smoke) there
@@ -47,6 +53,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from fusedattn.score_mods import tanh  # noqa: E402
+
 try:  # python -m bench.profile_overhead
     from . import bench_cudnn, common
     from .bench_model import recorded_selections
@@ -59,6 +67,8 @@ SUITE = "overhead"
 PEER = "sdpa"
 CUDNN_PEER = "sdpa_cudnn"  # SDPA forced to cuDNN (GPU only): the same kernels as ours, torch's own launch
 HOLD_MARGIN_US = 2000.0  # the spin outlasts twice the plain loop's enqueue time by this much
+CAP = 30.0  # the softcap variants' cap
+VARIANTS = ("ours_softcap_flex", "ours_softcap_builtin", "ours_alibi_flex", "ours_bias")
 
 
 @dataclass(frozen=True)
@@ -162,6 +172,7 @@ class Contestant:
                                                               "held": []})
 
     sdpa_backend: object = None  # an SDPBackend to force around the loop
+    records: bool = False  # a fusedattn call: its first warm-up call records the selections fusedattn makes
 
     def context(self) -> contextlib.AbstractContextManager:
         """The forward runs under no_grad, a forced SDPA backend under sdpa_kernel (entered once around a
@@ -179,20 +190,54 @@ class Contestant:
         return self.impl.call if self.mode == common.FWD else self.impl.step(common.FWD_BWD)
 
 
-def contestants(x: bench_cudnn.Inputs, mode: str, ours_backend: str | None) -> list[Contestant]:
+def softcap(score, b, h, q_idx, kv_idx):
+    """The flex form of softcap (module-level, so traced once for the whole run)."""
+    return CAP * tanh(score / CAP)
+
+
+def alibi_flex(slopes: torch.Tensor):
+    """A flex score_mod over a captured (H,) tensor: fusedattn loads it as an aux tensor."""
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    return alibi
+
+
+def _ours(name: str, x: bench_cudnn.Inputs, mode: str, ours_backend: str | None, **options) -> Contestant:
+    """fusedattn's causal call on x with extra options; gradients of q, k, v only (as ours)."""
     import fusedattn.torch as fat
 
-    ours = common.Impl("ours", partial(fat.attention, x.q, x.k, x.v, layout="bshd", mask="causal",
-                                       backend=ours_backend), (x.q, x.k, x.v), x.grad_out, forward_no_grad=True)
+    call = partial(fat.attention, x.q, x.k, x.v, layout="bshd", mask="causal", backend=ours_backend, **options)
+    return Contestant(name, common.Impl(name, call, (x.q, x.k, x.v), x.grad_out, forward_no_grad=True), mode,
+                      records=True)
+
+
+def variants(x: bench_cudnn.Inputs, mode: str, ours_backend: str | None) -> list[Contestant]:
+    """Ours with a score_mod or a bias; their tensors and the builtin are made here, once per row, not per call."""
+    import fusedattn
+    from fusedattn import score_mods
+
+    _, S, H, _ = x.q.shape
+    slopes = torch.tensor(fusedattn.standard_alibi_slopes(H), dtype=torch.float32, device=x.q.device)
+    generator = torch.Generator(device=x.q.device).manual_seed(0)
+    bias = torch.randn(1, H, S, S, device=x.q.device, dtype=torch.bfloat16, generator=generator)
+    options = {"ours_softcap_flex": {"score_mod": softcap},
+               "ours_softcap_builtin": {"score_mod": score_mods.softcap(CAP)},
+               "ours_alibi_flex": {"score_mod": alibi_flex(slopes)}, "ours_bias": {"bias": bias}}
+    return [_ours(name, x, mode, ours_backend, **options[name]) for name in VARIANTS]
+
+
+def contestants(x: bench_cudnn.Inputs, mode: str, ours_backend: str | None, with_variants: bool) -> list[Contestant]:
+    """ours and sdpa first (_check compares those two), then sdpa_cudnn on a GPU, then the variants."""
     sdpa = common.Impl(PEER, partial(torch.nn.functional.scaled_dot_product_attention, x.qt, x.kt, x.vt,
                                      is_causal=True), (x.qt, x.kt, x.vt), x.grad_out.transpose(1, 2),
                        to_reference=lambda t: t.transpose(1, 2), forward_no_grad=True)
-    peers = [Contestant("ours", ours, mode), Contestant(PEER, sdpa, mode)]
+    peers = [_ours("ours", x, mode, ours_backend), Contestant(PEER, sdpa, mode)]
     if x.q.is_cuda:
         from torch.nn.attention import SDPBackend
 
         peers.append(Contestant(CUDNN_PEER, sdpa, mode, sdpa_backend=SDPBackend.CUDNN_ATTENTION))
-    return peers
+    return peers + (variants(x, mode, ours_backend) if with_variants else [])
 
 
 def sample(contestant: Contestant, calls: int, device: torch.device, cycles_per_us: float | None) -> None:
@@ -228,12 +273,12 @@ def entry(contestant: Contestant, flops: float) -> dict:
 
 # --- one row -----------------------------------------------------------------------------------------------------
 
-def _warm_up(contestant: Contestant, calls: int, device: torch.device) -> list[tuple[str, str]]:
-    """Untimed calls (graph builds, selection); for ours, the selections fusedattn made on the first."""
+def _warm_up(contestant: Contestant, calls: int, device: torch.device, record: bool) -> list[tuple[str, str]]:
+    """Untimed calls (graph builds, selection); with record, first one call whose selections it returns."""
     call = contestant.call()
     made: list[tuple[str, str]] = []
     with contestant.context():
-        if contestant.name == "ours":
+        if record:
             with recorded_selections() as made:
                 call()
         for _ in range(calls):
@@ -242,10 +287,34 @@ def _warm_up(contestant: Contestant, calls: int, device: torch.device) -> list[t
     return list(made)
 
 
+def _warm_all(live: list[Contestant], entries: dict, warmup: int, device: torch.device) -> dict[str, list]:
+    """Warm every contestant up; a fusedattn one's selections by name. Recording clears fusedattn's cached
+    decisions, so every recorded call comes before all the plain warm-up calls: none is left to a timed call.
+    A contestant that cannot run becomes an error entry and leaves live, not the end of the run."""
+    chosen = {}
+    for record in (True, False):
+        for contestant in [c for c in live if c.records or not record]:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    made = _warm_up(contestant, 0 if record else warmup, device, record)
+                except Exception as error:
+                    entries[contestant.name] = common.error_entry(error, caught)
+                    live.remove(contestant)
+                    continue
+            if record:
+                chosen[contestant.name] = made
+    return chosen
+
+
+def _backends(made: list[tuple[str, str]]) -> str:
+    return ",".join(sorted({backend for _, backend in made})) or "default"
+
+
 def _check(contestants_: list[Contestant], mode: str, params: dict) -> None:
     """max |ours - sdpa| over the output and, in fwd+bwd, the input gradients (one untimed call each)."""
     try:
-        outputs = [c.impl.outputs(mode) for c in contestants_]
+        outputs = [c.impl.outputs(mode) for c in contestants_ if c.name in ("ours", PEER)]
         params["max_abs_diff_vs_sdpa"] = common.max_abs_diff(outputs[0], outputs[1])
     except Exception as error:
         params["max_abs_diff_vs_sdpa"] = common.error_entry(error)["error"]
@@ -258,22 +327,15 @@ def run_row(shape: Shape, mode: str, args, device: torch.device, cycles_per_us: 
     flops = shape.flops(mode)
     params = {**shape.params(mode), "calls_per_loop": args.calls, "rounds": args.rounds, "flops": int(flops),
               "ms_is": "host enqueue time per call (host_us / 1000)",
-              "value_is": "TFLOP/s at gpu_us" if cycles_per_us else "TFLOP/s at loop_us (no GPU)"}
-    live, entries = contestants(x, mode, args.ours_backend), {}
-    for contestant in list(live):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            try:
-                made = _warm_up(contestant, args.warmup, device)
-            except Exception as error:  # a contestant that cannot run is an entry, not the end of the run
-                entries[contestant.name] = common.error_entry(error, caught)
-                live.remove(contestant)
-                continue
-        if contestant.name == "ours":
-            params["fusedattn_selection"] = [f"{config} -> {backend}" for config, backend in made]
-            params["ours_backend"] = args.ours_backend or ",".join(sorted({b for _, b in made})) or "default"
-    if len(live) >= 2:
-        _check(live[:2], mode, params)
+              "value_is": "TFLOP/s at gpu_us" if cycles_per_us else "TFLOP/s at loop_us (no GPU)",
+              "ratio_peers": [PEER]}  # --merge ranks by it too: the variants never enter the ratio
+    live, entries = contestants(x, mode, args.ours_backend, args.variants), {}
+    chosen = _warm_all(live, entries, args.warmup, device)
+    if "ours" in chosen:
+        params["fusedattn_selection"] = [f"{config} -> {backend}" for config, backend in chosen["ours"]]
+        params["ours_backend"] = args.ours_backend or _backends(chosen["ours"])
+    if {"ours", PEER} <= {c.name for c in live}:
+        _check(live, mode, params)
     for index in range(args.rounds):
         for contestant in live[::-1] if index % 2 else live:
             if contestant.name in entries:
@@ -284,15 +346,26 @@ def run_row(shape: Shape, mode: str, args, device: torch.device, cycles_per_us: 
                 entries[contestant.name] = common.error_entry(error)
     for contestant in live:
         entries.setdefault(contestant.name, entry(contestant, flops))
+        if contestant.name in VARIANTS and "error" not in entries[contestant.name]:
+            entries[contestant.name]["backend"] = _backends(chosen[contestant.name])
     del live, x
     common.release_memory(device)
     ours = {"backend": params.get("ours_backend", args.ours_backend or "default"), **entries["ours"]}
-    peers = {name: entries[name] for name in (PEER, CUDNN_PEER) if name in entries}
+    peers = {name: entries[name] for name in (PEER, CUDNN_PEER, *VARIANTS) if name in entries}
     ratio = common.best_peer_ratio(ours, {PEER: peers[PEER]})  # the target: SDPA's default dispatch
     cudnn_ratio = common.best_peer_ratio(ours, {CUDNN_PEER: peers[CUDNN_PEER]}) if CUDNN_PEER in peers else None
     return {"workload": f"{shape.name}-{mode}", "params": params, "metric": "tflops", "ours": ours, "peers": peers,
             "ratio_vs_best_peer": None if ratio is None else round(ratio, 4),
-            "ratio_vs_sdpa_cudnn": None if cudnn_ratio is None else round(cudnn_ratio, 4)}
+            "ratio_vs_sdpa_cudnn": None if cudnn_ratio is None else round(cudnn_ratio, 4),
+            "host_extra_us": host_extra(ours, peers)}
+
+
+def host_extra(ours: dict, peers: dict) -> dict[str, float]:
+    """Each variant's host_us minus ours', over entries without errors."""
+    if not isinstance(ours.get("host_us"), float):
+        return {}
+    return {name: round(peers[name]["host_us"] - ours["host_us"], 2) for name in VARIANTS
+            if isinstance(peers.get(name, {}).get("host_us"), float)}
 
 
 # --- output ------------------------------------------------------------------------------------------------------
@@ -310,6 +383,13 @@ def print_row(row: dict, seconds: float) -> None:
     cudnn_text = f" | sdpa_cudnn host {cudnn:.1f} us" if isinstance(cudnn, float) else ""
     print(f"{row['workload']:<40} " + " | ".join(_ratio_text(row, key) for key in ("host_us", "gpu_us", "loop_us"))
           + f" | {held:>11}{cudnn_text}  [{seconds:.1f} s]", flush=True)
+    extra = row.get("host_extra_us") or {}
+    if extra:  # a variant's backend only where it is not ours' (a fallback explains a large extra)
+        backends = {name: row["peers"][name].get("backend") for name in extra}
+        cells = (f"{name.removeprefix('ours_')} {us:+.1f}"
+                 + (f" ({backends[name]})" if backends[name] != row["ours"].get("backend") else "")
+                 for name, us in extra.items())
+        print("    host us over ours: " + " | ".join(cells), flush=True)
     for name, entry_ in (("ours", row["ours"]), *row["peers"].items()):
         if "error" in entry_:
             print(f"    ! {name}: {entry_['error'][:300]}", flush=True)
@@ -403,6 +483,8 @@ def parse_args(argv=None):
     parser.add_argument("--rounds", type=int, default=20, help="interleaved rounds; medians over them (default 20)")
     parser.add_argument("--warmup", type=int, default=20, help="untimed calls per contestant (default 20)")
     parser.add_argument("--ours-backend", default=None, help="force a fusedattn backend (default: its selection)")
+    parser.add_argument("--no-variants", dest="variants", action="store_false",
+                        help="leave out ours with a score_mod or a bias (ours_softcap_flex, ... ours_bias)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: tests the script, not speed")
     parser.add_argument("--device", default=None, choices=("cuda", "cpu"), help="default cuda (cpu with --smoke)")
     args = parser.parse_args(argv)

@@ -15,6 +15,7 @@ import torch
 
 from fusedattn.backends.cudnn.native import build, torch_plans
 from fusedattn.config import AttentionConfig
+from fusedattn.score_mods.core import MASKED
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
                                 reason="no C++ compiler")
@@ -41,15 +42,19 @@ def operator(tmp_path_factory):
     return torch_plans.load_operator(path)
 
 
+PLAIN = (None, [], [], False)  # no bias, aux tensors or scalars; no empty-row fix
+
+
 def _cfg(**changes):
     base = dict(dtype="bfloat16", layout="bshd", batch=2, seqlen_q=48, seqlen_kv=40, heads_q=4, heads_kv=2,
                 head_dim_qk=64, head_dim_v=32, mask="causal", device="cuda", is_training=True)
     return AttentionConfig(**{**base, **changes})
 
 
-def _register(library, cfg, stats=True):
-    shape = torch_plans.plan_shape(cfg, stats)
-    return library.fusedattn_torch_plan(0, 1, (ctypes.c_int64 * len(shape))(*shape), len(shape))
+def _register(library, cfg, stats=True, bias_grad=False):
+    shape = torch_plans.plan_shape(cfg, stats, bias_grad)
+    return library.fusedattn_torch_plan(0, 1 if cfg.is_training else -1, (ctypes.c_int64 * len(shape))(*shape),
+                                        len(shape), cfg.scale)
 
 
 def _meta(cfg, role, requires_grad=False):
@@ -66,13 +71,14 @@ def test_meta_kernels_give_the_plans_shapes_and_strides(operator, layout):
     cfg = _cfg(layout=layout)
     plan = _register(operator, cfg)
     q, k, v = (_meta(cfg, role) for role in ("q", "k", "v"))
-    out, lse = torch.ops.fusedattn_native.forward(plan, q, k, v, None, None, None)
+    out, lse = torch.ops.fusedattn_native.forward(plan, q, k, v, None, None, None, *PLAIN)
     assert out.shape == (*q.shape[:-1], 32) and out.dtype == torch.bfloat16
     base = {"bshd": "BSHD", "sbhd": "SBHD", "bhsd": "BHSD"}[layout]
     dense = torch.empty([{"B": 2, "S": 48, "H": 4, "D": 32}[a] for a in base], device="meta")
     assert out.stride() == tuple(dense.permute([base.index(a) for a in base]).stride())
     assert lse.shape == (2, 4, 48) and lse.dtype == torch.float32
-    grads = torch.ops.fusedattn_native.backward(plan, torch.empty_like(out), None, q, k, v, out, lse, None, None, None)
+    grads = torch.ops.fusedattn_native.backward(plan, torch.empty_like(out), None, q, k, v, out, lse, None, None, None,
+                                                *PLAIN[:3])
     assert [g.shape for g in grads[:3]] == [q.shape, k.shape, v.shape]
     assert len(grads) == 3  # no sink, no dSink
 
@@ -80,7 +86,7 @@ def test_meta_kernels_give_the_plans_shapes_and_strides(operator, layout):
 def test_inference_plans_return_no_lse(operator):
     plan = _register(operator, _cfg(is_training=False), stats=False)
     q, k, v = (_meta(_cfg(), role) for role in ("q", "k", "v"))
-    _, lse = torch.ops.fusedattn_native.forward(plan, q, k, v, None, None, None)
+    _, lse = torch.ops.fusedattn_native.forward(plan, q, k, v, None, None, None, *PLAIN)
     assert lse.numel() == 0
 
 
@@ -89,9 +95,9 @@ def test_the_cpp_autograd_node_runs_the_backward_operator(operator):
     plan = _register(operator, cfg)
     q, k, v = (_meta(cfg, role, requires_grad=True) for role in ("q", "k", "v"))
     sink = torch.empty(4, device="meta", dtype=torch.bfloat16, requires_grad=True)
-    out, lse = torch.ops.fusedattn_native.attention(plan, q, k, v, sink, None, None)
+    out, lse = torch.ops.fusedattn_native.attention(plan, q, k, v, sink, None, None, *PLAIN)
     assert out.grad_fn.name() == "FusedAttentionBackward" and lse.grad_fn is out.grad_fn
-    assert len(out.grad_fn.next_functions) == 4  # q, k, v, sink
+    assert len(out.grad_fn.next_functions) == 5  # q, k, v, sink, bias (none here)
     out.sum().backward()
     assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
     assert sink.grad.shape == (4,) and sink.grad.dtype == torch.bfloat16
@@ -103,12 +109,12 @@ def test_the_node_is_made_only_when_a_gradient_is_wanted(operator):
     cfg = _cfg()
     plan = _register(operator, cfg)
     q, k, v = (_meta(cfg, role) for role in ("q", "k", "v"))
-    out, lse = torch.ops.fusedattn_native.attention(plan, q, k, v, None, None, None)
+    out, lse = torch.ops.fusedattn_native.attention(plan, q, k, v, None, None, None, *PLAIN)
     assert out.grad_fn is None and not out.requires_grad
     k.requires_grad_(True)
     with torch.no_grad():
-        assert torch.ops.fusedattn_native.attention(plan, q, k, v, None, None, None)[0].grad_fn is None
-    out, lse = torch.ops.fusedattn_native.attention(plan, q, k, v, None, None, None)
+        assert torch.ops.fusedattn_native.attention(plan, q, k, v, None, None, None, *PLAIN)[0].grad_fn is None
+    out, lse = torch.ops.fusedattn_native.attention(plan, q, k, v, None, None, None, *PLAIN)
     (grad_k,) = torch.autograd.grad(lse.sum() * 0 + out.sum(), (k,))  # q and v get none: no edge to them
     assert grad_k.shape == k.shape
 
@@ -121,7 +127,7 @@ def test_a_gradient_through_the_lse_reaches_the_backward_op(operator):
     cfg = _cfg()
     plan = _register(operator, cfg)
     q, k, v = (_meta(cfg, role, requires_grad=True) for role in ("q", "k", "v"))
-    out, lse = torch.ops.fusedattn_native.attention(plan, q, k, v, None, None, None)
+    out, lse = torch.ops.fusedattn_native.attention(plan, q, k, v, None, None, None, *PLAIN)
     (out.sum() + lse.sum()).backward()  # meta kernels check shapes only
     assert q.grad.shape == q.shape
 
@@ -131,7 +137,7 @@ def test_shapes_other_than_the_plans_are_refused(operator):
     plan = _register(operator, cfg)
     q, k, v = (_meta(cfg, role) for role in ("q", "k", "v"))
     with pytest.raises(RuntimeError, match=r"q: expected shape \[2, 48, 4, 64\]"):
-        torch.ops.fusedattn_native.forward(plan, k, k, v, None, None, None)
+        torch.ops.fusedattn_native.forward(plan, k, k, v, None, None, None, *PLAIN)
 
 
 def test_the_registry_is_bounded_and_says_when_a_plan_was_dropped(operator):
@@ -141,20 +147,22 @@ def test_the_registry_is_bounded_and_says_when_a_plan_was_dropped(operator):
         assert operator.fusedattn_torch_bounds(0) == 4
         q, k, v = (_meta(_cfg(), role) for role in ("q", "k", "v"))
         with pytest.raises(RuntimeError, match=f"native plan {plans[0]} is not registered in this process"):
-            torch.ops.fusedattn_native.forward(plans[0], q, k, v, None, None, None)
-        torch.ops.fusedattn_native.forward(plans[-1], q, k, v, None, None, None)
+            torch.ops.fusedattn_native.forward(plans[0], q, k, v, None, None, None, *PLAIN)
+        torch.ops.fusedattn_native.forward(plans[-1], q, k, v, None, None, None, *PLAIN)
     finally:
         operator.fusedattn_torch_bounds(torch_plans.PLAN_CAPACITY)
 
 
 def test_plans_with_a_wrong_shape_list_are_refused(operator):
-    assert operator.fusedattn_torch_plan(0, 1, (ctypes.c_int64 * 3)(1, 2, 3), 3) == -1
+    assert operator.fusedattn_torch_plan(0, 1, (ctypes.c_int64 * 3)(1, 2, 3), 3, 1.0) == -1
+    shape = torch_plans.plan_shape(_cfg(), True)
+    shape[-1] = 2  # two scalars announced, no type given for them
+    assert operator.fusedattn_torch_plan(0, 1, (ctypes.c_int64 * len(shape))(*shape), len(shape), 1.0) == -1
 
 
 @pytest.mark.parametrize("changes, reason", [
     (dict(layout="thd", mask="padding", batch=2), "THD layouts"),
     (dict(mask="padding"), "mask 'padding'"),
-    (dict(bias="post_scale", bias_shape=(1, 4, 48, 40)), "a bias tensor"),
     (dict(return_max_logit=True), "return_max_logit"),
     (dict(mask="causal_bottom_right", seqlen_q=64, seqlen_kv=40), "rows without keys"),
 ])
@@ -209,7 +217,7 @@ def test_the_python_entry_calls_the_operator_with_its_autograd(operator, entry):
     q, k, v = (_meta(cfg, role, requires_grad=True) for role in ("q", "k", "v"))
     sink = torch.empty(4, device="meta", dtype=torch.bfloat16, requires_grad=True)
     out, lse = entry(plan, q, k, v, sink, None, None)
-    expected = torch.ops.fusedattn_native.attention(plan, q, k, v, sink, None, None)
+    expected = torch.ops.fusedattn_native.attention(plan, q, k, v, sink, None, None, *PLAIN)
     assert (out.shape, out.stride(), lse.shape) == (expected[0].shape, expected[0].stride(), expected[1].shape)
     assert out.grad_fn.name() == "FusedAttentionBackward"
     out.sum().backward()
@@ -222,7 +230,8 @@ def test_the_python_entry_raises_what_torch_ops_raises(operator, entry):
     cfg = _cfg()
     plan = _register(operator, cfg)
     q, k, v = (_meta(cfg, role) for role in ("q", "k", "v"))
-    for call in (entry, torch.ops.fusedattn_native.attention.default):
+    ops = lambda *args: torch.ops.fusedattn_native.attention.default(*args, *PLAIN)  # noqa: E731
+    for call in (entry, ops):
         with pytest.raises(RuntimeError, match=r"q: expected shape \[2, 48, 4, 64\]") as raised:
             call(plan, k, k, v, None, None, None)
         assert "Exception raised from" not in str(raised.value)  # no C++ backtrace
@@ -251,3 +260,93 @@ def test_tensors_that_override_torch_functions_take_torch_ops(operator, monkeypa
     with Recording():
         assert functional._operator(0, q, q, q, None, None, None) == "through torch.ops"
     assert seen == [torch.ops.fusedattn_native.attention.default]
+
+
+# ---------------------------------------------------------------- bias and score_mod operands
+
+@pytest.mark.parametrize("user_shape, config_shape", [((4, 48, 40), (1, 4, 48, 40)), ((2, 4, 1, 40), (2, 4, 1, 40)),
+                                                      ((1, 4, 48, 1), (1, 4, 48, 1))])
+@pytest.mark.parametrize("kind", ["post_scale", "pre_scale"])
+def test_a_learnable_bias_gets_its_gradient_in_its_own_shape_and_dtype(operator, user_shape, config_shape, kind):
+    cfg = _cfg(bias=kind, bias_shape=config_shape, bias_requires_grad=True, mask="none")
+    plan = _register(operator, cfg, bias_grad=True)
+    q, k, v = (_meta(cfg, role, requires_grad=True) for role in ("q", "k", "v"))
+    bias = torch.empty(user_shape, device="meta", dtype=torch.float32, requires_grad=True)
+    out, lse = torch.ops.fusedattn_native.attention(plan, q, k, v, None, None, None, bias, [], [], False)
+    assert len(out.grad_fn.next_functions) == 5  # q, k, v, sink (none), bias
+    out.sum().backward()
+    assert bias.grad.shape == user_shape and bias.grad.dtype == torch.float32
+    assert q.grad.shape == q.shape
+
+
+def test_a_bias_of_another_size_is_refused(operator):
+    cfg = _cfg(bias="post_scale", bias_shape=(1, 4, 48, 40), mask="none")
+    plan = _register(operator, cfg)
+    q, k, v = (_meta(cfg, role) for role in ("q", "k", "v"))
+    with pytest.raises(RuntimeError, match=r"bias: expected \[1, 4, 48, 40\] elements' worth"):
+        torch.ops.fusedattn_native.forward(plan, q, k, v, None, None, None,
+                                           torch.empty(4, 48, 39, device="meta"), [], [], False)
+    with pytest.raises(RuntimeError, match="this plan needs the bias"):
+        torch.ops.fusedattn_native.forward(plan, q, k, v, None, None, None, *PLAIN)
+
+
+def _softcap_config(**changes):
+    """A config with a traced flex score_mod (softcap plus a per-head term), and its bound values."""
+    from fusedattn.score_mods import tanh
+    from fusedattn.score_mods.core import as_score_mod, bind
+
+    slopes = torch.rand(4)
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return 30.0 * tanh(score / 30.0) + slopes[h]
+
+    cfg = _cfg(**changes)
+    mod = as_score_mod("test", softcap, framework="torch", device=torch.device("cpu"))
+    bound = bind("test", mod, batch=cfg.batch, heads_q=cfg.heads_q, seqlen_q=cfg.seqlen_q, seqlen_kv=cfg.seqlen_kv,
+                 device="cpu", training=cfg.is_training, like=torch.empty(1))
+    return cfg.replace(score_mod_key=bound.key, score_mod_recipe=bound.recipe), bound
+
+
+def test_score_mod_operands_follow_the_graphs_names_and_the_masks_inputs():
+    cfg, bound = _softcap_config()
+    operands = torch_plans.operands(cfg)
+    names = operands.graph_names()
+    assert names[:1] == ("mod:f.a0",) and names[-3:] == ("sm_masked", "sm_col_shift", "sm_right")  # causal
+    aux, scalars = operands.values(bound.values)
+    assert [tuple(a.shape) for a in aux] == [(1, 4, 1, 1)]
+    assert 30.0 in scalars and scalars[-3:] == [MASKED, 0, 0]
+    assert operands.types() == [0] * (len(scalars) - 2) + [1, 1]  # float32 numbers, int32 window bounds
+    assert torch_plans.operands(_cfg()) == torch_plans.Operands()
+    assert torch_plans.operands(_softcap_config(mask="none")[0]).constants == ()
+
+
+def test_score_mod_operands_are_counted_against_the_plan(operator):
+    cfg, bound = _softcap_config()
+    plan = _register(operator, cfg)
+    aux, scalars = torch_plans.operands(cfg).values(bound.values)
+    aux = [torch.empty(a.shape, device="meta") for a in aux]
+    q, k, v = (_meta(cfg, role) for role in ("q", "k", "v"))
+    out, lse = torch.ops.fusedattn_native.forward(plan, q, k, v, None, None, None, None, aux, scalars, False)
+    assert out.shape == (*q.shape[:-1], 32)
+    with pytest.raises(RuntimeError, match=r"expected 1 score_mod aux tensors \(the registered plan's\), got 0"):
+        torch.ops.fusedattn_native.forward(plan, q, k, v, None, None, None, None, [], scalars, False)
+    with pytest.raises(RuntimeError, match=f"expected {len(scalars)} score_mod scalars"):
+        torch.ops.fusedattn_native.forward(plan, q, k, v, None, None, None, None, aux, scalars[1:], False)
+
+
+def test_empty_rows_keep_the_backwards_stats_apart_and_aux_that_learn_are_refused(operator):
+    cfg, bound = _softcap_config()
+    plan = _register(operator, cfg)
+    aux, scalars = torch_plans.operands(cfg).values(bound.values)
+    aux = [torch.empty(a.shape, device="meta") for a in aux]
+    q, k, v = (_meta(cfg, role, requires_grad=True) for role in ("q", "k", "v"))
+    outputs = torch.ops.fusedattn_native.forward(plan, q, k, v, None, None, None, None, aux, scalars, True)
+    assert len(outputs) == 3 and outputs[2].shape == outputs[1].shape  # the stats the backward reads
+    out, lse = torch.ops.fusedattn_native.attention(plan, q, k, v, None, None, None, None, aux, scalars, True)
+    out.sum().backward()
+    assert q.grad.shape == q.shape
+    learning = [aux[0].clone().requires_grad_(True)]
+    with pytest.raises(RuntimeError, match="aux tensors that require grad"):
+        torch.ops.fusedattn_native.attention(plan, q, k, v, None, None, None, None, learning, scalars, True)
+    with torch.no_grad():  # nothing learns here
+        torch.ops.fusedattn_native.attention(plan, q, k, v, None, None, None, None, learning, scalars, True)

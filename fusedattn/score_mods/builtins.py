@@ -38,7 +38,7 @@ def _softcap_bprop(graph, dscore, tensors):
 def softcap(cap: float) -> ScoreMod:
     """cap * tanh(score / cap): bounds scores to (-cap, cap) smoothly (Gemma 2, Grok)."""
     cap = float(_number("softcap", "cap", cap, positive=True))
-    return ScoreMod(_softcap_forward, _softcap_bprop, {"cap": cap},
+    return ScoreMod(_softcap_forward, _softcap_bprop, {"cap": cap}, masks=False,
                     eager=lambda ops, s, b, h, qi, ki, t: t["cap"] * ops.module.tanh(s / t["cap"]),
                     name=f"softcap({cap:g})")
 
@@ -66,7 +66,7 @@ def clamp(low: float, high: float) -> ScoreMod:
     def eager(ops, s, b, h, qi, ki, t):
         return ops.clip(s, t["low"], t["high"])
 
-    return ScoreMod(_clamp_forward, _clamp_bprop, {"low": low, "high": high, "zero": 0.0}, eager=eager,
+    return ScoreMod(_clamp_forward, _clamp_bprop, {"low": low, "high": high, "zero": 0.0}, eager=eager, masks=False,
                     name=f"clamp({low:g}, {high:g})")
 
 
@@ -197,7 +197,7 @@ def alibi(slopes) -> ScoreMod:
     def eager(ops, s, b, h, qi, ki, t):
         return s - t["slopes"] * ops.astype(ops.abs(qi - ki), ops.dtype_name(s))
 
-    return ScoreMod(_alibi_forward, None, {"slopes": slopes}, eager=eager, prepare=prepare, name="alibi()",
+    return ScoreMod(_alibi_forward, None, {"slopes": slopes}, eager=eager, prepare=prepare, masks=False, name="alibi()",
                     host=("slopes",))
 
 
@@ -214,7 +214,7 @@ def additive_bias(bias) -> ScoreMod:
     is passed as `bias=` instead (the same sum, with dBias)."""
     if getattr(bias, "shape", None) is None:
         raise ValueError(f"score_mods.additive_bias: bias: expected a tensor, got {type(bias).__name__}")
-    return ScoreMod(_add_bias_forward, None, {"bias": bias}, eager=_add_bias_eager, name="additive_bias()",
+    return ScoreMod(_add_bias_forward, None, {"bias": bias}, eager=_add_bias_eager, masks=False, name="additive_bias()",
                     as_bias=lambda tensors, full, like: tensors["bias"])
 
 
@@ -255,7 +255,7 @@ def relative_position_bias(table) -> ScoreMod:
     def as_bias(tensors, full, like):  # fresh each call: it carries the gradient's graph
         return _expand_table(tensors["table"], reach, shape[0], full[2], full[3])
 
-    return ScoreMod(_add_bias_forward, None, {"table": table}, eager=_add_bias_eager, prepare=prepare,
+    return ScoreMod(_add_bias_forward, None, {"table": table}, eager=_add_bias_eager, prepare=prepare, masks=False,
                     as_bias=as_bias, name="relative_position_bias()")
 
 
@@ -315,4 +315,5 @@ def compose(*mods: ScoreMod) -> ScoreMod:
     return ScoreMod(forward if has_graph else None,
                     bprop if has_graph and any(m.bprop is not None for m in mods) else None, tensors,
                     eager=eager if all(m.eager is not None for m in mods) else None, prepare=prepare,
-                    name=" then ".join(m.name for m in mods))
+                    name=" then ".join(m.name for m in mods),
+                    masks=any(m.masks for m in mods) or (None if any(m.masks is None for m in mods) else False))

@@ -70,6 +70,10 @@ class ScoreMod:
     # A traced flex mod: what its callbacks build, known without recording them; its bprop comes
     # from the framework's autodiff (None: derivative exactly 1).
     structure: tuple | None = None
+    # Whether the mod writes the mask's score through a select (a causal or document mask, a flex
+    # where(..., -inf)), so a row can lose every key; False: it only computes with its values (which
+    # may still be large, see torch/score_mod_bindings.py); None: not known.
+    masks: bool | None = None
 
     def __repr__(self) -> str:
         return f"ScoreMod({self.name})"

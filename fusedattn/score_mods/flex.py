@@ -31,7 +31,7 @@ from fusedattn.score_mods.mask_forms import MaskForms, mask_forms
 from fusedattn.xp import namespace
 
 __all__ = ["flex_score_mod", "is_flex_score_mod", "Traced", "trace", "trace_mask", "PartialMask", "SCORE_ARGS",
-           "MASK_ARGS"]
+           "MASK_ARGS", "snapshot", "same_objects", "flat_reads"]
 
 SCORE_ARGS = ("score", "b", "h", "q_idx", "kv_idx")
 MASK_ARGS = ("b", "h", "q_idx", "kv_idx")
@@ -159,8 +159,8 @@ def _all(builder: Builder, expr: Expr, conditions: list[int]) -> int:
 
 def _value_snapshot(value, depth: int):
     """What of a value the trace depends on: helper functions' own reads, containers' items."""
-    if callable(value) and hasattr(value, "__code__") and depth > 0:
-        return ("function", value, _snapshot(value, depth - 1))
+    if callable(value) and hasattr(value, "__code__") and depth > 0 and not _library(value):
+        return ("function", value, snapshot(value, depth - 1))
     if isinstance(value, dict) and len(value) <= 64:
         return ("dict", value, tuple((k, _value_snapshot(v, 0)) for k, v in value.items()))
     if isinstance(value, (list, tuple)) and len(value) <= 64:
@@ -168,16 +168,23 @@ def _value_snapshot(value, depth: int):
     return value
 
 
-def _snapshot(fn, depth: int = 2) -> tuple | None:
+def _library(fn) -> bool:
+    """Whether fn is a function of this library or of a framework (score_mods.tanh, torch.where): its reads
+    are its own business, never a user's state, so snapshots stop at it (a repeat call compares less)."""
+    module = getattr(fn, "__module__", None) or ""
+    return module.partition(".")[0] in ("fusedattn", "torch", "jax", "numpy")
+
+
+def snapshot(fn, depth: int = 2) -> tuple | None:
     """The objects fn reads besides its arguments, compared by identity (helper functions it calls
     and items of dicts and lists it reads, two levels deep); None if fn is not a plain function."""
     if fn is None:
         return ()
     if isinstance(fn, functools.partial):
-        inner = _snapshot(fn.func, depth)
+        inner = snapshot(fn.func, depth)
         return None if inner is None else (inner, fn.args, tuple(fn.keywords.items()))
     if inspect.ismethod(fn):  # a bound method: the function, and the attributes of its object
-        inner = _snapshot(fn.__func__, depth)
+        inner = snapshot(fn.__func__, depth)
         state = getattr(fn.__self__, "__dict__", {})
         return None if inner is None else (inner, _value_snapshot(state, 0))
     code = getattr(fn, "__code__", None)
@@ -188,6 +195,21 @@ def _snapshot(fn, depth: int = 2) -> tuple | None:
     return (cells, fn.__defaults__, names)
 
 
+def flat_reads(fn) -> tuple | None:
+    """snapshot(fn) flattened to its objects, to compare item by item with `is` (None as snapshot's)."""
+    taken = snapshot(fn)
+    if taken is None:
+        return None
+    found, pending = [], [taken]
+    while pending:
+        item = pending.pop()
+        if type(item) is tuple:
+            pending.extend(item)
+        else:
+            found.append(item)
+    return tuple(found)
+
+
 def _identity(fn) -> tuple:
     """Who fn is, for the cache key: a bound method is made anew at each attribute access."""
     if inspect.ismethod(fn):
@@ -195,11 +217,12 @@ def _identity(fn) -> tuple:
     return (id(fn),)
 
 
-def _same(a, b) -> bool:
+def same_objects(a, b) -> bool:
+    """Whether two snapshots hold the same objects, item by item."""
     if type(a) is not type(b):
         return False
     if isinstance(a, tuple):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(same_objects(x, y) for x, y in zip(a, b))
     return a is b
 
 
@@ -208,15 +231,15 @@ _TRACES: LRUCache = register("score_mods.flex.traces", LRUCache(_CACHE_SIZE))  #
 
 def _cached(key: tuple, fns: tuple, build):
     """build() for these functions, cached under key while what they read stays the same objects."""
-    snapshot = tuple(_snapshot(fn) for fn in fns)
-    cacheable = None not in snapshot
+    taken = tuple(snapshot(fn) for fn in fns)
+    cacheable = None not in taken
     if cacheable:
         hit = _TRACES.get(key)
-        if hit is not None and all(a == b for a, b in zip(hit[0], fns)) and _same(hit[1], snapshot):
+        if hit is not None and all(a == b for a, b in zip(hit[0], fns)) and same_objects(hit[1], taken):
             return hit[2]
     result = build()
     if cacheable:
-        _TRACES.put(key, (fns, snapshot, result))
+        _TRACES.put(key, (fns, taken, result))
     return result
 
 
@@ -308,5 +331,6 @@ def flex_score_mod(api: str, framework: str, score_mod=None, mask_mod=None, devi
     return ScoreMod(forward, bprop, tensors, eager=eager, prepare=prepare,
                     as_bias=as_bias if traced.added is not None else None, name=label,
                     structure=(LOWERING_VERSION, traced.forward.key,
-                               None if traced.derivative is None else traced.derivative.key))
+                               None if traced.derivative is None else traced.derivative.key),
+                    masks=any(node.op == "where" for node in traced.forward.nodes))
 

@@ -31,6 +31,7 @@ from fusedattn.score_mods.core import as_score_mod, bind, needs_gradient
 from fusedattn.score_mods.mask_rewrite import rewrite_mask
 from fusedattn.selection import ENV_BACKEND, recall_call, remember_call
 from fusedattn.torch import documents as documents_thd
+from fusedattn.torch import score_mod_bindings
 from fusedattn.torch.autograd import run_attention
 from fusedattn.torch.ops import backend_of, config_of, register_config
 from fusedattn.xp.torch_ops import OPS
@@ -116,13 +117,10 @@ def attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | 
             if result is not None:
                 return result
             options["mask_mod"] = documents.fallback  # ids not sorted: the mask runs in the graph
-    mod = None
-    if not _SCORE_MOD_KEYWORDS.isdisjoint(options) and any(get(name) is not None for name in SCORE_MOD_NAMES):
-        if compiling:
-            return _score_mod_call_outside_graph(q, k, v, **options)
-        mod = as_score_mod(API, *(get(name) for name in SCORE_MOD_NAMES), framework="torch",
-                           device=q.device)
+    has_mod = not _SCORE_MOD_KEYWORDS.isdisjoint(options) and any(get(name) is not None for name in SCORE_MOD_NAMES)
     if compiling:
+        if has_mod:
+            return _score_mod_call_outside_graph(q, k, v, **options)
         return _compiled_attention(q, k, v, options)
     bias, sink = get("bias"), get("sink")
     offsets = (get("cu_seqlens_q"), get("cu_seqlens_kv"), get("cu_seqlens_q_padded"), get("cu_seqlens_kv_padded"))
@@ -136,13 +134,20 @@ def attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | 
     # values are checked.
     signature = None if alibi_slopes is not None or (given and not trusted) else _signature(
         (q, k, v, bias, sink, *offsets) if trusted else (q, k, v, bias, sink), options,
-        None if mod is None else _score_mod_names(options))
+        _score_mod_names(options) if has_mod else None)
     planned = None
     if signature is not None and not _explaining.get():
         try:
             planned = recall_call(signature)
         except TypeError:  # unhashable options: the full path explains them
             signature = None
+    if planned is not None and planned[2] is not None:  # the warm path: one operator call, autograd in C++
+        binding = score_mod_bindings.recall(signature, options) if has_mod else None
+        if binding is not None or not has_mod:
+            return _native_call(planned[2], signature, planned, q, k, v, sink, bias, binding, options)
+    mod = None
+    if has_mod:
+        mod = as_score_mod(API, *(get(name) for name in SCORE_MOD_NAMES), framework="torch", device=q.device)
     bound = None
     if planned is not None and mod is not None:
         if needs_gradient(mod):  # tensors that learn take the full path (see prepare_call)
@@ -157,8 +162,9 @@ def attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | 
                 planned = bound = None
     if planned is not None:  # seen before: already validated, configured and selected
         cfg, selection, native = planned
-        if native is not None and mod is None:  # the warm path: one operator call, autograd in C++
-            return _native_call(native, signature, planned, q, k, v, sink, options)
+        if native is not None:  # the callbacks bind anew (they read other objects now)
+            binding = score_mod_bindings.remember(signature, options, cfg, bound, torch_plans.operands(cfg))
+            return _native_call(native, signature, planned, q, k, v, sink, bias, binding, options)
         arrays = (*split_packed(cfg.layout, [x for x in (q, k, v) if x is not None]), bias, alibi_slopes, sink,
                   *offsets)
     else:
@@ -178,11 +184,15 @@ def attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | 
         cfg, selection, arrays, bound = call
         if _explaining.get():
             return _Configured(cfg)
-        native = _native_plan(cfg, selection, q) if mod is None else None
+        native = _native_plan(cfg, selection, q)
         if signature is not None:
             remember_call(signature, (cfg, selection, native))
         if native is not None:
-            return _native_call(native, signature, (cfg, selection, native), q, k, v, sink, options)
+            binding = None if bound is None else score_mod_bindings.remember(signature, options, cfg, bound,
+                                                                             torch_plans.operands(cfg))
+            # arrays[3]: the bias, or a learning score_mod's added term as one (prepare_call)
+            return _native_call(native, signature, (cfg, selection, native), q, k, v, sink, arrays[3], binding,
+                                options)
     check = None
     # Offsets whose values were not read are checked on the device: by the cuDNN backend itself
     # (its sequence table, backends/cudnn/sequences.py), else here.
@@ -268,16 +278,19 @@ def _native_plan_on(cfg, backend_name: str, device: torch.device) -> int | None:
     return torch_plans.plan_for(cfg, device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _native_call(plan: int, signature, planned, q, k, v, sink, options: dict):
-    """The call through the native operator fusedattn_native.attention (see backends/cudnn/native)."""
+def _native_call(plan: int, signature, planned, q, k, v, sink, bias, binding, options: dict):
+    """The call through the native operator fusedattn_native.attention (see backends/cudnn/native).
+    binding: a score_mod's operands (score_mod_bindings), or None."""
     cfg = planned[0]
     if v is None:  # a packed layout: views of the pack
         q, k, v = split_packed(cfg.layout, [x for x in (q, k) if x is not None])
     seed = offset = None
     if cfg.dropout_p > 0.0:
         seed, offset = _dropout_state(options.get("dropout_seed"), options.get("dropout_offset", 0), q)
+    extra = () if binding is None and bias is None else (
+        (bias,) if binding is None else (bias, binding.aux, binding.scalars, binding.empty_rows))
     try:
-        out, lse = _operator(plan, q, k, v, sink, seed, offset)
+        out, lse = _operator(plan, q, k, v, sink, seed, offset, *extra)
     except RuntimeError as error:
         if "is not registered in this process" not in str(error):
             raise
@@ -287,17 +300,22 @@ def _native_call(plan: int, signature, planned, q, k, v, sink, options: dict):
             remember_call(signature, (*planned[:2], plan))
         if plan is None:
             raise
-        out, lse = _operator(plan, q, k, v, sink, seed, offset)
+        out, lse = _operator(plan, q, k, v, sink, seed, offset, *extra)
     return pick_outputs(cfg, out, lse, None)
 
 
-def _operator(plan: int, q, k, v, sink, seed, offset):
+def _operator(plan: int, q, k, v, sink, seed, offset, *extra):
     """(out, lse) from the native operator: through the library's Python entry where it has one and no
-    tensor overrides torch functions (those go through torch.ops, which honours them)."""
+    tensor overrides torch functions (those go through torch.ops, which honours them). extra: the
+    operator's trailing operands (bias, aux, scalars, empty_rows), as many as the call has."""
     entry = torch_plans.entry
-    if entry is not None and not has_torch_function((q, k, v, sink)):
-        return entry(plan, q, k, v, sink, seed, offset)
-    return torch.ops.fusedattn_native.attention.default(plan, q, k, v, sink, seed, offset)
+    if entry is not None and not has_torch_function((q, k, v, sink, *extra[:1], *(extra[1] if extra[1:] else ()))):
+        return entry(plan, q, k, v, sink, seed, offset, *extra)
+    return torch.ops.fusedattn_native.attention.default(plan, q, k, v, sink, seed, offset,
+                                                        *extra, *_PLAIN_OPERANDS[len(extra):])
+
+
+_PLAIN_OPERANDS = (None, [], [], False)  # the operator's trailing operands for a call without them
 
 
 def _signature(tensors: tuple, options: dict, score_mod):
@@ -402,7 +420,8 @@ def _compiled_attention(q, k, v, given: dict):
         offset = torch.as_tensor(dropout_offset, dtype=torch.int64, device=q.device)
     native = _compile_time_native(key, q.device)
     if native >= 0:  # the eager warm path's operator, its autograd traced by AOTAutograd
-        out, lse = torch.ops.fusedattn_native.attention.default(native, *unpacked, tensors[5], seed, offset)
+        out, lse = torch.ops.fusedattn_native.attention.default(native, *unpacked, tensors[5], seed, offset,
+                                                                tensors[3], [], [], False)
         max_logit = None
     else:
         out, lse, max_logit = (poisoned(check, x)

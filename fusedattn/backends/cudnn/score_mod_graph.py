@@ -9,61 +9,19 @@ entries, "sm_<name>" for ours.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import cudnn
 
+from fusedattn.backends.cudnn.score_mod_masks import aux_name, mask_plan
 from fusedattn.backends.cudnn.spec import dense
-from fusedattn.config import UNBOUNDED, AttentionConfig
+from fusedattn.config import AttentionConfig
 from fusedattn.score_mods.graph_ops import both, col_index, compare, index_plus, keep_where, row_index
 from fusedattn.score_mods.key import aux_used
 
-__all__ = ["MaskPlan", "mask_plan", "declare_score_mod", "aux_name"]
+__all__ = ["declare_score_mod"]
 
 _DATA_TYPES = {"float16": cudnn.data_type.HALF, "bfloat16": cudnn.data_type.BFLOAT16,
                "float32": cudnn.data_type.FLOAT, "int32": cudnn.data_type.INT32}
 _SCALAR = dict(dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], is_pass_by_value=True)
-
-
-def aux_name(name: str) -> str:
-    return "mod:" + name
-
-
-@dataclass(frozen=True)
-class MaskPlan:
-    """Which masks the graph writes after the score_mod, and with which inputs.
-
-    Measured on cuDNN 9.19 (H200): comparisons against (B, 1, 1, 1) tensors inside a
-    score_mod give wrong masks, and so do chains of more than one logical_and; added
-    (B, 1, Sq, 1) and (B, 1, 1, Skv) tensors, comparisons with pass-by-value scalars and a
-    single logical_and are right. Hence:
-      padding   added penalties sm_row_penalty (B, 1, Sq, 1) and sm_col_penalty (B, 1, 1, Skv):
-                0 inside the sequence, MASKED outside;
-      window    key + sm_col_shift <= query + sm_right and query + sm_row_shift <= key + sm_left
-                (pass-by-value ints, all >= 0). The diagonal must be the same for every
-                sequence: spec.py declines padding masks with a bottom-right window.
-    """
-
-    padding: bool
-    left: bool
-    right: bool
-
-    def scalar_bounds(self, cfg: AttentionConfig) -> dict:
-        """Pass-by-value window inputs when every sequence has the diagonal at col = row + o."""
-        left, right = cfg.window
-        offset = cfg.seqlen_kv - cfg.seqlen_q if cfg.diagonal_bottom_right else 0
-        row_shift, col_shift = max(offset, 0), max(-offset, 0)
-        bounds = {}
-        if self.left:
-            bounds.update(sm_row_shift=row_shift, sm_left=col_shift + left)
-        if self.right:
-            bounds.update(sm_col_shift=col_shift, sm_right=row_shift + right)
-        return bounds
-
-
-def mask_plan(cfg: AttentionConfig) -> MaskPlan:
-    left, right = cfg.window
-    return MaskPlan(padding=cfg.mask.is_padding, left=left != UNBOUNDED, right=right != UNBOUNDED)
 
 
 def _declare_aux(graph, name: str, description: tuple):

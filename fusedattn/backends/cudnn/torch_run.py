@@ -13,7 +13,7 @@ import torch
 
 from fusedattn.backends.base import AttentionInputs, AttentionOutputs, no_lse_gradient
 from fusedattn.backends.cudnn.runtime import execute, get_graph
-from fusedattn.backends.cudnn.score_mod_graph import aux_name, mask_plan
+from fusedattn.backends.cudnn.score_mod_masks import aux_name, mask_plan
 from fusedattn.backends.cudnn.sequences import Layout as TableLayout
 from fusedattn.backends.cudnn.sequences import SequenceTable, layout_of
 from fusedattn.backends.cudnn.spec import (

@@ -3,9 +3,12 @@
 // Python validates a call, selects the backend, builds and serializes the forward and backward
 // graphs and registers them here once per configuration (a "torch plan": the two graphs plus the
 // shapes and strides of every tensor the call reads and writes). A repeat call is then one
-// operator call: torch.ops.fusedattn_native.attention(plan, q, k, v, sink, seed, offset). Its
-// autograd kernel saves what the backward needs; forward and backward allocate their outputs from
-// torch's caching allocator and launch the deserialized graph on torch's current stream.
+// operator call: torch.ops.fusedattn_native.attention(plan, q, k, v, sink, seed, offset, bias, aux,
+// scalars, empty_rows). bias: a bias tensor (its gradient too where the plan has one); aux and
+// scalars: a score_mod's aux tensors and pass-by-value numbers, in the plan's order; empty_rows:
+// rows a score_mod left without a visible key get output 0 and LSE -inf, as the Python path gives
+// them. Its autograd kernel saves what the backward needs; forward and backward allocate their
+// outputs from torch's caching allocator and launch the deserialized graph on torch's current stream.
 // Meta kernels give the output shapes from the plan, so torch.compile traces the same operator.
 
 #include <array>
@@ -13,6 +16,8 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <limits>
 #include <mutex>
 
 #include <torch/csrc/autograd/function.h>
@@ -40,13 +45,18 @@ fusedattn_native::CoreApi &core() {
     return functions;
 }
 
-// Slot orders of the two graphs: Python registers each graph's uids in these orders.
-enum ForwardSlot { kFwdQ, kFwdK, kFwdV, kFwdSink, kFwdSeed, kFwdOffset, kFwdO, kFwdStats, kForwardSlots };
+// Slot orders of the two graphs: Python registers each graph's uids in these orders, followed by the
+// plan's aux tensors and then its scalars (torch_plans.py: FORWARD_SLOTS, BACKWARD_SLOTS).
+enum ForwardSlot { kFwdQ, kFwdK, kFwdV, kFwdSink, kFwdSeed, kFwdOffset, kFwdO, kFwdStats, kFwdBias, kForwardSlots };
 enum BackwardSlot {
     kBwdQ, kBwdK, kBwdV, kBwdO, kBwdDO, kBwdStats, kBwdSink, kBwdSeed, kBwdOffset,
-    kBwdDQ, kBwdDK, kBwdDV, kBwdDSink, kBackwardSlots
+    kBwdDQ, kBwdDK, kBwdDV, kBwdDSink, kBwdBias, kBwdDBias, kBackwardSlots
 };
 enum SinkKind { kNoSink = 0, kZeroSink = 1, kLearnableSink = 2 };
+enum BiasKind { kNoBias = 0, kPostScaleBias = 1, kPreScaleBias = 2 };
+enum ScalarType { kFloat32Scalar = 0, kInt32Scalar = 1 };
+// A score the score_mod graph masked reads at most this (score_mods/core.py: MASKED_BELOW).
+constexpr double kMaskedBelow = -1.0e8;
 
 // FUSEDATTN_NATIVE_PROFILE=1 (the launch core reads it too): the operator's host time by step,
 // averaged over the calls that reach each step, on stderr at exit. Off, a step costs one branch.
@@ -145,6 +155,14 @@ struct TorchPlan {
     bool stats = false;  // the forward writes the LSE
     std::vector<int64_t> out_sizes, out_strides, lse_sizes;
     std::vector<int64_t> sizes[3], strides[3], grad_strides[3];  // q, k, v
+    std::vector<int64_t> to_bhsd;  // the permutation taking out to (B, H, S, D)
+    int64_t bias_kind = kNoBias;
+    double scale = 1.0;        // a pre-scale bias is multiplied by it (and so is its gradient)
+    std::vector<int64_t> bias_shape;  // the config's (b, h, sq, skv): sq, skv 1 where it broadcasts
+    std::vector<int64_t> bias_dims;   // the graph's (b, h, Sq, Skv): dBias has these sizes, dense
+    bool bias_grad = false;    // the backward writes dBias
+    int64_t aux_count = 0;     // score_mod aux tensors, bound after the graph's own slots
+    std::vector<int64_t> scalar_types;  // score_mod scalars (ScalarType), bound after the aux tensors
 
     TorchPlan() {
         for (auto &pass : workspace) {
@@ -221,28 +239,102 @@ Tensor new_dense(c10::IntArrayRef sizes, at::ScalarType dtype, const Tensor &lik
 
 void *pointer(const optional<Tensor> &x) { return x.has_value() && x->defined() ? x->data_ptr() : nullptr; }
 
+// x itself where cuDNN can read it (dense, its address a multiple of 16 bytes), else a copy that is.
+Tensor dense_aligned(const Tensor &x) {
+    Tensor dense = x.contiguous();
+    if (reinterpret_cast<uintptr_t>(dense.data_ptr()) % 16 == 0) return dense;
+    return dense.clone(at::MemoryFormat::Contiguous);  // fresh memory from the allocator is aligned
+}
+
 Tensor sink_buffer(const TorchPlan &plan, const optional<Tensor> &sink, const Tensor &like) {
     if (plan.sink_kind == kLearnableSink) {
         TORCH_CHECK(sink.has_value() && sink->defined(), "fusedattn: this plan needs the sink logits");
-        return sink->to(at::kFloat).contiguous();
+        return dense_aligned(sink->to(at::kFloat));
     }
     if (plan.sink_kind == kZeroSink) return new_dense({1, plan.heads_q, 1, 1}, at::kFloat, like).zero_();
     return Tensor();
 }
 
-// The LSE is an empty tensor, not an undefined one, when the plan writes none: callers read its numel.
+// The bias as the graph reads it: q's dtype, pre-scaled where the plan says, dense in its own
+// (broadcast) shape, whose elements the graph reads through its broadcast strides.
+Tensor bias_buffer(const TorchPlan &plan, const optional<Tensor> &bias, const Tensor &like) {
+    if (plan.bias_kind == kNoBias) return Tensor();
+    TORCH_CHECK(bias.has_value() && bias->defined(), "fusedattn: this plan needs the bias");
+    TORCH_CHECK(bias->numel() == c10::multiply_integers(plan.bias_shape), "fusedattn: bias: expected ",
+                c10::IntArrayRef(plan.bias_shape), " elements' worth (the registered plan's), got shape ",
+                bias->sizes());
+    Tensor buffer = bias->to(like.scalar_type());
+    if (plan.bias_kind == kPreScaleBias) buffer = buffer.mul(plan.scale);  // (qk + b) * s == qk * s + b * s
+    return dense_aligned(buffer);
+}
+
+// A call's score_mod operands: aux tensors as they are (Python made them with the strides the graph was
+// built for) and scalars as 4-byte host values, which cuDNN reads when the graph is launched.
+struct ScoreModOperands {
+    std::vector<void *> pointers;
+    std::vector<uint32_t> words;
+
+    ScoreModOperands(const TorchPlan &plan, at::TensorList aux, c10::ArrayRef<double> scalars) {
+        TORCH_CHECK(static_cast<int64_t>(aux.size()) == plan.aux_count, "fusedattn: expected ", plan.aux_count,
+                    " score_mod aux tensors (the registered plan's), got ", aux.size());
+        TORCH_CHECK(scalars.size() == plan.scalar_types.size(), "fusedattn: expected ", plan.scalar_types.size(),
+                    " score_mod scalars (the registered plan's), got ", scalars.size());
+        words.resize(scalars.size());
+        for (size_t i = 0; i < scalars.size(); ++i) {
+            if (plan.scalar_types[i] == kInt32Scalar) {
+                int32_t value = static_cast<int32_t>(scalars[i]);
+                std::memcpy(&words[i], &value, sizeof(value));
+            } else {
+                float value = static_cast<float>(scalars[i]);
+                std::memcpy(&words[i], &value, sizeof(value));
+            }
+        }
+        pointers.reserve(aux.size() + scalars.size());
+        for (const Tensor &x : aux) pointers.push_back(x.data_ptr());
+        for (auto &word : words) pointers.push_back(&word);
+    }
+};
+
+// The slots of one pass: the graph's own, then the score_mod's operands.
+template <size_t N>
+std::vector<void *> with_operands(const std::array<void *, N> &own, const ScoreModOperands &operands) {
+    std::vector<void *> slots(own.begin(), own.end());
+    slots.insert(slots.end(), operands.pointers.begin(), operands.pointers.end());
+    return slots;
+}
+
+// out and LSE; with empty_rows on a plan that trains, the stats the backward reads as well (+inf
+// for rows without a visible key, so their probabilities are 0). The LSE is an empty tensor, not an
+// undefined one, when the plan writes none: callers read its numel.
 std::vector<Tensor> forward_outputs(const TorchPlan &plan, const Tensor &q) {
     std::vector<Tensor> outputs;
-    outputs.reserve(2);
+    outputs.reserve(3);
     outputs.push_back(new_tensor(plan.out_sizes, plan.out_strides, q.scalar_type(), q));
     outputs.push_back(new_dense(plan.stats ? c10::IntArrayRef(plan.lse_sizes) : c10::IntArrayRef({0}), at::kFloat,
                                 q));
     return outputs;
 }
 
+// Rows a score_mod masked completely keep a finite LSE near the mask's score: output 0 and LSE -inf
+// there, as on the Python path (backends/cudnn/torch_run.py: _clear_empty_rows).
+void clear_empty_rows(const TorchPlan &plan, std::vector<Tensor> &outputs) {
+    TORCH_CHECK(plan.stats, "fusedattn: a plan with empty_rows writes the LSE");
+    Tensor raw = outputs[1];
+    Tensor empty = raw.ge(kMaskedBelow).logical_not_();  // NaN counts as empty too
+    outputs[0].permute(plan.to_bhsd).masked_fill_(empty.unsqueeze(-1), 0);
+    constexpr double inf = std::numeric_limits<double>::infinity();
+    if (plan.backward < 0) {
+        raw.masked_fill_(empty, -inf);
+        return;
+    }
+    outputs[1] = raw.masked_fill(empty, -inf);
+    outputs.push_back(raw.masked_fill_(empty, inf));
+}
+
 std::vector<Tensor> forward_cuda(int64_t plan_id, const Tensor &q, const Tensor &k, const Tensor &v,
                                  const optional<Tensor> &sink, const optional<Tensor> &seed,
-                                 const optional<Tensor> &offset) {
+                                 const optional<Tensor> &offset, const optional<Tensor> &bias, at::TensorList aux,
+                                 c10::ArrayRef<double> scalars, bool empty_rows) {
     Timer timer;
     auto plan = find_plan(plan_id);
     timer.mark(kFwdPlan);
@@ -252,19 +344,24 @@ std::vector<Tensor> forward_cuda(int64_t plan_id, const Tensor &q, const Tensor 
     Tensor ks = conform(k, plan->sizes[1], plan->strides[1], "k");
     Tensor vs = conform(v, plan->sizes[2], plan->strides[2], "v");
     Tensor sinks = sink_buffer(*plan, sink, q);
+    Tensor biases = bias_buffer(*plan, bias, q);
+    ScoreModOperands operands(*plan, aux, scalars);
     timer.mark(kFwdInputs);
     auto outputs = forward_outputs(*plan, q);
     timer.mark(kFwdOutputs);
-    std::array<void *, kForwardSlots> slots{};
-    slots[kFwdQ] = qs.data_ptr();
-    slots[kFwdK] = ks.data_ptr();
-    slots[kFwdV] = vs.data_ptr();
-    slots[kFwdSink] = sinks.defined() ? sinks.data_ptr() : nullptr;
-    slots[kFwdSeed] = pointer(seed);
-    slots[kFwdOffset] = pointer(offset);
-    slots[kFwdO] = outputs[0].data_ptr();
-    slots[kFwdStats] = plan->stats ? outputs[1].data_ptr() : nullptr;
+    std::array<void *, kForwardSlots> own{};
+    own[kFwdQ] = qs.data_ptr();
+    own[kFwdK] = ks.data_ptr();
+    own[kFwdV] = vs.data_ptr();
+    own[kFwdSink] = sinks.defined() ? sinks.data_ptr() : nullptr;
+    own[kFwdSeed] = pointer(seed);
+    own[kFwdOffset] = pointer(offset);
+    own[kFwdO] = outputs[0].data_ptr();
+    own[kFwdStats] = plan->stats ? outputs[1].data_ptr() : nullptr;
+    own[kFwdBias] = biases.defined() ? biases.data_ptr() : nullptr;
+    auto slots = with_operands(own, operands);
     launch(*plan, 0, q.device(), slots.data(), slots.size(), timer);
+    if (empty_rows) clear_empty_rows(*plan, outputs);
     return outputs;
 }
 
@@ -279,21 +376,39 @@ void check_shapes(const TorchPlan &plan, const Tensor &q, const Tensor &k, const
 
 std::vector<Tensor> forward_meta(int64_t plan_id, const Tensor &q, const Tensor &k, const Tensor &v,
                                  const optional<Tensor> &sink, const optional<Tensor> &seed,
-                                 const optional<Tensor> &offset) {
+                                 const optional<Tensor> &offset, const optional<Tensor> &bias, at::TensorList aux,
+                                 c10::ArrayRef<double> scalars, bool empty_rows) {
     auto plan = find_plan(plan_id);
     check_shapes(*plan, q, k, v);
-    return forward_outputs(*plan, q);
+    bias_buffer(*plan, bias, q);
+    ScoreModOperands checked(*plan, aux, scalars);
+    auto outputs = forward_outputs(*plan, q);
+    if (empty_rows && plan->backward >= 0) outputs.push_back(new_dense(plan->lse_sizes, at::kFloat, q));
+    return outputs;
 }
 
-// dq, dk, dv, and dSink where the plan has sinks (the graph writes it for both kinds).
+// dq, dk, dv, then dSink where the plan has sinks (the graph writes it for both kinds), then dBias
+// where the plan's backward writes it (reduced to the bias's own shape and dtype).
 std::vector<Tensor> backward_outputs(const TorchPlan &plan, const Tensor &q) {
     std::vector<Tensor> grads;
-    grads.reserve(4);
+    grads.reserve(5);
     for (int role = 0; role < 3; ++role) {
         grads.push_back(new_tensor(plan.sizes[role], plan.grad_strides[role], q.scalar_type(), q));
     }
     if (plan.sink_kind != kNoSink) grads.push_back(new_dense({1, plan.heads_q, 1, 1}, at::kFloat, q));
+    if (plan.bias_grad) grads.push_back(new_dense(plan.bias_dims, q.scalar_type(), q));
     return grads;
+}
+
+// dBias over the graph's dims summed over the axes the bias broadcast along, in the bias's shape and dtype.
+Tensor bias_gradient(const TorchPlan &plan, const Tensor &dbias, const Tensor &bias) {
+    std::vector<int64_t> axes;
+    for (int64_t axis = 0; axis < 4; ++axis) {
+        if (plan.bias_shape[axis] == 1 && plan.bias_dims[axis] > 1) axes.push_back(axis);
+    }
+    Tensor grad = axes.empty() ? dbias : dbias.sum(axes, true);
+    if (plan.bias_kind == kPreScaleBias) grad = grad.mul(plan.scale);
+    return grad.to(bias.scalar_type()).reshape(bias.sizes());
 }
 
 // cuDNN's backward has no term for a gradient reaching the LSE. One that is absent or all zeros (a
@@ -307,10 +422,12 @@ void refuse_lse_gradient(const optional<Tensor> &grad_lse) {
                                 "lse; use backend='reference' for losses that depend on lse");
 }
 
+// stats: what the backward reads as the LSE (the forward's third output where it has one).
 std::vector<Tensor> backward_cuda(int64_t plan_id, const Tensor &grad_out, const optional<Tensor> &grad_lse,
                                   const Tensor &q, const Tensor &k, const Tensor &v, const Tensor &out,
-                                  const Tensor &lse, const optional<Tensor> &sink, const optional<Tensor> &seed,
-                                  const optional<Tensor> &offset) {
+                                  const Tensor &stats, const optional<Tensor> &sink, const optional<Tensor> &seed,
+                                  const optional<Tensor> &offset, const optional<Tensor> &bias, at::TensorList aux,
+                                  c10::ArrayRef<double> scalars) {
     Timer timer;
     auto plan = find_plan(plan_id);
     TORCH_CHECK(plan->backward >= 0, "fusedattn: native plan ", plan_id, " was registered for inference");
@@ -324,53 +441,70 @@ std::vector<Tensor> backward_cuda(int64_t plan_id, const Tensor &grad_out, const
     Tensor vs = conform(v, plan->sizes[2], plan->strides[2], "v");
     Tensor dout = conform(grad_out, plan->out_sizes, plan->out_strides, "grad_out");
     Tensor sinks = sink_buffer(*plan, sink, q);
+    Tensor biases = bias_buffer(*plan, bias, q);
+    ScoreModOperands operands(*plan, aux, scalars);
     timer.mark(kBwdInputs);
     auto grads = backward_outputs(*plan, q);
     timer.mark(kBwdOutputs);
-    std::array<void *, kBackwardSlots> slots{};
-    slots[kBwdQ] = qs.data_ptr();
-    slots[kBwdK] = ks.data_ptr();
-    slots[kBwdV] = vs.data_ptr();
-    slots[kBwdO] = out.data_ptr();
-    slots[kBwdDO] = dout.data_ptr();
-    slots[kBwdStats] = lse.data_ptr();
-    slots[kBwdSink] = sinks.defined() ? sinks.data_ptr() : nullptr;
-    slots[kBwdSeed] = pointer(seed);
-    slots[kBwdOffset] = pointer(offset);
-    slots[kBwdDQ] = grads[0].data_ptr();
-    slots[kBwdDK] = grads[1].data_ptr();
-    slots[kBwdDV] = grads[2].data_ptr();
-    slots[kBwdDSink] = grads.size() > 3 ? grads[3].data_ptr() : nullptr;
+    size_t dsink = 3, dbias = plan->sink_kind != kNoSink ? 4 : 3;
+    std::array<void *, kBackwardSlots> own{};
+    own[kBwdQ] = qs.data_ptr();
+    own[kBwdK] = ks.data_ptr();
+    own[kBwdV] = vs.data_ptr();
+    own[kBwdO] = out.data_ptr();
+    own[kBwdDO] = dout.data_ptr();
+    own[kBwdStats] = stats.data_ptr();
+    own[kBwdSink] = sinks.defined() ? sinks.data_ptr() : nullptr;
+    own[kBwdSeed] = pointer(seed);
+    own[kBwdOffset] = pointer(offset);
+    own[kBwdDQ] = grads[0].data_ptr();
+    own[kBwdDK] = grads[1].data_ptr();
+    own[kBwdDV] = grads[2].data_ptr();
+    own[kBwdDSink] = plan->sink_kind != kNoSink ? grads[dsink].data_ptr() : nullptr;
+    own[kBwdBias] = biases.defined() ? biases.data_ptr() : nullptr;
+    own[kBwdDBias] = plan->bias_grad ? grads[dbias].data_ptr() : nullptr;
+    auto slots = with_operands(own, operands);
     launch(*plan, 1, q.device(), slots.data(), slots.size(), timer);
+    if (plan->bias_grad) grads[dbias] = bias_gradient(*plan, grads[dbias], *bias);
     return grads;
 }
 
 std::vector<Tensor> backward_meta(int64_t plan_id, const Tensor &grad_out, const optional<Tensor> &grad_lse,
                                   const Tensor &q, const Tensor &k, const Tensor &v, const Tensor &out,
-                                  const Tensor &lse, const optional<Tensor> &sink, const optional<Tensor> &seed,
-                                  const optional<Tensor> &offset) {
+                                  const Tensor &stats, const optional<Tensor> &sink, const optional<Tensor> &seed,
+                                  const optional<Tensor> &offset, const optional<Tensor> &bias, at::TensorList aux,
+                                  c10::ArrayRef<double> scalars) {
     auto plan = find_plan(plan_id);
     check_shapes(*plan, q, k, v);
-    return backward_outputs(*plan, q);
+    bias_buffer(*plan, bias, q);
+    ScoreModOperands checked(*plan, aux, scalars);
+    auto grads = backward_outputs(*plan, q);
+    if (plan->bias_grad) {
+        TORCH_CHECK(bias.has_value() && bias->defined(), "fusedattn: this plan needs the bias");
+        grads.back() = new_dense(bias->sizes(), bias->scalar_type(), q);
+    }
+    return grads;
 }
 
 std::vector<Tensor> call_forward(int64_t plan, const Tensor &q, const Tensor &k, const Tensor &v,
                                  const optional<Tensor> &sink, const optional<Tensor> &seed,
-                                 const optional<Tensor> &offset) {
+                                 const optional<Tensor> &offset, const optional<Tensor> &bias, at::TensorList aux,
+                                 c10::ArrayRef<double> scalars, bool empty_rows) {
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("fusedattn_native::forward", "")
                          .typed<decltype(forward_cuda)>();
-    return op.call(plan, q, k, v, sink, seed, offset);
+    return op.call(plan, q, k, v, sink, seed, offset, bias, aux, scalars, empty_rows);
 }
 
 std::vector<Tensor> call_backward(int64_t plan, const Tensor &grad_out, const optional<Tensor> &grad_lse,
                                   const Tensor &q, const Tensor &k, const Tensor &v, const Tensor &out,
-                                  const Tensor &lse, const optional<Tensor> &sink, const optional<Tensor> &seed,
-                                  const optional<Tensor> &offset) {
+                                  const Tensor &stats, const optional<Tensor> &sink, const optional<Tensor> &seed,
+                                  const optional<Tensor> &offset, const optional<Tensor> &bias, at::TensorList aux,
+                                  c10::ArrayRef<double> scalars) {
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("fusedattn_native::backward", "")
                          .typed<decltype(backward_cuda)>();
-    return op.call(plan, grad_out, grad_lse, q, k, v, out, lse, sink, seed, offset);
+    return op.call(plan, grad_out, grad_lse, q, k, v, out, stats, sink, seed, offset, bias, aux, scalars);
 }
 
 Tensor defined_or_empty(const optional<Tensor> &x) { return x.has_value() ? *x : Tensor(); }
@@ -384,31 +518,42 @@ using torch::autograd::variable_list;
 // (lighter than a custom autograd Function): it saves what the backward op reads and calls it.
 struct AttentionBackward : public torch::autograd::Node {
     int64_t plan = -1;
-    SavedVariable q, k, v, out, lse, sink, seed, offset;
+    SavedVariable q, k, v, out, stats, sink, seed, offset, bias;
+    std::vector<SavedVariable> aux;
+    std::vector<double> scalars;
 
     std::string name() const override { return "FusedAttentionBackward"; }
 
     void release_variables() override {
-        for (auto *saved : {&q, &k, &v, &out, &lse, &sink, &seed, &offset}) saved->reset_data();
+        for (auto *saved : {&q, &k, &v, &out, &stats, &sink, &seed, &offset, &bias}) saved->reset_data();
+        for (auto &saved : aux) saved.reset_data();
     }
 
-    // grads: of out and lse (either undefined when unused); returns those of q, k, v and sink.
+    // grads: of out and lse (either undefined when unused); returns those of q, k, v, sink and bias.
     variable_list apply(variable_list &&grads) override {
         Timer timer;
         auto self = getptr();
         Tensor outs = out.unpack(self);
         Tensor grad_out = grads[0].defined() ? grads[0] : at::zeros_like(outs);
         Tensor sinks = sink.unpack(self);
+        Tensor biases = bias.unpack(self);
+        std::vector<Tensor> aux_tensors;
+        aux_tensors.reserve(aux.size());
+        for (auto &saved : aux) aux_tensors.push_back(saved.unpack(self));
         timer.mark(kSaved);
         auto result = call_backward(plan, grad_out, as_optional(grads[1]), q.unpack(self), k.unpack(self),
-                                    v.unpack(self), outs, lse.unpack(self), as_optional(sinks),
-                                    as_optional(seed.unpack(self)), as_optional(offset.unpack(self)));
+                                    v.unpack(self), outs, stats.unpack(self), as_optional(sinks),
+                                    as_optional(seed.unpack(self)), as_optional(offset.unpack(self)),
+                                    as_optional(biases), aux_tensors, scalars);
         timer.mark(kBackwardCall);
-        variable_list gradients(4);
+        variable_list gradients(5);
         for (int role = 0; role < 3; ++role) gradients[role] = std::move(result[role]);
-        if (sinks.defined() && result.size() > 3) {  // learnable sinks only: an off-by-one sink is no input
-            gradients[3] = result[3].reshape({-1}).to(sinks.scalar_type());
+        size_t next = 3;
+        if (sinks.defined() && result.size() > next) {  // learnable sinks: an off-by-one sink is no input
+            gradients[3] = result[next].reshape({-1}).to(sinks.scalar_type());
         }
+        if (find_plan(plan)->sink_kind != kNoSink) ++next;
+        if (biases.defined() && result.size() > next) gradients[4] = std::move(result[next]);
         timer.mark(kGradients);
         return gradients;
     }
@@ -434,22 +579,29 @@ bool requires_grad(const optional<Tensor> &x) { return x.has_value() && x->defin
 
 std::vector<Tensor> attention_autograd(int64_t plan, const Tensor &q, const Tensor &k, const Tensor &v,
                                        const optional<Tensor> &sink, const optional<Tensor> &seed,
-                                       const optional<Tensor> &offset) {
+                                       const optional<Tensor> &offset, const optional<Tensor> &bias,
+                                       at::TensorList aux, c10::ArrayRef<double> scalars, bool empty_rows) {
     Timer whole;
-    bool differentiable = at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() ||
-                                                         v.requires_grad() || requires_grad(sink));
+    bool grad_mode = at::GradMode::is_enabled();
+    bool differentiable = grad_mode && (q.requires_grad() || k.requires_grad() || v.requires_grad() ||
+                                        requires_grad(sink) || requires_grad(bias));
+    for (const Tensor &x : aux) {
+        TORCH_CHECK(!(grad_mode && x.requires_grad()), "fusedattn: score_mod aux tensors that require grad have no "
+                    "gradient on the native operator; fusedattn.torch.attention runs such calls on its Python path");
+    }
     std::vector<Tensor> outputs;
     {
         at::AutoDispatchBelowADInplaceOrView below;
         Timer timer;
-        outputs = call_forward(plan, q, k, v, sink, seed, offset);
+        outputs = call_forward(plan, q, k, v, sink, seed, offset, bias, aux, scalars, empty_rows);
         timer.mark(kForwardCall);
     }
     if (differentiable) {
         Timer timer;
         auto node = NodeMaker<NodePointer, AttentionBackward>::make();
         Tensor sinks = defined_or_empty(sink);
-        node->set_next_edges(torch::autograd::collect_next_edges(q, k, v, sinks));
+        Tensor biases = defined_or_empty(bias);
+        node->set_next_edges(torch::autograd::collect_next_edges(q, k, v, sinks, biases));
         node->plan = plan;
         NodePointer base = node;
         torch::autograd::set_history(outputs[0], base);
@@ -460,22 +612,34 @@ std::vector<Tensor> attention_autograd(int64_t plan, const Tensor &q, const Tens
         node->sink = SavedVariable(sinks, false);
         node->seed = SavedVariable(defined_or_empty(seed), false);
         node->offset = SavedVariable(defined_or_empty(offset), false);
+        node->bias = SavedVariable(biases, false);
         node->out = SavedVariable(outputs[0], true);
-        node->lse = SavedVariable(outputs[1], true);
+        // The stats the backward reads: the LSE, or the forward's own for empty rows (not an output
+        // of this op, so saved as an input would be).
+        node->stats = outputs.size() > 2 ? SavedVariable(outputs[2], false) : SavedVariable(outputs[1], true);
+        node->aux.reserve(aux.size());
+        for (const Tensor &x : aux) node->aux.emplace_back(x, false);
+        node->scalars.assign(scalars.begin(), scalars.end());
         timer.mark(kSave);
     }
+    outputs.resize(2);
     whole.mark(kWhole);
     return outputs;
 }
 
 }  // namespace
 
+// The operands after the graph's own (see the top of this file). No defaults: a schema cannot give a
+// tensor list one, so plain calls pass None, [], [] (and False).
+#define FUSEDATTN_OPERANDS "Tensor? bias, Tensor[] aux, float[] scalars"
+
 TORCH_LIBRARY(fusedattn_native, m) {
-    m.def("attention(int plan, Tensor q, Tensor k, Tensor v, Tensor? sink, Tensor? seed, Tensor? offset) "
-          "-> Tensor[]");
-    m.def("forward(int plan, Tensor q, Tensor k, Tensor v, Tensor? sink, Tensor? seed, Tensor? offset) -> Tensor[]");
+    m.def("attention(int plan, Tensor q, Tensor k, Tensor v, Tensor? sink, Tensor? seed, Tensor? offset, "
+          FUSEDATTN_OPERANDS ", bool empty_rows) -> Tensor[]");
+    m.def("forward(int plan, Tensor q, Tensor k, Tensor v, Tensor? sink, Tensor? seed, Tensor? offset, "
+          FUSEDATTN_OPERANDS ", bool empty_rows) -> Tensor[]");
     m.def("backward(int plan, Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor out, "
-          "Tensor lse, Tensor? sink, Tensor? seed, Tensor? offset) -> Tensor[]");
+          "Tensor stats, Tensor? sink, Tensor? seed, Tensor? offset, " FUSEDATTN_OPERANDS ") -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(fusedattn_native, Autograd, m) { m.impl("attention", &attention_autograd); }
@@ -500,11 +664,13 @@ namespace {
 
 std::tuple<Tensor, Tensor> call_attention(int64_t plan, const Tensor &q, const Tensor &k, const Tensor &v,
                                           const optional<Tensor> &sink, const optional<Tensor> &seed,
-                                          const optional<Tensor> &offset) {
+                                          const optional<Tensor> &offset, const optional<Tensor> &bias,
+                                          const std::vector<Tensor> &aux, const std::vector<double> &scalars,
+                                          bool empty_rows) {
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("fusedattn_native::attention", "")
                          .typed<decltype(attention_autograd)>();
-    auto outputs = op.call(plan, q, k, v, sink, seed, offset);
+    auto outputs = op.call(plan, q, k, v, sink, seed, offset, bias, aux, scalars, empty_rows);
     return {outputs[0], outputs[1]};
 }
 
@@ -532,7 +698,12 @@ void translate_error(std::exception_ptr error) {
 
 PYBIND11_MODULE(libfusedattn_torch, m) {
     pybind11::register_local_exception_translator(&translate_error);
-    m.def("attention", &call_attention, pybind11::call_guard<pybind11::gil_scoped_release>());
+    namespace py = pybind11;
+    // The trailing operands have the schema's defaults, so plain calls pass seven arguments.
+    m.def("attention", &call_attention, py::arg("plan"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("sink"),
+          py::arg("seed"), py::arg("offset"), py::arg("bias") = py::none(), py::arg("aux") = std::vector<Tensor>(),
+          py::arg("scalars") = std::vector<double>(), py::arg("empty_rows") = false,
+          py::call_guard<py::gil_scoped_release>());
 }
 #endif
 
@@ -553,16 +724,20 @@ int fusedattn_torch_init(const char *core_path) {
 
 // A torch plan from two core plans (backward -1 for inference) and its shapes, flattened:
 // dtype code (c10::ScalarType), sink kind, Hq, stats, out sizes[4], out strides[4], lse sizes[3],
-// then for q, k, v: sizes[4], strides[4], gradient strides[4]. Its id, or -1.
-int64_t fusedattn_torch_plan(int64_t forward, int64_t backward, const int64_t *shape, int64_t count) {
-    constexpr int64_t kCount = 4 + 4 + 4 + 3 + 3 * 12;
-    if (count != kCount) {
-        fusedattn_error = "expected " + std::to_string(kCount) + " shape entries, got " + std::to_string(count);
+// then for q, k, v: sizes[4], strides[4], gradient strides[4]; then out's permutation to BHSD[4],
+// bias kind, bias shape[4], the graph's bias dims[4], dBias (0/1), the aux tensor count, the scalar
+// count and each scalar's type (ScalarType). scale: what a pre-scale bias is multiplied by. Its id, or -1.
+int64_t fusedattn_torch_plan(int64_t forward, int64_t backward, const int64_t *shape, int64_t count, double scale) {
+    constexpr int64_t kFixed = 4 + 4 + 4 + 3 + 3 * 12 + 4 + 1 + 4 + 4 + 1 + 1 + 1;
+    if (count < kFixed || count != kFixed + shape[kFixed - 1]) {
+        fusedattn_error = "expected " + std::to_string(kFixed) + " shape entries and one per scalar, got " +
+                          std::to_string(count);
         return -1;
     }
     auto plan = std::make_shared<TorchPlan>();
     plan->forward = forward;
     plan->backward = backward;
+    plan->scale = scale;
     const int64_t *next = shape;
     auto take = [&next](int64_t n) {
         std::vector<int64_t> values(next, next + n);
@@ -581,6 +756,14 @@ int64_t fusedattn_torch_plan(int64_t forward, int64_t backward, const int64_t *s
         plan->strides[role] = take(4);
         plan->grad_strides[role] = take(4);
     }
+    plan->to_bhsd = take(4);
+    plan->bias_kind = *next++;
+    plan->bias_shape = take(4);
+    plan->bias_dims = take(4);
+    plan->bias_grad = *next++ != 0;
+    plan->aux_count = *next++;
+    int64_t scalars = *next++;
+    plan->scalar_types = take(scalars);
     return torch_plans().add(plan);
 }
 

@@ -3,11 +3,12 @@
 A config the operator runs (`reasons(cfg)` is empty) gets a torch plan once: its forward and
 backward graphs (already built by the probe) serialized into the launch core, plus the shapes and
 strides of the call's tensors. After that a call is `torch.ops.fusedattn_native.attention(plan, q,
-k, v, sink, seed, offset)`: the operator allocates, launches and records its C++ autograd node.
-Where Python's headers exist, the library is also a Python module whose `attention` calls the same
-operator more cheaply (`entry`).
-Configs it does not run (padding masks, THD, bias, score_mod, max_logit, rows without keys) keep
-the Python path; `unavailable()` says why the library cannot be used at all on this machine.
+k, v, sink, seed, offset, bias, aux, scalars, empty_rows)`: the operator allocates, launches and
+records its C++ autograd node. A score_mod's aux tensors and numbers travel as `aux` and `scalars`
+in the order `operands(cfg)` gives. Where Python's headers exist, the library is also a Python
+module whose `attention` calls the same operator more cheaply (`entry`).
+Configs it does not run (padding masks, THD, max_logit, rows without keys) keep the Python path;
+`unavailable()` says why the library cannot be used at all on this machine.
 FUSEDATTN_TORCH_NATIVE=0 turns the operator off.
 """
 
@@ -16,20 +17,24 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+from typing import NamedTuple
 
 from fusedattn.backends.cudnn.native import build, core
 from fusedattn.cache import LRUCache, register
 from fusedattn.config import AttentionConfig, BiasType, Layout, SoftmaxType
+from fusedattn.score_mods.core import MASKED
 
 __all__ = ["ENV_SWITCH", "unavailable", "reasons", "plan_for", "forget", "plan_shape", "FORWARD_SLOTS",
-           "BACKWARD_SLOTS", "registry_sizes"]
+           "BACKWARD_SLOTS", "registry_sizes", "Operands", "operands"]
 
 ENV_SWITCH = "FUSEDATTN_TORCH_NATIVE"
 # Graph tensor names in the slot orders of torch_op.cc (enum ForwardSlot / BackwardSlot).
-FORWARD_SLOTS = ("q", "k", "v", "sink", "dropout_seed", "dropout_offset", "o", "stats")
+FORWARD_SLOTS = ("q", "k", "v", "sink", "dropout_seed", "dropout_offset", "o", "stats", "bias")
 BACKWARD_SLOTS = ("q", "k", "v", "o", "dO", "stats", "sink", "dropout_seed", "dropout_offset", "dq", "dk", "dv",
-                  "dsink")
+                  "dsink", "bias", "dbias")
 _SINK_KINDS = {SoftmaxType.VANILLA: 0, SoftmaxType.OFF_BY_ONE: 1, SoftmaxType.LEARNABLE: 2}
+_BIAS_KINDS = {BiasType.NONE: 0, BiasType.ALIBI: 0, BiasType.POST_SCALE: 1, BiasType.PRE_SCALE: 2}  # enum BiasKind
+_SCALAR_KINDS = {"float32": 0, "int32": 1}  # enum ScalarType
 _SCALAR_TYPES = {"float16": 5, "bfloat16": 15}  # c10::ScalarType codes
 _FROM_BHSD = {Layout.BSHD: (0, 2, 1, 3), Layout.SBHD: (2, 0, 1, 3), Layout.BHSD: (0, 1, 2, 3)}
 PLAN_CAPACITY = core.PLAN_CAPACITY  # torch plans the operator keeps; the Python cache below is smaller
@@ -67,10 +72,6 @@ def reasons(cfg: AttentionConfig) -> list[str]:
         found.append("THD layouts")
     if cfg.mask.is_padding:
         found.append(f"mask {cfg.mask.value!r} (sequence lengths)")
-    if cfg.bias not in (BiasType.NONE, BiasType.ALIBI):
-        found.append("a bias tensor")
-    if cfg.score_mod_key is not None:
-        found.append("score_mod")
     if cfg.return_max_logit:
         found.append("return_max_logit")
     if rows_without_keys(cfg):
@@ -118,7 +119,8 @@ def load_operator(path) -> ctypes.CDLL:
     torch.ops.load_library(str(path))
     operator = ctypes.CDLL(str(path))
     operator.fusedattn_torch_plan.restype = ctypes.c_int64
-    operator.fusedattn_torch_plan.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+    operator.fusedattn_torch_plan.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                                              ctypes.c_double]
     operator.fusedattn_torch_last_error.restype = ctypes.c_char_p
     operator.fusedattn_torch_init.argtypes = [ctypes.c_char_p]
     operator.fusedattn_torch_bounds.restype = ctypes.c_int64
@@ -147,6 +149,45 @@ def forget(cfg: AttentionConfig) -> None:
     _plans.pop(cfg)
 
 
+class Operands(NamedTuple):
+    """A plan's score_mod operands, bound after each graph's own slots in this order: the bound
+    values' arrays (`aux`), their runtime scalars (`scalars`), then the pass-by-value inputs of the
+    masks written after the score_mod (`constants`: (graph name, value, dtype), fixed by the config)."""
+
+    aux: tuple = ()
+    scalars: tuple = ()
+    scalar_types: tuple = ()
+    constants: tuple = ()
+
+    def graph_names(self) -> tuple:
+        from fusedattn.backends.cudnn.score_mod_masks import aux_name
+
+        return (*map(aux_name, self.aux), *map(aux_name, self.scalars), *(name for name, _, _ in self.constants))
+
+    def types(self) -> list[int]:
+        return [_SCALAR_KINDS[t] for t in (*self.scalar_types, *(dtype for _, _, dtype in self.constants))]
+
+    def values(self, bound: dict) -> tuple[list, list]:
+        """(aux tensors, scalars) of one call from its bound values (score_mods.core.bind)."""
+        return ([bound[name] for name in self.aux],
+                [*(bound[name].value for name in self.scalars), *(value for _, value, _ in self.constants)])
+
+
+def operands(cfg: AttentionConfig) -> Operands:
+    """The score_mod operands of a config's plan (none without a score_mod)."""
+    recipe = cfg.score_mod_recipe
+    if cfg.score_mod_key is None or recipe is None:
+        return Operands()
+    from fusedattn.backends.cudnn.score_mod_masks import mask_plan
+
+    aux = tuple(name for name, description in recipe.aux if description[0] != "scalar")
+    scalars = tuple((name, description[1]) for name, description in recipe.aux if description[0] == "scalar")
+    plan = mask_plan(cfg)
+    constants = [("sm_masked", MASKED, "float32")] if plan.left or plan.right else []
+    constants += [(name, value, "int32") for name, value in plan.scalar_bounds(cfg).items()]
+    return Operands(aux, tuple(name for name, _ in scalars), tuple(dtype for _, dtype in scalars), tuple(constants))
+
+
 def _core_plan(built, names: tuple, device: int) -> int | None:
     blob = bytes(built.graph.serialize(as_bytes=True))
     uids = tuple(built.tensors[n].get_uid() if n in built.tensors else core.UNBOUND for n in names)
@@ -167,23 +208,28 @@ def _warn(message: str) -> None:
 def _register(cfg: AttentionConfig, device: int) -> int | None:
     from fusedattn.backends.cudnn.runtime import get_graph
 
+    extra = operands(cfg).graph_names()
     forward = get_graph(cfg, "forward", device)
-    forward_plan = _core_plan(forward, FORWARD_SLOTS, device)
-    backward_plan = -1
+    forward_plan = _core_plan(forward, FORWARD_SLOTS + extra, device)
+    backward_plan, bias_grad = -1, False
     if cfg.is_training:
-        backward_plan = _core_plan(get_graph(cfg, "backward", device), BACKWARD_SLOTS, device)
+        backward = get_graph(cfg, "backward", device)
+        backward_plan = _core_plan(backward, BACKWARD_SLOTS + extra, device)
+        bias_grad = "dbias" in backward.tensors
     if forward_plan is None or backward_plan is None:
         return None
-    shape = plan_shape(cfg, "stats" in forward.tensors)
+    shape = plan_shape(cfg, "stats" in forward.tensors, bias_grad)
     plan = _state["library"].fusedattn_torch_plan(forward_plan, backward_plan,
-                                                   (ctypes.c_int64 * len(shape))(*shape), len(shape))
+                                                   (ctypes.c_int64 * len(shape))(*shape), len(shape), cfg.scale)
     return plan if plan >= 0 else None
 
 
-def plan_shape(cfg: AttentionConfig, stats: bool) -> list[int]:
+def plan_shape(cfg: AttentionConfig, stats: bool, bias_grad: bool = False) -> list[int]:
     """The shapes and strides of a config's tensors as fusedattn_torch_plan takes them (torch_op.cc):
     dtype code, sink kind, Hq, stats, out sizes and strides, LSE sizes, then q, k, v sizes, strides and
-    gradient strides, all in the caller's base layout (the graphs' BHSD order permuted back)."""
+    gradient strides, all in the caller's base layout (the graphs' BHSD order permuted back); then
+    out's permutation to BHSD, the bias (kind, shape, the graph's dims, whether dBias is written) and
+    the score_mod operands (aux count, scalar count, scalar types)."""
     from fusedattn.backends.cudnn.spec import gradient_spec, sdpa_spec
     from fusedattn.layout import layout_spec
 
@@ -195,4 +241,10 @@ def plan_shape(cfg: AttentionConfig, stats: bool) -> list[int]:
     for role in ("q", "k", "v"):
         tensor = getattr(spec, role)
         shape += [*user(tensor.dim), *user(tensor.stride), *user(gradient_spec(tensor).stride)]
-    return shape
+    shape += [order.index(axis) for axis in range(4)]  # the inverse permutation: user layout -> BHSD
+    bias = spec.bias is not None
+    shape += [_BIAS_KINDS[cfg.bias], *(cfg.bias_shape if bias else (1, 1, 1, 1)),
+              *(spec.bias.dim if bias else (1, 1, 1, 1)), int(bias_grad)]
+    extra = operands(cfg)
+    types = extra.types()
+    return [*shape, len(extra.aux), len(types), *types]

@@ -1,0 +1,52 @@
+"""What a score_mod graph binds besides the user's callbacks: the names of its aux tensors and the
+masks cuDNN cannot combine with a score_mod, written after it (score_mod_graph.py builds them).
+No cudnn import here: the torch operator's plans (native/torch_plans.py) read it too."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fusedattn.config import UNBOUNDED, AttentionConfig
+
+__all__ = ["MaskPlan", "mask_plan", "aux_name"]
+
+
+def aux_name(name: str) -> str:
+    return "mod:" + name
+
+
+@dataclass(frozen=True)
+class MaskPlan:
+    """Which masks the graph writes after the score_mod, and with which inputs.
+
+    Measured on cuDNN 9.19 (H200): comparisons against (B, 1, 1, 1) tensors inside a
+    score_mod give wrong masks, and so do chains of more than one logical_and; added
+    (B, 1, Sq, 1) and (B, 1, 1, Skv) tensors, comparisons with pass-by-value scalars and a
+    single logical_and are right. Hence:
+      padding   added penalties sm_row_penalty (B, 1, Sq, 1) and sm_col_penalty (B, 1, 1, Skv):
+                0 inside the sequence, MASKED outside;
+      window    key + sm_col_shift <= query + sm_right and query + sm_row_shift <= key + sm_left
+                (pass-by-value ints, all >= 0). The diagonal must be the same for every
+                sequence: spec.py declines padding masks with a bottom-right window.
+    """
+
+    padding: bool
+    left: bool
+    right: bool
+
+    def scalar_bounds(self, cfg: AttentionConfig) -> dict:
+        """Pass-by-value window inputs when every sequence has the diagonal at col = row + o."""
+        left, right = cfg.window
+        offset = cfg.seqlen_kv - cfg.seqlen_q if cfg.diagonal_bottom_right else 0
+        row_shift, col_shift = max(offset, 0), max(-offset, 0)
+        bounds = {}
+        if self.left:
+            bounds.update(sm_row_shift=row_shift, sm_left=col_shift + left)
+        if self.right:
+            bounds.update(sm_col_shift=col_shift, sm_right=row_shift + right)
+        return bounds
+
+
+def mask_plan(cfg: AttentionConfig) -> MaskPlan:
+    left, right = cfg.window
+    return MaskPlan(padding=cfg.mask.is_padding, left=left != UNBOUNDED, right=right != UNBOUNDED)

@@ -1,0 +1,124 @@
+"""Repeat score_mod calls without tracing or binding again.
+
+Binding a score_mod (tracing a flex callback, materializing its aux tensors, checking them) costs
+tens of microseconds of Python. A call whose plan is already known keeps its bound operands here,
+under the call's signature, for as long as the callbacks read the same objects (a flex callback's
+closure and globals, a ScoreMod's tensors dict, compared by identity as the trace cache compares
+them) and the tensors they capture are not changed in place (their version counters). Then a
+repeat call goes straight to the native operator with the kept aux tensors and scalars.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import NamedTuple
+
+import torch
+
+from fusedattn.backends.cudnn.alignment import ALIGNMENT, aligned_copy
+from fusedattn.cache import LRUCache, register
+from fusedattn.config import UNBOUNDED
+from fusedattn.options import SCORE_MOD_NAMES
+from fusedattn.score_mods.core import MASKED_BELOW, BoundScoreMod, RuntimeScalar, ScoreMod, needs_gradient
+from fusedattn.score_mods.flex import PartialMask, flat_reads
+
+__all__ = ["Binding", "recall", "remember", "may_empty_rows"]
+
+CAPACITY = 64  # bindings hold the aux tensors they made: a few per model is what a step needs
+
+
+class Binding(NamedTuple):
+    """One call's score_mod operands for the native operator, and what they were made from."""
+
+    given: tuple  # the score_mod keywords' values (kept alive: the signature holds their ids)
+    read: tuple  # what each reads, flat, by identity (see _reads); None for an absent keyword
+    watched: tuple  # (tensor, version) of every tensor the mod holds: in-place changes rebind
+    aux: list
+    scalars: list
+    empty_rows: bool
+
+
+_BINDINGS: LRUCache = register("torch.score_mod.bindings", LRUCache(CAPACITY))
+
+
+def _given(options: dict) -> tuple:
+    return tuple(options.get(name) for name in SCORE_MOD_NAMES)
+
+
+def _reads(value) -> tuple | None:
+    """The objects a score_mod keyword's value depends on, flat, to compare by identity; None when that
+    cannot be known (a callable that is not a plain function: such calls bind every time)."""
+    if isinstance(value, ScoreMod):
+        return (value, *value.tensors.keys(), *value.tensors.values(), *value.bprop_tensors.keys(),
+                *value.bprop_tensors.values())
+    if isinstance(value, dict):
+        return (*value.keys(), *value.values())
+    if isinstance(value, PartialMask):
+        inner = flat_reads(value.mask_mod)
+        return None if inner is None else (value.kept, *inner)
+    return flat_reads(value)
+
+
+def _same(kept: tuple, now: tuple) -> bool:
+    return len(kept) == len(now) and all(map(operator.is_, kept, now))
+
+
+def _watched(mod: ScoreMod) -> tuple:
+    values = [*mod.tensors.values(), *mod.bprop_tensors.values()]
+    return tuple((x, x._version) for x in values if isinstance(x, torch.Tensor))
+
+
+def recall(signature, options: dict) -> Binding | None:
+    """The binding kept for this signature, if the callbacks and their tensors are unchanged."""
+    kept = _BINDINGS.get(signature)
+    if kept is None:
+        return None
+    given = _given(options)
+    if not _same(kept.given, given):
+        return None
+    for value, read in zip(given, kept.read):
+        if value is not None and not _same(read, _reads(value)):
+            return None
+    for x, version in kept.watched:
+        if x._version != version:
+            return None
+    return kept
+
+
+def may_empty_rows(cfg, bound: BoundScoreMod) -> bool:
+    """Whether a row can lose every key to the mask's score, so the operator must give such rows output 0
+    and LSE -inf (five more small kernels a call, as much host time as the launch itself).
+
+    Yes when the mod selects the mask's score (mods.masks), is not known, or computes with a number or
+    a float tensor of that magnitude (one host read of each float aux tensor, when bound: never on a
+    warm call, nor while a CUDA graph is captured, where the answer is yes); when the graph's own window
+    can leave a query past the keys (Sq > Skv). Otherwise the scores are the mod's arithmetic on finite
+    values, and the row's softmax is what the float64 definition gives."""
+    if bound.mod.masks is not False or (cfg.seqlen_q > cfg.seqlen_kv and cfg.window != (UNBOUNDED, UNBOUNDED)):
+        return True
+    arrays = []
+    for value in bound.values.values():
+        if isinstance(value, RuntimeScalar):
+            if not abs(value.value) < -MASKED_BELOW:  # NaN too
+                return True
+        elif value.is_floating_point():
+            arrays.append(value)
+    if not arrays:
+        return False
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return True
+    return any(bool((~(x.abs() < -MASKED_BELOW)).any()) for x in arrays)
+
+
+def remember(signature, options: dict, cfg, bound: BoundScoreMod, operands) -> Binding:
+    """This call's bound operands (operands: the plan's torch_plans.Operands), kept for the next call
+    with this signature unless a mod's tensors learn or its callbacks' reads cannot be compared."""
+    aux, scalars = operands.values(bound.values)
+    aux = [x if x.data_ptr() % ALIGNMENT == 0 else aligned_copy(x) for x in aux]
+    given = _given(options)
+    read = tuple(None if value is None else _reads(value) for value in given)
+    binding = Binding(given, read, _watched(bound.mod), aux, scalars, may_empty_rows(cfg, bound))
+    readable = all(r is not None for value, r in zip(given, read) if value is not None)
+    if signature is not None and readable and not needs_gradient(bound.mod):
+        _BINDINGS.put(signature, binding)
+    return binding

@@ -1,0 +1,123 @@
+"""Warm score_mod calls (torch/score_mod_bindings.py) without a GPU: a repeat call reuses its bound
+operands while the callbacks read the same objects and their tensors keep their versions, and binds
+again otherwise; the empty-row fix is asked for exactly when a row can lose every key.
+
+The operator itself is replaced by a recorder: what reaches it is what these tests check.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fusedattn.score_mods as sm
+import fusedattn.torch as fat
+from fusedattn.config import AttentionConfig
+from fusedattn.score_mods.core import as_score_mod, bind
+from fusedattn.torch import functional
+from fusedattn.torch.score_mod_bindings import may_empty_rows
+
+CAP = 30.0
+
+
+def _softcap(score, b, h, q_idx, kv_idx):
+    return CAP * sm.tanh(score / CAP)
+
+
+@pytest.fixture
+def operator(monkeypatch):
+    """Every call has native plan 7 here; the recorder keeps what reaches the operator."""
+    seen = []
+    monkeypatch.setattr(functional, "_native_plan_on", lambda cfg, name, device: 7)
+
+    def record(plan, q, k, v, sink, seed, offset, *extra):
+        seen.append(extra)
+        return q.clone(), q[..., 0].float()
+
+    monkeypatch.setattr(functional, "_operator", record)
+    return seen
+
+
+def _call(q, **options):
+    return fat.attention(q, q, q, mask="causal", **options)
+
+
+def test_a_repeat_call_reuses_its_operands_and_follows_a_new_number(operator):
+    global CAP
+    q = torch.randn(1, 16, 2, 8)
+    _call(q, score_mod=_softcap)
+    _call(q, score_mod=_softcap)
+    assert operator[0][1] == [] and 30.0 in operator[0][2] and operator[0][3] is False  # softcap cannot mask
+    assert operator[1][2] is operator[0][2]  # the kept binding itself
+    before = CAP
+    try:
+        CAP = 5.0
+        _call(q, score_mod=_softcap)
+    finally:
+        CAP = before
+    assert 5.0 in operator[2][2] and 30.0 not in operator[2][2]
+
+
+def test_an_in_place_change_of_a_captured_tensor_binds_again(operator):
+    q = torch.randn(1, 16, 2, 8)
+    table = torch.zeros(16, 16)
+
+    def bias(score, b, h, q_idx, kv_idx):
+        return score + table[q_idx, kv_idx]
+
+    _call(q, score_mod=bias)
+    _call(q, score_mod=bias)
+    assert operator[1][1][0] is operator[0][1][0]
+    table.add_(1.0)
+    _call(q, score_mod=bias)
+    aux = operator[2][1][0]
+    assert aux is not operator[0][1][0] and float(aux.min()) == 1.0  # a gather over (q, kv): materialized anew
+
+
+def test_a_score_mod_object_with_a_new_value_in_its_dict_binds_again(operator):
+    q = torch.randn(1, 16, 2, 8)
+    mod = sm.softcap(30.0)
+    _call(q, score_mod=mod)
+    mod.tensors["cap"] = 7.0
+    _call(q, score_mod=mod)
+    assert 30.0 in operator[0][2] and 7.0 in operator[1][2]
+
+
+def test_a_callable_object_binds_every_call(operator):
+    q = torch.randn(1, 16, 2, 8)
+
+    class Softcap:
+        def __call__(self, score, b, h, q_idx, kv_idx):
+            return 30.0 * sm.tanh(score / 30.0)
+
+    mod = Softcap()
+    _call(q, score_mod=mod)
+    _call(q, score_mod=mod)
+    assert operator[1][2] is not operator[0][2] and operator[1][2] == operator[0][2]
+
+
+_SLOPES = torch.rand(4)
+_INFINITE = torch.tensor([0.0, -float("inf"), 1.0, 2.0])
+
+
+@pytest.mark.parametrize("mod, empty", [
+    (_softcap, False),
+    (lambda s, b, h, q_idx, kv_idx: s + _SLOPES[h] * (kv_idx - q_idx), False),
+    (lambda s, b, h, q_idx, kv_idx: s + _INFINITE[h], True),  # a captured -inf: an additive mask
+    (lambda s, b, h, q_idx, kv_idx: sm.where(q_idx >= kv_idx, s, -float("inf")), True),
+    (lambda s, b, h, q_idx, kv_idx: s - 1e9 * (kv_idx > q_idx), True),  # a mask by a large number
+    (sm.softcap(20.0), False), (sm.alibi([0.5, 0.25, 0.125, 0.0625]), False), (sm.causal(), True),
+    (sm.compose(sm.softcap(20.0), sm.causal()), True), (sm.clamp(-1e9, 0.0), True),
+], ids=["softcap", "alibi", "infinite-bias", "where", "large-number", "builtin-softcap", "builtin-alibi",
+        "builtin-causal", "composed-causal", "clamp-to-mask"])
+def test_the_empty_row_fix_is_asked_for_exactly_when_a_row_can_lose_every_key(mod, empty):
+    cfg = AttentionConfig(dtype="bfloat16", layout="bshd", batch=2, seqlen_q=40, seqlen_kv=48, heads_q=4,
+                          heads_kv=4, head_dim_qk=64, head_dim_v=64, mask="none", device="cuda")
+    if not isinstance(mod, sm.ScoreMod):
+        mod = as_score_mod("test", mod, framework="torch", device=torch.device("cpu"))
+    bound = bind("test", mod, batch=2, heads_q=4, seqlen_q=40, seqlen_kv=48, device="cpu", training=False,
+                 like=torch.empty(1))
+    assert may_empty_rows(cfg, bound) is empty
+    if not empty:  # a window can leave queries past the last key when Sq > Skv
+        longer = cfg.replace(seqlen_q=64, mask="causal")
+        assert may_empty_rows(longer, bound) is True
