@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fusedattn.config import UNBOUNDED, AttentionConfig
+from fusedattn.score_mods.core import MASKED
 
 __all__ = ["MaskPlan", "mask_plan", "aux_name"]
 
@@ -45,6 +46,11 @@ class MaskPlan:
         if self.right:
             bounds.update(sm_col_shift=col_shift, sm_right=row_shift + right)
         return bounds
+
+    def constants(self, cfg: AttentionConfig) -> list[tuple[str, float, str]]:
+        """Every pass-by-value input of the window masks: (graph name, value, dtype)."""
+        found = [("sm_masked", MASKED, "float32")] if self.left or self.right else []
+        return found + [(name, value, "int32") for name, value in self.scalar_bounds(cfg).items()]
 
 
 def mask_plan(cfg: AttentionConfig) -> MaskPlan:

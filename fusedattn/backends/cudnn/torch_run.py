@@ -172,9 +172,7 @@ def _score_mod_buffers(cfg: AttentionConfig, inputs: AttentionInputs, buffers: d
         buffers["sm_row_penalty"] = torch.where(rows < table.lengths("q"), 0.0, MASKED).to(torch.float32)
         col_penalty = torch.where(cols < table.lengths("kv"), 0.0, MASKED).to(torch.float32)
         buffers["sm_col_penalty"] = col_penalty.expand(cfg.batch, 1, cfg.seqlen_q, cfg.seqlen_kv)
-    if plan.left or plan.right:
-        buffers["sm_masked"] = _host_scalar(MASKED, "float32")
-    buffers.update({name: _host_scalar(value, "int32") for name, value in plan.scalar_bounds(cfg).items()})
+    buffers.update({name: _host_scalar(value, dtype) for name, value, dtype in plan.constants(cfg)})
 
 
 def _clear_empty_rows(out_rows: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,6 @@ from typing import NamedTuple
 from fusedattn.backends.cudnn.native import build, core
 from fusedattn.cache import LRUCache, register
 from fusedattn.config import AttentionConfig, BiasType, Layout, SoftmaxType
-from fusedattn.score_mods.core import MASKED
 
 __all__ = ["ENV_SWITCH", "unavailable", "reasons", "plan_for", "forget", "plan_shape", "FORWARD_SLOTS",
            "BACKWARD_SLOTS", "registry_sizes", "Operands", "operands"]
@@ -182,10 +181,8 @@ def operands(cfg: AttentionConfig) -> Operands:
 
     aux = tuple(name for name, description in recipe.aux if description[0] != "scalar")
     scalars = tuple((name, description[1]) for name, description in recipe.aux if description[0] == "scalar")
-    plan = mask_plan(cfg)
-    constants = [("sm_masked", MASKED, "float32")] if plan.left or plan.right else []
-    constants += [(name, value, "int32") for name, value in plan.scalar_bounds(cfg).items()]
-    return Operands(aux, tuple(name for name, _ in scalars), tuple(dtype for _, dtype in scalars), tuple(constants))
+    constants = tuple(mask_plan(cfg).constants(cfg))
+    return Operands(aux, tuple(name for name, _ in scalars), tuple(dtype for _, dtype in scalars), constants)
 
 
 def _core_plan(built, names: tuple, device: int) -> int | None:
