@@ -42,7 +42,7 @@ def operator(tmp_path_factory):
     return torch_plans.load_operator(path)
 
 
-PLAIN = (None, [], [], False)  # no bias, aux tensors or scalars; no empty-row fix
+PLAIN = (None, [], [], False, [])  # no bias, aux tensors or scalars; no empty-row fix; no offsets
 
 
 def _cfg(**changes):
@@ -78,7 +78,7 @@ def test_meta_kernels_give_the_plans_shapes_and_strides(operator, layout):
     assert out.stride() == tuple(dense.permute([base.index(a) for a in base]).stride())
     assert lse.shape == (2, 4, 48) and lse.dtype == torch.float32
     grads = torch.ops.fusedattn_native.backward(plan, torch.empty_like(out), None, q, k, v, out, lse, None, None, None,
-                                                *PLAIN[:3])
+                                                *PLAIN[:3], None)
     assert [g.shape for g in grads[:3]] == [q.shape, k.shape, v.shape]
     assert len(grads) == 3  # no sink, no dSink
 
@@ -161,14 +161,20 @@ def test_plans_with_a_wrong_shape_list_are_refused(operator):
 
 
 @pytest.mark.parametrize("changes, reason", [
-    (dict(layout="thd", mask="padding", batch=2), "THD layouts"),
-    (dict(mask="padding"), "mask 'padding'"),
+    (dict(layout="thd", mask="padding", score_mod_key="mod"), "a score_mod with sequence lengths"),
+    (dict(mask="padding", score_mod_key="mod"), "a score_mod with sequence lengths"),
     (dict(return_max_logit=True), "return_max_logit"),
     (dict(mask="causal_bottom_right", seqlen_q=64, seqlen_kv=40), "rows without keys"),
 ])
 def test_the_operator_declines_what_it_does_not_run(changes, reason):
     assert any(reason in r for r in torch_plans.reasons(_cfg(**changes)))
     assert torch_plans.reasons(_cfg()) == []
+
+
+@pytest.mark.parametrize("changes", [dict(layout="thd", mask="padding_causal"), dict(mask="padding"),
+                                     dict(layout="thd", mask="padding", padded_offsets=True, dropout_p=0.1)])
+def test_the_operator_runs_padded_and_thd_calls(changes):
+    assert torch_plans.reasons(_cfg(**changes)) == []
 
 
 def test_the_switch_turns_the_operator_off(monkeypatch):
@@ -272,7 +278,7 @@ def test_a_learnable_bias_gets_its_gradient_in_its_own_shape_and_dtype(operator,
     plan = _register(operator, cfg, bias_grad=True)
     q, k, v = (_meta(cfg, role, requires_grad=True) for role in ("q", "k", "v"))
     bias = torch.empty(user_shape, device="meta", dtype=torch.float32, requires_grad=True)
-    out, lse = torch.ops.fusedattn_native.attention(plan, q, k, v, None, None, None, bias, [], [], False)
+    out, lse = torch.ops.fusedattn_native.attention(plan, q, k, v, None, None, None, bias, [], [], False, [])
     assert len(out.grad_fn.next_functions) == 5  # q, k, v, sink (none), bias
     out.sum().backward()
     assert bias.grad.shape == user_shape and bias.grad.dtype == torch.float32
@@ -285,7 +291,7 @@ def test_a_bias_of_another_size_is_refused(operator):
     q, k, v = (_meta(cfg, role) for role in ("q", "k", "v"))
     with pytest.raises(RuntimeError, match=r"bias: expected \[1, 4, 48, 40\] elements' worth"):
         torch.ops.fusedattn_native.forward(plan, q, k, v, None, None, None,
-                                           torch.empty(4, 48, 39, device="meta"), [], [], False)
+                                           torch.empty(4, 48, 39, device="meta"), [], [], False, [])
     with pytest.raises(RuntimeError, match="this plan needs the bias"):
         torch.ops.fusedattn_native.forward(plan, q, k, v, None, None, None, *PLAIN)
 
@@ -326,12 +332,12 @@ def test_score_mod_operands_are_counted_against_the_plan(operator):
     aux, scalars = torch_plans.operands(cfg).values(bound.values)
     aux = [torch.empty(a.shape, device="meta") for a in aux]
     q, k, v = (_meta(cfg, role) for role in ("q", "k", "v"))
-    out, lse = torch.ops.fusedattn_native.forward(plan, q, k, v, None, None, None, None, aux, scalars, False)
+    out, lse = torch.ops.fusedattn_native.forward(plan, q, k, v, None, None, None, None, aux, scalars, False, [])
     assert out.shape == (*q.shape[:-1], 32)
     with pytest.raises(RuntimeError, match=r"expected 1 score_mod aux tensors \(the registered plan's\), got 0"):
-        torch.ops.fusedattn_native.forward(plan, q, k, v, None, None, None, None, [], scalars, False)
+        torch.ops.fusedattn_native.forward(plan, q, k, v, None, None, None, None, [], scalars, False, [])
     with pytest.raises(RuntimeError, match=f"expected {len(scalars)} score_mod scalars"):
-        torch.ops.fusedattn_native.forward(plan, q, k, v, None, None, None, None, aux, scalars[1:], False)
+        torch.ops.fusedattn_native.forward(plan, q, k, v, None, None, None, None, aux, scalars[1:], False, [])
 
 
 def test_empty_rows_keep_the_backwards_stats_apart_and_aux_that_learn_are_refused(operator):
@@ -340,13 +346,138 @@ def test_empty_rows_keep_the_backwards_stats_apart_and_aux_that_learn_are_refuse
     aux, scalars = torch_plans.operands(cfg).values(bound.values)
     aux = [torch.empty(a.shape, device="meta") for a in aux]
     q, k, v = (_meta(cfg, role, requires_grad=True) for role in ("q", "k", "v"))
-    outputs = torch.ops.fusedattn_native.forward(plan, q, k, v, None, None, None, None, aux, scalars, True)
+    outputs = torch.ops.fusedattn_native.forward(plan, q, k, v, None, None, None, None, aux, scalars, True, [])
     assert len(outputs) == 3 and outputs[2].shape == outputs[1].shape  # the stats the backward reads
-    out, lse = torch.ops.fusedattn_native.attention(plan, q, k, v, None, None, None, None, aux, scalars, True)
+    out, lse = torch.ops.fusedattn_native.attention(plan, q, k, v, None, None, None, None, aux, scalars, True, [])
     out.sum().backward()
     assert q.grad.shape == q.shape
     learning = [aux[0].clone().requires_grad_(True)]
     with pytest.raises(RuntimeError, match="aux tensors that require grad"):
-        torch.ops.fusedattn_native.attention(plan, q, k, v, None, None, None, None, learning, scalars, True)
+        torch.ops.fusedattn_native.attention(plan, q, k, v, None, None, None, None, learning, scalars, True, [])
     with torch.no_grad():  # nothing learns here
-        torch.ops.fusedattn_native.attention(plan, q, k, v, None, None, None, None, learning, scalars, True)
+        torch.ops.fusedattn_native.attention(plan, q, k, v, None, None, None, None, learning, scalars, True, [])
+
+
+# ---------------------------------------------------------------- padded and THD plans
+
+
+def _sequence_plan(library, cfg, stats=True):
+    from fusedattn.backends.cudnn.native import sequence_plans
+
+    plan = _register(library, cfg, stats)
+    values = sequence_plans.values(cfg)
+    assert library.fusedattn_torch_sequences(plan, (ctypes.c_int64 * len(values))(*values), len(values)) == 0
+    return plan
+
+
+def _offsets(batch, count=2):
+    return [torch.empty(batch + 1, dtype=torch.int32, device="meta") for _ in range(count)]
+
+
+def test_thd_plans_take_tokens_and_return_the_table_for_the_backward(operator):
+    cfg = _cfg(layout="thd", mask="padding_causal", heads_kv=4)
+    plan = _sequence_plan(operator, cfg)
+    q = torch.empty(70, 4, 64, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    k = torch.empty(55, 4, 64, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    v = torch.empty(55, 4, 32, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    outputs = torch.ops.fusedattn_native.forward(plan, q, k, v, None, None, None, None, [], [], False, _offsets(2))
+    out, lse, table = outputs  # THD: the LSE is the stats the backward reads
+    assert out.shape == (70, 4, 32) and lse.shape == (70, 4) and table.dtype == torch.int32
+    from fusedattn.backends.cudnn.sequences import config_layout
+
+    layout = config_layout(cfg)
+    assert table.shape == (layout.rows, layout.width)
+    out, lse = torch.ops.fusedattn_native.attention(plan, q, k, v, None, None, None, None, [], [], False,
+                                                    _offsets(2))
+    out.sum().backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+    with pytest.raises(RuntimeError, match="this plan takes 2 offset tensors, got 0"):
+        torch.ops.fusedattn_native.forward(plan, q, k, v, None, None, None, *PLAIN)
+    with pytest.raises(RuntimeError, match=r"cu_seqlens_kv: expected 3 offsets"):
+        torch.ops.fusedattn_native.forward(plan, q, k, v, None, None, None, None, [], [], False,
+                                           [_offsets(2)[0], _offsets(3)[0]])
+    with pytest.raises(RuntimeError, match=r"expected a THD tensor \(T, 4, 64\)"):
+        torch.ops.fusedattn_native.forward(plan, q[:, :2], k, v, None, None, None, None, [], [], False, _offsets(2))
+
+
+def test_thd_offsets_past_int32_are_refused(operator):
+    cfg = _cfg(layout="thd", mask="padding", heads_kv=4, is_training=False)
+    plan = _sequence_plan(operator, cfg, stats=False)
+    tokens = 2**31 // (4 * 64) + 1
+    q = torch.empty(tokens, 4, 64, dtype=torch.bfloat16, device="meta")
+    v = torch.empty(tokens, 4, 32, dtype=torch.bfloat16, device="meta")
+    with pytest.raises(ValueError, match="past cuDNN's int32 ragged offsets"):
+        torch.ops.fusedattn_native.forward(plan, q, q, v, None, None, None, None, [], [], False, _offsets(2))
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_padded_plans_keep_the_stats_apart_from_the_lse(operator, training):
+    cfg = _cfg(mask="padding", softmax="learnable", is_training=training)
+    plan = _sequence_plan(operator, cfg, stats=training)
+    q, k, v = (_meta(cfg, role, requires_grad=training) for role in ("q", "k", "v"))
+    sink = torch.empty(4, device="meta", requires_grad=training)
+    outputs = torch.ops.fusedattn_native.forward(plan, q, k, v, sink, None, None, None, [], [], False, _offsets(2))
+    if not training:
+        assert len(outputs) == 2 and outputs[1].numel() == 0
+        return
+    out, lse, stats, table = outputs
+    assert lse.shape == stats.shape == (2, 4, 48) and table.dtype == torch.int32
+    out, lse = torch.ops.fusedattn_native.attention(plan, q, k, v, sink, None, None, None, [], [], False,
+                                                    _offsets(2))
+    out.sum().backward()
+    assert q.grad.shape == q.shape and sink.grad.shape == (4,)
+    with pytest.raises(RuntimeError, match="takes its forward's sequence table"):
+        torch.ops.fusedattn_native.backward(plan, torch.empty_like(out), None, q, k, v, out, lse, sink, None, None,
+                                            *PLAIN[:3], None)
+
+
+def test_the_sequence_plan_lists_the_rows_each_slot_reads():
+    from fusedattn.backends.cudnn.native import sequence_plans
+
+    cfg = _cfg(layout="thd", mask="padding", heads_kv=4, padded_offsets=True)
+    values = sequence_plans.values(cfg)
+    forward_rows = values[-17:-10]
+    backward_rows = values[-10:]
+    assert values[:2] == [1, 1] and forward_rows[:2] == [0, 1]  # lengths first, then ragged offsets
+    assert all(row >= 4 for row in forward_rows[2:]) and len(set(forward_rows[2:])) == 5
+    assert backward_rows[:7] == forward_rows  # the backward shares the forward's table
+    padded = sequence_plans.values(_cfg(mask="padding"))
+    assert padded[-17:-10] == [0, 1, -1, -1, -1, -1, -1]  # lengths only
+
+
+def test_the_sequence_kernels_compile_for_the_operator_without_scratch():
+    """The kernels compile with the signature the C++ launch passes (every int64, no alignment assumed),
+    for a Hopper target, on this CPU machine: the operator launches them as they are. (In a process of
+    its own: Triton's interpreter, on in this one, cannot compile.)"""
+    import inspect
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from fusedattn.backends.cudnn import sequence_kernels
+
+    script = """if True:
+        import json
+        from triton.backends.compiler import GPUTarget
+        from fusedattn.backends.cudnn.native import sequence_plans
+        from fusedattn.config import AttentionConfig
+        cfg = AttentionConfig(dtype="bfloat16", layout="thd", batch=2, seqlen_q=48, seqlen_kv=40, heads_q=4,
+                              heads_kv=4, head_dim_qk=64, head_dim_v=32, mask="padding_causal", softmax="learnable",
+                              device="cuda", is_training=True)
+        compiled = sequence_plans.kernels(cfg, stats=True, target=GPUTarget("cuda", 90, 32))
+        print(json.dumps([[image[:4].hex(), name, warps, shared] for image, name, warps, shared in compiled]))
+    """
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    compiled = json.loads(result.stdout.strip().splitlines()[-1])
+    assert len(compiled) == 4 and all(magic == "7f454c46" and warps >= 1 for magic, _, warps, _ in compiled)
+    assert compiled[0][1].startswith("sequence_tables") and all(c[1].startswith("fix_rows") for c in compiled[1:])
+
+    def runtime_arguments(kernel):  # the words C++ passes: one per argument that is not a constexpr
+        parameters = inspect.signature(kernel.fn).parameters.values()
+        return [p.name for p in parameters if "constexpr" not in str(p.annotation)]
+
+    assert len(runtime_arguments(sequence_kernels.fix_rows)) == 23  # fix_rows's words in torch_op.cc
+    assert len(runtime_arguments(sequence_kernels.sequence_tables)) == 11

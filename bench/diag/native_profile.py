@@ -19,8 +19,8 @@ def main():
         plan = next(iter(torch_plans._plans._items.values()))
         op, fwd = torch.ops.fusedattn_native.attention.default, torch.ops.fusedattn_native.forward.default
         rows = {"public": lambda: fat.attention(q, k, v, mask="causal"),
-                "operator": lambda: op(plan, q, k, v, None, None, None),
-                "forward op": lambda: fwd(plan, q, k, v, None, None, None),
+                "operator": lambda: op(plan, q, k, v, None, None, None, None, [], [], False, []),
+                "forward op": lambda: fwd(plan, q, k, v, None, None, None, None, [], [], False, []),
                 "empty_like": lambda: torch.empty_like(q),
                 "sdpa": lambda: sdpa(qt, kt, vt, is_causal=True)}
         for name, fn in rows.items():

@@ -41,8 +41,8 @@ def shape(b, s, h, d):
     with torch.no_grad():
         rows = {
             "public": per_call_us(lambda: fat.attention(q, k, v, mask="causal")),
-            "operator": per_call_us(lambda: op(plan, q, k, v, None, None, None)),
-            "forward op": per_call_us(lambda: fwd(plan, q, k, v, None, None, None)),
+            "operator": per_call_us(lambda: op(plan, q, k, v, None, None, None, None, [], [], False, [])),
+            "forward op": per_call_us(lambda: fwd(plan, q, k, v, None, None, None, None, [], [], False, [])),
             "4 allocations": per_call_us(lambda: [torch.empty_like(q) for _ in range(4)]),
             "sdpa": per_call_us(lambda: sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                              is_causal=True)),

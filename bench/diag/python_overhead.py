@@ -16,6 +16,8 @@ from fusedattn.backends.cudnn.native import torch_plans
 from fusedattn.selection import ENV_BACKEND, recall_call
 from fusedattn.torch import functional
 
+PLAIN = (None, None, None, None, [], [], False, [])  # sink, seed, offset, bias, aux, scalars, empty_rows, offsets
+
 
 def interleaved(rows: dict, rounds: int = 15, calls: int = 300) -> dict:
     """Median over rounds of each row's host time per call; the rows take turns within a round, so a
@@ -52,7 +54,7 @@ def main():
         rows = {"public": lambda: fat.attention(q, k, v, **options),
                 "public, gc off": public_without_gc,
                 "lean": lean,
-                "operator": lambda: op(plan, q, k, v, None, None, None),
+                "operator": lambda: op(plan, q, k, v, *PLAIN),
                 "_native_call": lambda: functional._native_call(plan, signature, planned, q, k, v, None, options),
                 "_signature": lambda: functional._signature(tensors, options, None),
                 "recall_call": lambda: recall_call(signature),
@@ -65,7 +67,7 @@ def main():
                 "empty_like": lambda: torch.empty_like(q),
                 "ops.empty_like": lambda: torch.ops.aten.empty_like.default(q)}
         if torch_plans.entry is not None:
-            rows["entry"] = lambda: torch_plans.entry(plan, q, k, v, None, None, None)
+            rows["entry"] = lambda: torch_plans.entry(plan, q, k, v, *PLAIN)
         for name, us in interleaved(rows).items():
             print(f"{name:>16}: {us:6.2f} us/call (host, median of rounds)", flush=True)
         profiler = cProfile.Profile()
@@ -94,7 +96,7 @@ def dispatcher_view(q, k, v):
     plan = list(torch_plans._plans._items.values())[-1]  # the training plan just registered
     operator = torch.ops.fusedattn_native.attention.default
     rows = {**calls,
-            "operator": lambda: torch.autograd.grad(operator(plan, *leaves, None, None, None)[0], leaves, grad)}
+            "operator": lambda: torch.autograd.grad(operator(plan, *leaves, *PLAIN)[0], leaves, grad)}
     with torch.nn.attention.sdpa_kernel(backend):
         for name, us in interleaved(rows, calls=100).items():
             print(f"fwd+bwd {name:>12}: {us:6.2f} us/call (host, median of rounds)", flush=True)

@@ -289,6 +289,8 @@ def _native_call(plan: int, signature, planned, q, k, v, sink, bias, binding, op
         seed, offset = _dropout_state(options.get("dropout_seed"), options.get("dropout_offset", 0), q)
     extra = () if binding is None and bias is None else (
         (bias,) if binding is None else (bias, binding.aux, binding.scalars, binding.empty_rows))
+    if cfg.layout.is_ragged or cfg.mask.is_padding:  # the sequence offsets, read on the device
+        extra = (*extra, *_PLAIN_OPERANDS[len(extra):-1], _offsets(cfg, options.get))
     try:
         out, lse = _operator(plan, q, k, v, sink, seed, offset, *extra)
     except RuntimeError as error:
@@ -307,15 +309,24 @@ def _native_call(plan: int, signature, planned, q, k, v, sink, bias, binding, op
 def _operator(plan: int, q, k, v, sink, seed, offset, *extra):
     """(out, lse) from the native operator: through the library's Python entry where it has one and no
     tensor overrides torch functions (those go through torch.ops, which honours them). extra: the
-    operator's trailing operands (bias, aux, scalars, empty_rows), as many as the call has."""
+    operator's trailing operands (bias, aux, scalars, empty_rows, offsets), as many as the call has."""
     entry = torch_plans.entry
-    if entry is not None and not has_torch_function((q, k, v, sink, *extra[:1], *(extra[1] if extra[1:] else ()))):
+    if entry is not None and not has_torch_function((q, k, v, sink, *extra[:1], *(extra[1] if extra[1:] else ()),
+                                                     *(extra[4] if extra[4:] else ()))):
         return entry(plan, q, k, v, sink, seed, offset, *extra)
     return torch.ops.fusedattn_native.attention.default(plan, q, k, v, sink, seed, offset,
                                                         *extra, *_PLAIN_OPERANDS[len(extra):])
 
 
-_PLAIN_OPERANDS = (None, [], [], False)  # the operator's trailing operands for a call without them
+_PLAIN_OPERANDS = (None, [], [], False, [])  # the operator's trailing operands for a call without them
+
+
+def _offsets(cfg: AttentionConfig, get) -> list:
+    """A padded or THD call's offset tensors as the operator takes them: cu_seqlens_q and _kv, then the
+    padded offsets where the config has them."""
+    names = ("cu_seqlens_q", "cu_seqlens_kv", *(("cu_seqlens_q_padded", "cu_seqlens_kv_padded")
+                                                  if cfg.padded_offsets else ()))
+    return [get(name) for name in names]
 
 
 def _signature(tensors: tuple, options: dict, score_mod):
@@ -420,8 +431,11 @@ def _compiled_attention(q, k, v, given: dict):
         offset = torch.as_tensor(dropout_offset, dtype=torch.int64, device=q.device)
     native = _compile_time_native(key, q.device)
     if native >= 0:  # the eager warm path's operator, its autograd traced by AOTAutograd
+        cfg = config_of(key)
+        sequences = _offsets(cfg, dict(zip(TENSORS, tensors[3:])).get) if (
+            cfg.layout.is_ragged or cfg.mask.is_padding) else []
         out, lse = torch.ops.fusedattn_native.attention.default(native, *unpacked, tensors[5], seed, offset,
-                                                                tensors[3], [], [], False)
+                                                                tensors[3], [], [], False, sequences)
         max_logit = None
     else:
         out, lse, max_logit = (poisoned(check, x)

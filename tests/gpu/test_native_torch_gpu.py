@@ -384,3 +384,119 @@ def test_warm_score_mod_and_bias_calls_never_wait_for_the_device(name):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------- padded and THD calls on the operator
+
+
+def _sequence_call(name: str):
+    """(tensors, options) of padded and THD calls with an empty sequence, a one-token one and Sq != Skv."""
+    from gpu_checks import _lengths, _thd
+
+    lens_q, lens_kv = [37, 0, 1, 130], [64, 20, 1, 100]
+    gen = torch.Generator(device="cuda").manual_seed(31)
+    trusted = dict(max_seqlen_q=max(lens_q), max_seqlen_kv=max(lens_kv))
+    offsets = dict(cu_seqlens_q=_lengths(lens_q), cu_seqlens_kv=_lengths(lens_kv), **trusted)
+    if name.startswith("thd"):
+        tensors = _thd("thd", lens_q, lens_kv, 8, 2, 64, seed=32, gaps=4 if name == "thd_gaps" else 0)
+        options = dict(layout="thd", mask="padding_causal", **offsets)
+        if name == "thd_gaps":  # padded offsets: 4 unused tokens after each sequence
+            options["cu_seqlens_q_padded"] = _lengths([n + 4 for n in lens_q])
+            options["cu_seqlens_kv_padded"] = _lengths([n + 4 for n in lens_kv])
+        return tensors, options
+    make = lambda s, h: torch.randn(4, s, h, 64, generator=gen, device="cuda").to(torch.bfloat16)  # noqa: E731
+    tensors = (make(max(lens_q), 8), make(max(lens_kv), 2), make(max(lens_kv), 2))
+    options = dict(mask="padding", **offsets)
+    if name == "padding_bias":
+        options["bias"] = torch.randn(1, 8, max(lens_q), max(lens_kv), generator=gen, device="cuda").to(torch.bfloat16)
+    if name == "padding_sink":
+        options.update(mask="padding_causal", softmax_type="learnable",
+                       sink=torch.randn(8, generator=gen, device="cuda"))
+    return tensors, options
+
+
+# (THD with a learnable sink: cuDNN 9.19 declines its backward, which needs 9.26.)
+SEQUENCE_CASES = ["thd", "thd_gaps", "padding", "padding_bias", "padding_sink"]
+
+
+@pytest.mark.parametrize("name", SEQUENCE_CASES)
+def test_padded_and_thd_calls_run_on_the_operator_and_match_float64(name):
+    """The operator builds the sequence table and fixes the rows cuDNN leaves with the Triton kernels it
+    launches itself: out, LSE (-inf or the sink's log past each sequence) and every gradient agree with
+    the float64 reference, and a warm call repeats the cold call's bits."""
+    from gpu_checks import assert_close_to_exact, run
+
+    tensors, options = _sequence_call(name)
+    options = {**options, "deterministic": True}
+    first, first_grads = run("cudnn", tensors, options)
+    assert _ran_native(first.out), first.out.grad_fn
+    again, again_grads = run("cudnn", tensors, options)
+    assert torch.equal(first.out, again.out) and all(torch.equal(a, b) for a, b in zip(first_grads[:3], again_grads))
+    for a, b in zip(first_grads[3:], again_grads[3:]):  # dSink and dBias: cuDNN sums them in any order
+        torch.testing.assert_close(a, b)
+    same, same_grads = run("reference", tensors, options)
+    wide = {key: value.double() if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+            for key, value in options.items()}
+    exact, exact_grads = run("reference", [t.double() for t in tensors], wide)
+    assert_close_to_exact("out", first.out, same.out, exact.out)
+    finite = torch.isfinite(exact.lse)
+    assert torch.equal(torch.isfinite(first.lse), finite), "LSE: -inf where the reference has it, nowhere else"
+    torch.testing.assert_close(first.lse[finite], exact.lse[finite].float(), atol=2e-2, rtol=2e-3)
+    assert len(first_grads) == len(exact_grads)
+    for i, (got, s, e) in enumerate(zip(first_grads, same_grads, exact_grads)):
+        assert_close_to_exact(f"grad {i}", got, s, e, reduction=i >= 3)
+
+
+@pytest.mark.parametrize("name", ["thd", "padding_sink"])
+def test_broken_offsets_give_nan_on_the_operator(name):
+    """Offsets whose values break the rules (read on the device, never on the host) give NaN in every
+    output and gradient, the sink's too, as on the Python path."""
+    tensors, options = _sequence_call(name)
+    broken = options["cu_seqlens_q"].clone()
+    broken[2] = broken[1] - 1  # a negative length
+    options = {**options, "cu_seqlens_q": broken}
+    leaves = [t.detach().clone().requires_grad_() for t in tensors]
+    extra = {n: options[n].detach().clone().requires_grad_() for n in ("sink",) if n in options}
+    out = fat.attention(*leaves, **{**options, **extra})
+    assert _ran_native(out)
+    out.float().sum().backward()
+    assert torch.isnan(out).all()
+    for x in (*leaves, *extra.values()):
+        assert torch.isnan(x.grad).all()
+
+
+@pytest.mark.parametrize("name", ["thd", "padding"])
+def test_warm_padded_and_thd_calls_never_wait_for_the_device(name):
+    tensors, options = _sequence_call(name)
+    leaves = [t.detach().clone().requires_grad_() for t in tensors]
+    for _ in range(2):
+        out = fat.attention(*leaves, **options)
+        torch.autograd.grad(out.float().square().sum(), leaves)
+    assert _ran_native(out)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            out = fat.attention(*leaves, **options)
+            torch.autograd.grad(out.float().square().sum(), leaves)
+            with torch.no_grad():
+                fat.attention(*leaves, **options)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
+def test_compiled_thd_calls_run_the_operator_with_eagers_bits():
+    tensors, options = _sequence_call("thd")
+    options = {**options, "deterministic": True}
+    leaves = [t.detach().clone().requires_grad_() for t in tensors]
+
+    def loss(*x):
+        return fat.attention(*x, **options).float().square().sum()
+
+    eager = torch.autograd.grad(loss(*leaves), leaves)
+    torch._dynamo.reset()
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    grads = torch.autograd.grad(compiled(*leaves), leaves)
+    for name, got, want in zip("qkv", grads, eager):
+        assert torch.equal(got, want), f"d{name} differs from eager"

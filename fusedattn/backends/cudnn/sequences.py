@@ -18,10 +18,11 @@ from fusedattn.backends.cudnn import sequence_kernels
 from fusedattn.backends.fast_launch import FastLaunch
 from fusedattn.config import AttentionConfig, SoftmaxType
 
-__all__ = ["Layout", "layout_of", "SequenceTable"]
+__all__ = ["Layout", "layout_of", "config_layout", "SequenceTable", "table_constants", "fix_constants",
+           "ROWS_PER_PROGRAM"]
 
 _TABLE_BLOCK = 128  # sequences per step of the table kernel
-_ROWS_PER_PROGRAM = 16
+ROWS_PER_PROGRAM = 16
 _ELEMENTS_PER_STEP = 1024
 _SINK_KINDS = {SoftmaxType.VANILLA: 0, SoftmaxType.OFF_BY_ONE: 1, SoftmaxType.LEARNABLE: 2}
 _Q_SIDE = ("q", "o", "stats", "dq")  # ragged offsets in query tokens; the others in key tokens
@@ -67,6 +68,20 @@ def layout_of(cfg: AttentionConfig, units: dict) -> Layout:
                   cfg.layout.is_ragged, (cfg.seqlen_q, cfg.seqlen_kv))
 
 
+def config_layout(cfg: AttentionConfig) -> Layout:
+    """A padded or THD config's table layout, for the Python path and the native operator alike."""
+    from fusedattn.backends.cudnn.spec import gradient_spec, sdpa_spec
+
+    if not cfg.layout.is_ragged:
+        return layout_of(cfg, {})
+    spec = sdpa_spec(cfg)  # THD: elements per token of every tensor the graphs read through ragged offsets
+    units = {role: spec.token_stride(role) for role in ("q", "k", "v", "o")}
+    units["stats"] = cfg.heads_q
+    for role in ("q", "k", "v"):
+        units["d" + role] = gradient_spec(getattr(spec, role)).stride[2]
+    return layout_of(cfg, units)
+
+
 _INT32_MAX = 2**31 - 1
 
 
@@ -100,10 +115,8 @@ class SequenceTable:
         table = torch.empty(layout.rows, layout.width, dtype=torch.int32, device=cu_q.device)
         _sequence_tables((1,),
             cu_q, cu_kv, cu_q if padded_q is None else padded_q, cu_kv if padded_kv is None else padded_kv,
-            table, layout.batch, *layout.limits, *(totals or (0, 0)), layout.width, ROW_UNITS=layout.row_units,
-            ROW_SIDES=layout.row_sides, N_ROWS=len(layout.row_units), PADDED_Q=padded_q is not None,
-            PADDED_KV=padded_kv is not None, CHECK_TOTAL=totals is not None, BLOCK=_TABLE_BLOCK,
-            BLOCKS=triton.cdiv(layout.batch + 1, _TABLE_BLOCK))
+            table, layout.batch, *layout.limits, *(totals or (0, 0)), layout.width,
+            **table_constants(layout, padded_q is not None, padded_kv is not None))
         return cls(layout, table)
 
     def lengths(self, side: str) -> torch.Tensor:
@@ -128,17 +141,30 @@ class SequenceTable:
         seqlen = 1 if ragged else seqlen
         strides = lambda t: (0, *t.stride()[:2]) if ragged else t.stride()[:3]  # noqa: E731
         heads = x.shape[-2]
-        steps = lambda t: triton.cdiv(heads * t.shape[-1], _ELEMENTS_PER_STEP)  # noqa: E731
         has_lse = lse is not None
-        _fix_rows((triton.cdiv(rows, _ROWS_PER_PROGRAM),),
+        _fix_rows((triton.cdiv(rows, ROWS_PER_PROGRAM),),
             x, x if y is None else y, lse if has_lse else x, stats if has_lse else x,
             sink if sink is not None else x, self.table, layout.width, layout.batch, rows, seqlen, heads,
             x.shape[-1], x.shape[-1] if y is None else y.shape[-1], 0.0 if ragged else float("-inf"),
             *strides(x), *strides(x if y is None else y),
             *(strides(lse) if has_lse else (0, 0, 0)),
-            SIDE=0 if side == "q" else 1, N_UNITS=len(layout.offsets), RAGGED=ragged,
-            SEARCH_STEPS=max(layout.batch.bit_length() + 1, 1), HAS_Y=y is not None, HAS_LSE=has_lse,
-            STATS_APART=has_lse and stats is not lse, SINK_KIND=_SINK_KINDS[softmax],
-            BLOCK_R=_ROWS_PER_PROGRAM, BLOCK_E=_ELEMENTS_PER_STEP,
-            STEPS_X=steps(x), STEPS_Y=steps(x if y is None else y),
-            BLOCK_H=triton.next_power_of_2(max(heads, 1)))
+            **fix_constants(layout, side, heads, x.shape[-1], None if y is None else y.shape[-1], has_lse,
+                            has_lse and stats is not lse, softmax))
+
+
+def table_constants(layout: Layout, padded_q: bool, padded_kv: bool) -> dict:
+    """The constexprs of `sequence_tables` for a layout (the native operator compiles the same kernel)."""
+    return dict(ROW_UNITS=layout.row_units, ROW_SIDES=layout.row_sides, N_ROWS=len(layout.row_units),
+                PADDED_Q=padded_q, PADDED_KV=padded_kv, CHECK_TOTAL=layout.ragged, BLOCK=_TABLE_BLOCK,
+                BLOCKS=triton.cdiv(layout.batch + 1, _TABLE_BLOCK))
+
+
+def fix_constants(layout: Layout, side: str, heads: int, dim_x: int, dim_y: int | None, has_lse: bool,
+                  stats_apart: bool, softmax: SoftmaxType) -> dict:
+    """The constexprs of `fix_rows` for one side's rows (dim_y None: no second tensor)."""
+    steps = lambda dim: triton.cdiv(heads * dim, _ELEMENTS_PER_STEP)  # noqa: E731
+    return dict(SIDE=0 if side == "q" else 1, N_UNITS=len(layout.offsets), RAGGED=layout.ragged,
+                SEARCH_STEPS=max(layout.batch.bit_length() + 1, 1), HAS_Y=dim_y is not None, HAS_LSE=has_lse,
+                STATS_APART=stats_apart, SINK_KIND=_SINK_KINDS[softmax], BLOCK_R=ROWS_PER_PROGRAM,
+                BLOCK_E=_ELEMENTS_PER_STEP, STEPS_X=steps(dim_x), STEPS_Y=steps(dim_x if dim_y is None else dim_y),
+                BLOCK_H=triton.next_power_of_2(max(heads, 1)))

@@ -15,7 +15,7 @@ from fusedattn.backends.base import AttentionInputs, AttentionOutputs, no_lse_gr
 from fusedattn.backends.cudnn.runtime import execute, get_graph
 from fusedattn.backends.cudnn.score_mod_masks import aux_name, mask_plan
 from fusedattn.backends.cudnn.sequences import Layout as TableLayout
-from fusedattn.backends.cudnn.sequences import SequenceTable, layout_of
+from fusedattn.backends.cudnn.sequences import SequenceTable, config_layout
 from fusedattn.backends.cudnn.spec import (
     SdpaSpec,
     TensorSpec,
@@ -51,9 +51,7 @@ def _plan(cfg: AttentionConfig) -> _Plan:
         spec = sdpa_spec(cfg)
         base = layout_spec(cfg.layout).base
         grads = {role: gradient_spec(getattr(spec, role)) for role in ("q", "k", "v")}
-        sequences = None
-        if spec.padding:
-            sequences = layout_of(cfg, _ragged_units(cfg, spec, grads) if spec.ragged else {})
+        sequences = config_layout(cfg) if spec.padding else None
         if cfg.layout.is_ragged:  # THD tensors are passed as they are, with ragged offsets
             return _Plan(spec, (), (), grads, sequences)
         return _Plan(spec, _TO_BHSD[base], _FROM_BHSD[base], grads, sequences)
@@ -109,15 +107,6 @@ def _sequence_table(cfg: AttentionConfig, plan: _Plan, inputs: AttentionInputs) 
     totals = (inputs.q.shape[0], inputs.k.shape[0]) if plan.spec.ragged else None
     return SequenceTable.build(plan.sequences, inputs.cu_seqlens_q, inputs.cu_seqlens_kv, inputs.cu_seqlens_q_padded,
                                inputs.cu_seqlens_kv_padded, totals)
-
-
-def _ragged_units(cfg: AttentionConfig, spec: SdpaSpec, grads: dict) -> dict:
-    """Elements per token of every tensor a THD graph reads through ragged offsets."""
-    units = {role: spec.token_stride(role) for role in ("q", "k", "v", "o")}
-    units["stats"] = cfg.heads_q
-    for role in ("q", "k", "v"):
-        units["d" + role] = grads[role].stride[2]
-    return units
 
 
 def _shared_buffers(cfg: AttentionConfig, plan: _Plan, inputs: AttentionInputs
@@ -228,8 +217,9 @@ def forward(cfg: AttentionConfig, inputs: AttentionInputs, into: AttentionOutput
     max_logit = torch.empty(0, dtype=torch.float32, device=device)  # not requested
     if spec.max_logit:
         row_max = buffers["row_max"]
-        if spec.padding:
-            row_max = row_max.masked_fill(~_is_query(cfg, table), float("-inf"))
+        if spec.padding:  # cuDNN leaves row_max unwritten past each end and in sequences without keys
+            has_keys = table.lengths("kv") > 0
+            row_max = row_max.masked_fill(~(_is_query(cfg, table) & has_keys), float("-inf"))
         buffers["stats"] = row_max + torch.log(buffers["sum_exp"])
         max_logit = row_max.amax(dim=(0, 2, 3))
         if spec.padding:

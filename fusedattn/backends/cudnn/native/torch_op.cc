@@ -32,6 +32,7 @@
 
 #include "bounded.h"
 #include "core_api.h"
+#include "triton_launch.h"
 
 namespace {
 
@@ -47,11 +48,20 @@ fusedattn_native::CoreApi &core() {
 
 // Slot orders of the two graphs: Python registers each graph's uids in these orders, followed by the
 // plan's aux tensors and then its scalars (torch_plans.py: FORWARD_SLOTS, BACKWARD_SLOTS).
-enum ForwardSlot { kFwdQ, kFwdK, kFwdV, kFwdSink, kFwdSeed, kFwdOffset, kFwdO, kFwdStats, kFwdBias, kForwardSlots };
+// Each ends in the sequence slots of padded and THD graphs (lengths, then ragged offsets), which point
+// into the call's sequence table at the rows the plan gives.
+constexpr int kForwardSequenceSlots = 7, kBackwardSequenceSlots = 10;
+enum ForwardSlot {
+    kFwdQ, kFwdK, kFwdV, kFwdSink, kFwdSeed, kFwdOffset, kFwdO, kFwdStats, kFwdBias, kFwdSequences,
+    kForwardSlots = kFwdSequences + kForwardSequenceSlots
+};
 enum BackwardSlot {
     kBwdQ, kBwdK, kBwdV, kBwdO, kBwdDO, kBwdStats, kBwdSink, kBwdSeed, kBwdOffset,
-    kBwdDQ, kBwdDK, kBwdDV, kBwdDSink, kBwdBias, kBwdDBias, kBackwardSlots
+    kBwdDQ, kBwdDK, kBwdDV, kBwdDSink, kBwdBias, kBwdDBias, kBwdSequences,
+    kBackwardSlots = kBwdSequences + kBackwardSequenceSlots
 };
+// The Triton kernels around a padded or THD graph (sequence_kernels.py), in sequence_plans.KERNELS' order.
+enum SequenceKernel { kTableKernel, kFixForward, kFixBackwardQ, kFixBackwardKV, kSequenceKernels };
 enum SinkKind { kNoSink = 0, kZeroSink = 1, kLearnableSink = 2 };
 enum BiasKind { kNoBias = 0, kPostScaleBias = 1, kPreScaleBias = 2 };
 enum ScalarType { kFloat32Scalar = 0, kInt32Scalar = 1 };
@@ -145,6 +155,19 @@ class Timer {
 // for (an input with other strides is copied into them).
 constexpr int kMaxDevices = 64;
 
+// What a padded or THD plan adds (sequence_plans.py): the sequence table's shape, the rows its graph
+// slots read, the units of the ragged offsets, and the compiled kernels that build the table before
+// the graph and fix the rows cuDNN leaves after it.
+struct SequencePlan {
+    bool ragged = false;          // THD: q, k, v, out are (T, H, D) tokens
+    bool padded_offsets = false;  // cu_seqlens_*_padded given: four offset tensors, not two
+    int64_t batch = 0, width = 0, rows = 0, flag_row = 0, limit_q = 0, limit_kv = 0, seqlen_q = 0, seqlen_kv = 0;
+    int64_t rows_per_program = 16;  // query or key rows each fix-up program visits
+    std::vector<int64_t> units, sides;  // per ragged offset: elements per token, side (0 queries, 1 keys)
+    std::vector<int64_t> forward_rows, backward_rows;  // the table row of each sequence slot, -1: unbound
+    std::unique_ptr<fusedattn_native::TritonKernel> kernels[kSequenceKernels];
+};
+
 struct TorchPlan {
     int64_t forward = -1, backward = -1;  // core plan ids; backward -1 for an inference configuration
     // Workspace bytes of each graph per device, once the core has deserialized it there (-1: not yet).
@@ -163,6 +186,14 @@ struct TorchPlan {
     bool bias_grad = false;    // the backward writes dBias
     int64_t aux_count = 0;     // score_mod aux tensors, bound after the graph's own slots
     std::vector<int64_t> scalar_types;  // score_mod scalars (ScalarType), bound after the aux tensors
+    std::shared_ptr<SequencePlan> sequences;  // padded and THD plans only
+
+    bool ragged() const { return sequences != nullptr && sequences->ragged; }
+    // Whether a training forward returns the stats its backward reads apart from the LSE: +inf for rows a
+    // score_mod emptied, or the padded graph's own (the LSE is -inf past each sequence's end).
+    bool separate_stats(bool empty_rows) const {
+        return backward >= 0 && (empty_rows || (sequences != nullptr && !sequences->ragged));
+    }
 
     TorchPlan() {
         for (auto &pass : workspace) {
@@ -246,6 +277,119 @@ Tensor dense_aligned(const Tensor &x) {
     return dense.clone(at::MemoryFormat::Contiguous);  // fresh memory from the allocator is aligned
 }
 
+// A THD tensor (T, H, D) with the token and head strides the graph reads (the plan's sizes and
+// strides are in (B, S, H, D) order): x itself when it has them, else a copy that does.
+void check_tokens(const Tensor &x, const std::vector<int64_t> &sizes, const char *name) {
+    TORCH_CHECK(x.dim() == 3 && x.size(1) == sizes[2] && x.size(2) == sizes[3], "fusedattn: ", name,
+                ": expected a THD tensor (T, ", sizes[2], ", ", sizes[3], ") (the registered plan's), got ",
+                x.sizes());
+}
+
+Tensor tokens(const Tensor &x, const std::vector<int64_t> &sizes, const std::vector<int64_t> &strides,
+              const char *name) {
+    check_tokens(x, sizes, name);
+    return conform(x, {x.size(0), sizes[2], sizes[3]}, {strides[1], strides[2], strides[3]}, name);
+}
+
+void *current_stream(const c10::Device &device) {
+    return c10::impl::getDeviceGuardImpl(device.type())->getStream(device).native_handle();
+}
+
+uint64_t word(const Tensor &x) { return reinterpret_cast<uint64_t>(x.data_ptr()); }
+uint64_t word(int64_t x) { return static_cast<uint64_t>(x); }
+uint64_t word(float x) {
+    uint64_t bits = 0;
+    std::memcpy(&bits, &x, sizeof(x));
+    return bits;
+}
+
+void launch_kernel(const SequencePlan &plan, SequenceKernel which, const Tensor &like, int64_t blocks,
+                   std::vector<uint64_t> &words) {
+    auto &kernel = plan.kernels[which];
+    TORCH_CHECK(kernel != nullptr, "fusedattn: this plan's sequence kernels were not registered");
+    std::string error = kernel->launch(like.device().index(), current_stream(like.device()), blocks, words);
+    TORCH_CHECK(error.empty(), "fusedattn: ", error);
+}
+
+// cu_seqlens as the table kernel reads them: int32 on q's device (a copy only where they are not).
+Tensor as_offsets(const Tensor &x, const Tensor &like, int64_t batch, const char *name) {
+    TORCH_CHECK(x.dim() == 1 && x.size(0) == batch + 1, "fusedattn: ", name, ": expected ", batch + 1,
+                " offsets (the registered plan's batch + 1), got shape ", x.sizes());
+    return x.to(like.device(), at::kInt).contiguous();
+}
+
+constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
+
+// The call's sequence table (sequences.py: SequenceTable): lengths, ragged offsets and the offsets'
+// check, written on the device by one kernel. offsets: cu_seqlens_q, cu_seqlens_kv, then the padded
+// offsets where the plan takes them. tokens_*: THD tensors' token counts (0 for padded layouts).
+// run: false in the meta kernels, which check the offsets and shape the table only.
+Tensor sequence_table(const SequencePlan &plan, at::TensorList offsets, int64_t tokens_q, int64_t tokens_kv,
+                      const Tensor &q, bool run = true) {
+    size_t expected = plan.padded_offsets ? 4 : 2;
+    TORCH_CHECK(offsets.size() == expected, "fusedattn: this plan takes ", expected, " offset tensors, got ",
+                offsets.size());
+    for (size_t i = 0; i < plan.units.size(); ++i) {  // cuDNN's ragged offsets are int32 element offsets
+        int64_t tokens = plan.sides[i] == 0 ? tokens_q : tokens_kv;
+        TORCH_CHECK_VALUE(tokens * plan.units[i] <= kInt32Max, "fusedattn: cudnn: THD offsets reach ", tokens,
+                          " tokens x ", plan.units[i], " elements, past cuDNN's int32 ragged offsets (", kInt32Max,
+                          "); split the packed batch, or use backend='reference'");
+    }
+    Tensor cu_q = as_offsets(offsets[0], q, plan.batch, "cu_seqlens_q");
+    Tensor cu_kv = as_offsets(offsets[1], q, plan.batch, "cu_seqlens_kv");
+    Tensor starts_q = plan.padded_offsets ? as_offsets(offsets[2], q, plan.batch, "cu_seqlens_q_padded") : cu_q;
+    Tensor starts_kv = plan.padded_offsets ? as_offsets(offsets[3], q, plan.batch, "cu_seqlens_kv_padded") : cu_kv;
+    Tensor table = new_dense({plan.rows, plan.width}, at::kInt, q);
+    if (!run) return table;
+    std::vector<uint64_t> words = {word(cu_q), word(cu_kv), word(starts_q), word(starts_kv), word(table),
+                                   word(plan.batch), word(plan.limit_q), word(plan.limit_kv), word(tokens_q),
+                                   word(tokens_kv), word(plan.width)};
+    launch_kernel(plan, kTableKernel, q, 1, words);
+    return table;
+}
+
+// The graph slots that read the table: each sequence slot's row, or nullptr where the graph has none.
+void bind_table(const std::vector<int64_t> &rows, const SequencePlan &plan, const Tensor &table, void **slots) {
+    for (size_t i = 0; i < rows.size(); ++i) {
+        slots[i] = rows[i] < 0 ? nullptr : static_cast<char *>(table.data_ptr()) + rows[i] * plan.width * 4;
+    }
+}
+
+// The (b, s, h) strides of a fix-up view: (B, S, H[, D]) padded, (T, H[, D]) THD (no batch stride).
+std::array<int64_t, 3> row_strides(const SequencePlan &plan, const Tensor &x) {
+    if (plan.ragged) return {0, x.stride(0), x.stride(1)};
+    return {x.stride(0), x.stride(1), x.stride(2)};
+}
+
+// Writes the rows of one side that cuDNN leaves (sequence_kernels.py: fix_rows). x, y: that side's
+// outputs or gradients as (B, S, H, D) views (THD: (T, H, D)); lse, stats: the forward's (B, S, H)
+// views (THD: (T, H)); sink: the learnable sink logits, where the plan has them.
+void fix_rows(const SequencePlan &plan, SequenceKernel which, const Tensor &table, const Tensor &x,
+              const Tensor &y, const Tensor &lse, const Tensor &stats, const Tensor &sink, int64_t seqlen) {
+    int64_t rows = plan.ragged ? x.size(0) : x.size(0) * x.size(1);
+    if (rows == 0) return;
+    const Tensor &second = y.defined() ? y : x;
+    auto sx = row_strides(plan, x), sy = row_strides(plan, second);
+    std::array<int64_t, 3> sl = lse.defined() ? row_strides(plan, lse) : std::array<int64_t, 3>{0, 0, 0};
+    float gap_lse = plan.ragged ? 0.0f : -std::numeric_limits<float>::infinity();
+    std::vector<uint64_t> words = {
+        word(x), word(second), word(lse.defined() ? lse : x), word(stats.defined() ? stats : x),
+        word(sink.defined() ? sink : x), word(table), word(plan.width), word(plan.batch), word(rows),
+        word(plan.ragged ? int64_t(1) : seqlen), word(x.size(-2)), word(x.size(-1)), word(second.size(-1)),
+        word(gap_lse), word(sx[0]), word(sx[1]), word(sx[2]), word(sy[0]), word(sy[1]), word(sy[2]),
+        word(sl[0]), word(sl[1]), word(sl[2])};
+    launch_kernel(plan, which, x, (rows + plan.rows_per_program - 1) / plan.rows_per_program, words);
+}
+
+// NaN where the call's offsets broke the rules, as fix_rows makes q, k and v's gradients then.
+Tensor poisoned(const SequencePlan &plan, const Tensor &table, const Tensor &grad) {
+    Tensor broken = table.select(0, plan.flag_row).narrow(0, 0, 1).ne(0);
+    return grad.masked_fill(broken, std::numeric_limits<double>::quiet_NaN());
+}
+
+// (B, S, H, D) view of a tensor in the caller's layout.
+Tensor bshd(const TorchPlan &plan, const Tensor &x) { return x.permute(plan.to_bhsd).permute({0, 2, 1, 3}); }
+
 Tensor sink_buffer(const TorchPlan &plan, const optional<Tensor> &sink, const Tensor &like) {
     if (plan.sink_kind == kLearnableSink) {
         TORCH_CHECK(sink.has_value() && sink->defined(), "fusedattn: this plan needs the sink logits");
@@ -303,12 +447,17 @@ std::vector<void *> with_operands(const std::array<void *, N> &own, const ScoreM
     return slots;
 }
 
-// out and LSE; with empty_rows on a plan that trains, the stats the backward reads as well (+inf
-// for rows without a visible key, so their probabilities are 0). The LSE is an empty tensor, not an
-// undefined one, when the plan writes none: callers read its numel.
+// out and LSE (THD: (Tq, Hq, Dv) and (Tq, Hq)). The LSE is an empty tensor, not an undefined one,
+// when the plan writes none: callers read its numel.
 std::vector<Tensor> forward_outputs(const TorchPlan &plan, const Tensor &q) {
     std::vector<Tensor> outputs;
-    outputs.reserve(3);
+    outputs.reserve(4);
+    if (plan.ragged()) {
+        outputs.push_back(new_dense({q.size(0), plan.heads_q, plan.out_sizes[3]}, q.scalar_type(), q));
+        outputs.push_back(new_dense(plan.stats ? c10::IntArrayRef({q.size(0), plan.heads_q})
+                                               : c10::IntArrayRef({0}), at::kFloat, q));
+        return outputs;
+    }
     outputs.push_back(new_tensor(plan.out_sizes, plan.out_strides, q.scalar_type(), q));
     outputs.push_back(new_dense(plan.stats ? c10::IntArrayRef(plan.lse_sizes) : c10::IntArrayRef({0}), at::kFloat,
                                 q));
@@ -316,8 +465,9 @@ std::vector<Tensor> forward_outputs(const TorchPlan &plan, const Tensor &q) {
 }
 
 // Rows a score_mod masked completely keep a finite LSE near the mask's score: output 0 and LSE -inf
-// there, as on the Python path (backends/cudnn/torch_run.py: _clear_empty_rows).
-void clear_empty_rows(const TorchPlan &plan, std::vector<Tensor> &outputs) {
+// there, as on the Python path (backends/cudnn/torch_run.py: _clear_empty_rows). Returns the stats the
+// backward reads: +inf there, so their probabilities are 0.
+Tensor clear_empty_rows(const TorchPlan &plan, std::vector<Tensor> &outputs) {
     TORCH_CHECK(plan.stats, "fusedattn: a plan with empty_rows writes the LSE");
     Tensor raw = outputs[1];
     Tensor empty = raw.ge(kMaskedBelow).logical_not_();  // NaN counts as empty too
@@ -325,29 +475,43 @@ void clear_empty_rows(const TorchPlan &plan, std::vector<Tensor> &outputs) {
     constexpr double inf = std::numeric_limits<double>::infinity();
     if (plan.backward < 0) {
         raw.masked_fill_(empty, -inf);
-        return;
+        return Tensor();
     }
     outputs[1] = raw.masked_fill(empty, -inf);
-    outputs.push_back(raw.masked_fill_(empty, inf));
+    return raw.masked_fill_(empty, inf);
 }
 
+// The forward's outputs: out and LSE, then for a plan that trains the stats its backward reads where
+// they are apart (separate_stats), then the sequence table where the plan has one.
 std::vector<Tensor> forward_cuda(int64_t plan_id, const Tensor &q, const Tensor &k, const Tensor &v,
                                  const optional<Tensor> &sink, const optional<Tensor> &seed,
                                  const optional<Tensor> &offset, const optional<Tensor> &bias, at::TensorList aux,
-                                 c10::ArrayRef<double> scalars, bool empty_rows) {
+                                 c10::ArrayRef<double> scalars, bool empty_rows, at::TensorList offsets) {
     Timer timer;
     auto plan = find_plan(plan_id);
     timer.mark(kFwdPlan);
     c10::DeviceGuard guard(q.device());
     timer.mark(kFwdGuard);
-    Tensor qs = conform(q, plan->sizes[0], plan->strides[0], "q");
-    Tensor ks = conform(k, plan->sizes[1], plan->strides[1], "k");
-    Tensor vs = conform(v, plan->sizes[2], plan->strides[2], "v");
+    const SequencePlan *sequences = plan->sequences.get();
+    bool ragged = plan->ragged();
+    auto conform_input = ragged ? tokens : conform;
+    Tensor qs = conform_input(q, plan->sizes[0], plan->strides[0], "q");
+    Tensor ks = conform_input(k, plan->sizes[1], plan->strides[1], "k");
+    Tensor vs = conform_input(v, plan->sizes[2], plan->strides[2], "v");
     Tensor sinks = sink_buffer(*plan, sink, q);
     Tensor biases = bias_buffer(*plan, bias, q);
     ScoreModOperands operands(*plan, aux, scalars);
+    Tensor table;
+    if (sequences != nullptr) {
+        table = sequence_table(*sequences, offsets, ragged ? q.size(0) : 0, ragged ? k.size(0) : 0, q);
+    } else {
+        TORCH_CHECK(offsets.empty(), "fusedattn: this plan takes no sequence offsets");
+    }
     timer.mark(kFwdInputs);
     auto outputs = forward_outputs(*plan, q);
+    // A padded graph writes stats the backward reads; fix_rows writes the LSE returned from them.
+    Tensor stats = sequences != nullptr && !ragged && plan->stats ? new_dense(plan->lse_sizes, at::kFloat, q)
+                                                                  : outputs[1];
     timer.mark(kFwdOutputs);
     std::array<void *, kForwardSlots> own{};
     own[kFwdQ] = qs.data_ptr();
@@ -357,11 +521,26 @@ std::vector<Tensor> forward_cuda(int64_t plan_id, const Tensor &q, const Tensor 
     own[kFwdSeed] = pointer(seed);
     own[kFwdOffset] = pointer(offset);
     own[kFwdO] = outputs[0].data_ptr();
-    own[kFwdStats] = plan->stats ? outputs[1].data_ptr() : nullptr;
+    own[kFwdStats] = plan->stats ? stats.data_ptr() : nullptr;
     own[kFwdBias] = biases.defined() ? biases.data_ptr() : nullptr;
+    if (sequences != nullptr) bind_table(sequences->forward_rows, *sequences, table, &own[kFwdSequences]);
     auto slots = with_operands(own, operands);
     launch(*plan, 0, q.device(), slots.data(), slots.size(), timer);
-    if (empty_rows) clear_empty_rows(*plan, outputs);
+    Tensor backward_stats;
+    if (empty_rows) backward_stats = clear_empty_rows(*plan, outputs);
+    if (sequences != nullptr) {
+        Tensor lse, lse_stats;
+        if (plan->stats) {  // (B, S, H) views; THD: the LSE is the stats, (T, H)
+            lse = ragged ? outputs[1] : outputs[1].permute({0, 2, 1});
+            lse_stats = ragged ? outputs[1] : stats.permute({0, 2, 1});
+        }
+        fix_rows(*sequences, kFixForward, table, ragged ? outputs[0] : bshd(*plan, outputs[0]), Tensor(), lse,
+                 lse_stats, sinks.defined() && plan->sink_kind == kLearnableSink ? sinks : Tensor(),
+                 sequences->seqlen_q);
+        if (!ragged && plan->backward >= 0) backward_stats = stats;
+    }
+    if (plan->separate_stats(empty_rows)) outputs.push_back(backward_stats);
+    if (sequences != nullptr && plan->backward >= 0) outputs.push_back(table);
     return outputs;
 }
 
@@ -369,6 +548,10 @@ void check_shapes(const TorchPlan &plan, const Tensor &q, const Tensor &k, const
     const char *names[3] = {"q", "k", "v"};
     const Tensor *tensors[3] = {&q, &k, &v};
     for (int role = 0; role < 3; ++role) {
+        if (plan.ragged()) {
+            check_tokens(*tensors[role], plan.sizes[role], names[role]);
+            continue;
+        }
         TORCH_CHECK(tensors[role]->sizes().equals(plan.sizes[role]), "fusedattn: ", names[role], ": expected shape ",
                     c10::IntArrayRef(plan.sizes[role]), " (the registered plan's), got ", tensors[role]->sizes());
     }
@@ -377,23 +560,37 @@ void check_shapes(const TorchPlan &plan, const Tensor &q, const Tensor &k, const
 std::vector<Tensor> forward_meta(int64_t plan_id, const Tensor &q, const Tensor &k, const Tensor &v,
                                  const optional<Tensor> &sink, const optional<Tensor> &seed,
                                  const optional<Tensor> &offset, const optional<Tensor> &bias, at::TensorList aux,
-                                 c10::ArrayRef<double> scalars, bool empty_rows) {
+                                 c10::ArrayRef<double> scalars, bool empty_rows, at::TensorList offsets) {
     auto plan = find_plan(plan_id);
     check_shapes(*plan, q, k, v);
     bias_buffer(*plan, bias, q);
     ScoreModOperands checked(*plan, aux, scalars);
     auto outputs = forward_outputs(*plan, q);
-    if (empty_rows && plan->backward >= 0) outputs.push_back(new_dense(plan->lse_sizes, at::kFloat, q));
+    if (plan->separate_stats(empty_rows)) outputs.push_back(new_dense(plan->lse_sizes, at::kFloat, q));
+    if (plan->sequences != nullptr) {
+        const SequencePlan &sequences = *plan->sequences;
+        Tensor table = sequence_table(sequences, offsets, plan->ragged() ? q.size(0) : 0,
+                                      plan->ragged() ? k.size(0) : 0, q, false);
+        if (plan->backward >= 0) outputs.push_back(table);
+    } else {
+        TORCH_CHECK(offsets.empty(), "fusedattn: this plan takes no sequence offsets");
+    }
     return outputs;
 }
 
 // dq, dk, dv, then dSink where the plan has sinks (the graph writes it for both kinds), then dBias
-// where the plan's backward writes it (reduced to the bias's own shape and dtype).
-std::vector<Tensor> backward_outputs(const TorchPlan &plan, const Tensor &q) {
+// where the plan's backward writes it (reduced to the bias's own shape and dtype). THD gradients are
+// dense tokens, (T, H, D) like their inputs.
+std::vector<Tensor> backward_outputs(const TorchPlan &plan, const Tensor &q, const Tensor &k, const Tensor &v) {
     std::vector<Tensor> grads;
     grads.reserve(5);
+    const Tensor *inputs[3] = {&q, &k, &v};
     for (int role = 0; role < 3; ++role) {
-        grads.push_back(new_tensor(plan.sizes[role], plan.grad_strides[role], q.scalar_type(), q));
+        if (plan.ragged()) {
+            grads.push_back(new_dense(inputs[role]->sizes(), q.scalar_type(), q));
+        } else {
+            grads.push_back(new_tensor(plan.sizes[role], plan.grad_strides[role], q.scalar_type(), q));
+        }
     }
     if (plan.sink_kind != kNoSink) grads.push_back(new_dense({1, plan.heads_q, 1, 1}, at::kFloat, q));
     if (plan.bias_grad) grads.push_back(new_dense(plan.bias_dims, q.scalar_type(), q));
@@ -422,12 +619,18 @@ void refuse_lse_gradient(const optional<Tensor> &grad_lse) {
                                 "lse; use backend='reference' for losses that depend on lse");
 }
 
-// stats: what the backward reads as the LSE (the forward's third output where it has one).
+void check_table(const TorchPlan &plan, const optional<Tensor> &table) {
+    TORCH_CHECK((plan.sequences != nullptr) == (table.has_value() && table->defined()),
+                "fusedattn: a padded or THD plan's backward takes its forward's sequence table (and no other does)");
+}
+
+// stats: what the backward reads as the LSE (the forward's third output where it has one); table: the
+// forward's sequence table, for a padded or THD plan.
 std::vector<Tensor> backward_cuda(int64_t plan_id, const Tensor &grad_out, const optional<Tensor> &grad_lse,
                                   const Tensor &q, const Tensor &k, const Tensor &v, const Tensor &out,
                                   const Tensor &stats, const optional<Tensor> &sink, const optional<Tensor> &seed,
                                   const optional<Tensor> &offset, const optional<Tensor> &bias, at::TensorList aux,
-                                  c10::ArrayRef<double> scalars) {
+                                  c10::ArrayRef<double> scalars, const optional<Tensor> &table) {
     Timer timer;
     auto plan = find_plan(plan_id);
     TORCH_CHECK(plan->backward >= 0, "fusedattn: native plan ", plan_id, " was registered for inference");
@@ -436,15 +639,19 @@ std::vector<Tensor> backward_cuda(int64_t plan_id, const Tensor &grad_out, const
     timer.mark(kBwdRefuse);
     c10::DeviceGuard guard(q.device());
     timer.mark(kBwdGuard);
-    Tensor qs = conform(q, plan->sizes[0], plan->strides[0], "q");
-    Tensor ks = conform(k, plan->sizes[1], plan->strides[1], "k");
-    Tensor vs = conform(v, plan->sizes[2], plan->strides[2], "v");
-    Tensor dout = conform(grad_out, plan->out_sizes, plan->out_strides, "grad_out");
+    const SequencePlan *sequences = plan->sequences.get();
+    check_table(*plan, table);
+    bool ragged = plan->ragged();
+    auto conform_input = ragged ? tokens : conform;
+    Tensor qs = conform_input(q, plan->sizes[0], plan->strides[0], "q");
+    Tensor ks = conform_input(k, plan->sizes[1], plan->strides[1], "k");
+    Tensor vs = conform_input(v, plan->sizes[2], plan->strides[2], "v");
+    Tensor dout = conform_input(grad_out, plan->out_sizes, plan->out_strides, "grad_out");
     Tensor sinks = sink_buffer(*plan, sink, q);
     Tensor biases = bias_buffer(*plan, bias, q);
     ScoreModOperands operands(*plan, aux, scalars);
     timer.mark(kBwdInputs);
-    auto grads = backward_outputs(*plan, q);
+    auto grads = backward_outputs(*plan, q, k, v);
     timer.mark(kBwdOutputs);
     size_t dsink = 3, dbias = plan->sink_kind != kNoSink ? 4 : 3;
     std::array<void *, kBackwardSlots> own{};
@@ -463,9 +670,21 @@ std::vector<Tensor> backward_cuda(int64_t plan_id, const Tensor &grad_out, const
     own[kBwdDSink] = plan->sink_kind != kNoSink ? grads[dsink].data_ptr() : nullptr;
     own[kBwdBias] = biases.defined() ? biases.data_ptr() : nullptr;
     own[kBwdDBias] = plan->bias_grad ? grads[dbias].data_ptr() : nullptr;
+    if (sequences != nullptr) bind_table(sequences->backward_rows, *sequences, *table, &own[kBwdSequences]);
     auto slots = with_operands(own, operands);
     launch(*plan, 1, q.device(), slots.data(), slots.size(), timer);
-    if (plan->bias_grad) grads[dbias] = bias_gradient(*plan, grads[dbias], *bias);
+    if (sequences != nullptr) {  // the rows cuDNN leaves: outside every sequence, or with an empty other side
+        auto view = [&](const Tensor &grad) { return ragged ? grad : bshd(*plan, grad); };
+        fix_rows(*sequences, kFixBackwardQ, *table, view(grads[0]), Tensor(), Tensor(), Tensor(), Tensor(),
+                 sequences->seqlen_q);
+        fix_rows(*sequences, kFixBackwardKV, *table, view(grads[1]), view(grads[2]), Tensor(), Tensor(), Tensor(),
+                 sequences->seqlen_kv);
+        if (plan->sink_kind != kNoSink) grads[dsink] = poisoned(*sequences, *table, grads[dsink]);
+    }
+    if (plan->bias_grad) {
+        grads[dbias] = bias_gradient(*plan, grads[dbias], *bias);
+        if (sequences != nullptr) grads[dbias] = poisoned(*sequences, *table, grads[dbias]);
+    }
     return grads;
 }
 
@@ -473,12 +692,13 @@ std::vector<Tensor> backward_meta(int64_t plan_id, const Tensor &grad_out, const
                                   const Tensor &q, const Tensor &k, const Tensor &v, const Tensor &out,
                                   const Tensor &stats, const optional<Tensor> &sink, const optional<Tensor> &seed,
                                   const optional<Tensor> &offset, const optional<Tensor> &bias, at::TensorList aux,
-                                  c10::ArrayRef<double> scalars) {
+                                  c10::ArrayRef<double> scalars, const optional<Tensor> &table) {
     auto plan = find_plan(plan_id);
     check_shapes(*plan, q, k, v);
     bias_buffer(*plan, bias, q);
     ScoreModOperands checked(*plan, aux, scalars);
-    auto grads = backward_outputs(*plan, q);
+    check_table(*plan, table);
+    auto grads = backward_outputs(*plan, q, k, v);
     if (plan->bias_grad) {
         TORCH_CHECK(bias.has_value() && bias->defined(), "fusedattn: this plan needs the bias");
         grads.back() = new_dense(bias->sizes(), bias->scalar_type(), q);
@@ -489,22 +709,22 @@ std::vector<Tensor> backward_meta(int64_t plan_id, const Tensor &grad_out, const
 std::vector<Tensor> call_forward(int64_t plan, const Tensor &q, const Tensor &k, const Tensor &v,
                                  const optional<Tensor> &sink, const optional<Tensor> &seed,
                                  const optional<Tensor> &offset, const optional<Tensor> &bias, at::TensorList aux,
-                                 c10::ArrayRef<double> scalars, bool empty_rows) {
+                                 c10::ArrayRef<double> scalars, bool empty_rows, at::TensorList offsets) {
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("fusedattn_native::forward", "")
                          .typed<decltype(forward_cuda)>();
-    return op.call(plan, q, k, v, sink, seed, offset, bias, aux, scalars, empty_rows);
+    return op.call(plan, q, k, v, sink, seed, offset, bias, aux, scalars, empty_rows, offsets);
 }
 
 std::vector<Tensor> call_backward(int64_t plan, const Tensor &grad_out, const optional<Tensor> &grad_lse,
                                   const Tensor &q, const Tensor &k, const Tensor &v, const Tensor &out,
                                   const Tensor &stats, const optional<Tensor> &sink, const optional<Tensor> &seed,
                                   const optional<Tensor> &offset, const optional<Tensor> &bias, at::TensorList aux,
-                                  c10::ArrayRef<double> scalars) {
+                                  c10::ArrayRef<double> scalars, const optional<Tensor> &table) {
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("fusedattn_native::backward", "")
                          .typed<decltype(backward_cuda)>();
-    return op.call(plan, grad_out, grad_lse, q, k, v, out, stats, sink, seed, offset, bias, aux, scalars);
+    return op.call(plan, grad_out, grad_lse, q, k, v, out, stats, sink, seed, offset, bias, aux, scalars, table);
 }
 
 Tensor defined_or_empty(const optional<Tensor> &x) { return x.has_value() ? *x : Tensor(); }
@@ -518,14 +738,14 @@ using torch::autograd::variable_list;
 // (lighter than a custom autograd Function): it saves what the backward op reads and calls it.
 struct AttentionBackward : public torch::autograd::Node {
     int64_t plan = -1;
-    SavedVariable q, k, v, out, stats, sink, seed, offset, bias;
+    SavedVariable q, k, v, out, stats, sink, seed, offset, bias, table;
     std::vector<SavedVariable> aux;
     std::vector<double> scalars;
 
     std::string name() const override { return "FusedAttentionBackward"; }
 
     void release_variables() override {
-        for (auto *saved : {&q, &k, &v, &out, &stats, &sink, &seed, &offset, &bias}) saved->reset_data();
+        for (auto *saved : {&q, &k, &v, &out, &stats, &sink, &seed, &offset, &bias, &table}) saved->reset_data();
         for (auto &saved : aux) saved.reset_data();
     }
 
@@ -544,7 +764,7 @@ struct AttentionBackward : public torch::autograd::Node {
         auto result = call_backward(plan, grad_out, as_optional(grads[1]), q.unpack(self), k.unpack(self),
                                     v.unpack(self), outs, stats.unpack(self), as_optional(sinks),
                                     as_optional(seed.unpack(self)), as_optional(offset.unpack(self)),
-                                    as_optional(biases), aux_tensors, scalars);
+                                    as_optional(biases), aux_tensors, scalars, as_optional(table.unpack(self)));
         timer.mark(kBackwardCall);
         variable_list gradients(5);
         for (int role = 0; role < 3; ++role) gradients[role] = std::move(result[role]);
@@ -580,7 +800,8 @@ bool requires_grad(const optional<Tensor> &x) { return x.has_value() && x->defin
 std::vector<Tensor> attention_autograd(int64_t plan, const Tensor &q, const Tensor &k, const Tensor &v,
                                        const optional<Tensor> &sink, const optional<Tensor> &seed,
                                        const optional<Tensor> &offset, const optional<Tensor> &bias,
-                                       at::TensorList aux, c10::ArrayRef<double> scalars, bool empty_rows) {
+                                       at::TensorList aux, c10::ArrayRef<double> scalars, bool empty_rows,
+                                       at::TensorList offsets) {
     Timer whole;
     bool grad_mode = at::GradMode::is_enabled();
     bool differentiable = grad_mode && (q.requires_grad() || k.requires_grad() || v.requires_grad() ||
@@ -593,7 +814,7 @@ std::vector<Tensor> attention_autograd(int64_t plan, const Tensor &q, const Tens
     {
         at::AutoDispatchBelowADInplaceOrView below;
         Timer timer;
-        outputs = call_forward(plan, q, k, v, sink, seed, offset, bias, aux, scalars, empty_rows);
+        outputs = call_forward(plan, q, k, v, sink, seed, offset, bias, aux, scalars, empty_rows, offsets);
         timer.mark(kForwardCall);
     }
     if (differentiable) {
@@ -614,9 +835,12 @@ std::vector<Tensor> attention_autograd(int64_t plan, const Tensor &q, const Tens
         node->offset = SavedVariable(defined_or_empty(offset), false);
         node->bias = SavedVariable(biases, false);
         node->out = SavedVariable(outputs[0], true);
-        // The stats the backward reads: the LSE, or the forward's own for empty rows (not an output
-        // of this op, so saved as an input would be).
-        node->stats = outputs.size() > 2 ? SavedVariable(outputs[2], false) : SavedVariable(outputs[1], true);
+        // The stats the backward reads: the LSE, or the forward's own (separate_stats), and the sequence
+        // table; neither is an output of this op, so they are saved as inputs would be.
+        size_t next = 2;
+        node->stats = find_plan(plan)->separate_stats(empty_rows) ? SavedVariable(outputs[next++], false)
+                                                                  : SavedVariable(outputs[1], true);
+        node->table = SavedVariable(outputs.size() > next ? outputs[next] : Tensor(), false);
         node->aux.reserve(aux.size());
         for (const Tensor &x : aux) node->aux.emplace_back(x, false);
         node->scalars.assign(scalars.begin(), scalars.end());
@@ -630,16 +854,17 @@ std::vector<Tensor> attention_autograd(int64_t plan, const Tensor &q, const Tens
 }  // namespace
 
 // The operands after the graph's own (see the top of this file). No defaults: a schema cannot give a
-// tensor list one, so plain calls pass None, [], [] (and False).
+// tensor list one, so plain calls pass None, [], [] (and False, [] for empty_rows and the offsets).
 #define FUSEDATTN_OPERANDS "Tensor? bias, Tensor[] aux, float[] scalars"
 
 TORCH_LIBRARY(fusedattn_native, m) {
     m.def("attention(int plan, Tensor q, Tensor k, Tensor v, Tensor? sink, Tensor? seed, Tensor? offset, "
-          FUSEDATTN_OPERANDS ", bool empty_rows) -> Tensor[]");
+          FUSEDATTN_OPERANDS ", bool empty_rows, Tensor[] offsets) -> Tensor[]");
     m.def("forward(int plan, Tensor q, Tensor k, Tensor v, Tensor? sink, Tensor? seed, Tensor? offset, "
-          FUSEDATTN_OPERANDS ", bool empty_rows) -> Tensor[]");
+          FUSEDATTN_OPERANDS ", bool empty_rows, Tensor[] offsets) -> Tensor[]");
     m.def("backward(int plan, Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor out, "
-          "Tensor stats, Tensor? sink, Tensor? seed, Tensor? offset, " FUSEDATTN_OPERANDS ") -> Tensor[]");
+          "Tensor stats, Tensor? sink, Tensor? seed, Tensor? offset, " FUSEDATTN_OPERANDS
+          ", Tensor? table) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(fusedattn_native, Autograd, m) { m.impl("attention", &attention_autograd); }
@@ -666,11 +891,11 @@ std::tuple<Tensor, Tensor> call_attention(int64_t plan, const Tensor &q, const T
                                           const optional<Tensor> &sink, const optional<Tensor> &seed,
                                           const optional<Tensor> &offset, const optional<Tensor> &bias,
                                           const std::vector<Tensor> &aux, const std::vector<double> &scalars,
-                                          bool empty_rows) {
+                                          bool empty_rows, const std::vector<Tensor> &offsets) {
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("fusedattn_native::attention", "")
                          .typed<decltype(attention_autograd)>();
-    auto outputs = op.call(plan, q, k, v, sink, seed, offset, bias, aux, scalars, empty_rows);
+    auto outputs = op.call(plan, q, k, v, sink, seed, offset, bias, aux, scalars, empty_rows, offsets);
     return {outputs[0], outputs[1]};
 }
 
@@ -703,6 +928,7 @@ PYBIND11_MODULE(libfusedattn_torch, m) {
     m.def("attention", &call_attention, py::arg("plan"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("sink"),
           py::arg("seed"), py::arg("offset"), py::arg("bias") = py::none(), py::arg("aux") = std::vector<Tensor>(),
           py::arg("scalars") = std::vector<double>(), py::arg("empty_rows") = false,
+          py::arg("offsets") = std::vector<Tensor>(),
           py::call_guard<py::gil_scoped_release>());
 }
 #endif
@@ -765,6 +991,57 @@ int64_t fusedattn_torch_plan(int64_t forward, int64_t backward, const int64_t *s
     int64_t scalars = *next++;
     plan->scalar_types = take(scalars);
     return torch_plans().add(plan);
+}
+
+// Makes plan `id` a padded or THD plan (before Python hands its id out). values: ragged, padded
+// offsets, batch, the table's width, rows and flag row, the longest query and key sequences, Sq, Skv,
+// rows per fix-up program, the number of ragged offsets, then (unit, side) for each, then the table row
+// of each forward sequence slot and of each backward one (-1: none). 0 on success.
+int fusedattn_torch_sequences(int64_t id, const int64_t *values, int64_t count) {
+    constexpr int64_t kFixed = 12;
+    if (count < kFixed || count != kFixed + 2 * values[kFixed - 1] + kForwardSequenceSlots + kBackwardSequenceSlots) {
+        fusedattn_error = "sequence plan: unexpected number of values (" + std::to_string(count) + ")";
+        return 1;
+    }
+    auto plan = torch_plans().find(id);
+    if (plan == nullptr) {
+        fusedattn_error = "sequence plan: no torch plan " + std::to_string(id);
+        return 1;
+    }
+    auto sequences = std::make_shared<SequencePlan>();
+    const int64_t *next = values;
+    sequences->ragged = *next++ != 0;
+    sequences->padded_offsets = *next++ != 0;
+    for (int64_t *field : {&sequences->batch, &sequences->width, &sequences->rows, &sequences->flag_row,
+                           &sequences->limit_q, &sequences->limit_kv, &sequences->seqlen_q, &sequences->seqlen_kv,
+                           &sequences->rows_per_program}) {
+        *field = *next++;
+    }
+    int64_t ragged_offsets = *next++;
+    for (int64_t i = 0; i < ragged_offsets; ++i) {
+        sequences->units.push_back(*next++);
+        sequences->sides.push_back(*next++);
+    }
+    sequences->forward_rows.assign(next, next + kForwardSequenceSlots);
+    next += kForwardSequenceSlots;
+    sequences->backward_rows.assign(next, next + kBackwardSequenceSlots);
+    plan->sequences = sequences;
+    return 0;
+}
+
+// Gives plan `id`'s sequence plan its kernel `which` (enum SequenceKernel): a cubin of `size` bytes,
+// its function's name, warps and dynamic shared memory bytes. 0 on success.
+int fusedattn_torch_sequence_kernel(int64_t id, int64_t which, const char *image, int64_t size, const char *name,
+                                    int64_t warps, int64_t shared) {
+    auto plan = torch_plans().find(id);
+    if (plan == nullptr || plan->sequences == nullptr || which < 0 || which >= kSequenceKernels) {
+        fusedattn_error = "sequence kernel: no sequence plan " + std::to_string(id) + " or no kernel " +
+                          std::to_string(which);
+        return 1;
+    }
+    plan->sequences->kernels[which] = std::make_unique<fusedattn_native::TritonKernel>(
+        std::string(image, static_cast<size_t>(size)), name, static_cast<int>(warps), static_cast<int>(shared));
+    return 0;
 }
 
 // Sets the torch plans' bound (when capacity > 0); the number of plans held.

@@ -19,7 +19,7 @@ import os
 import threading
 from typing import NamedTuple
 
-from fusedattn.backends.cudnn.native import build, core
+from fusedattn.backends.cudnn.native import build, core, sequence_plans
 from fusedattn.cache import LRUCache, register
 from fusedattn.config import AttentionConfig, BiasType, Layout, SoftmaxType
 
@@ -28,14 +28,16 @@ __all__ = ["ENV_SWITCH", "unavailable", "reasons", "plan_for", "forget", "plan_s
 
 ENV_SWITCH = "FUSEDATTN_TORCH_NATIVE"
 # Graph tensor names in the slot orders of torch_op.cc (enum ForwardSlot / BackwardSlot).
-FORWARD_SLOTS = ("q", "k", "v", "sink", "dropout_seed", "dropout_offset", "o", "stats", "bias")
+FORWARD_SLOTS = ("q", "k", "v", "sink", "dropout_seed", "dropout_offset", "o", "stats", "bias",
+                 *sequence_plans.FORWARD_SEQUENCE_SLOTS)
 BACKWARD_SLOTS = ("q", "k", "v", "o", "dO", "stats", "sink", "dropout_seed", "dropout_offset", "dq", "dk", "dv",
-                  "dsink", "bias", "dbias")
+                  "dsink", "bias", "dbias", *sequence_plans.BACKWARD_SEQUENCE_SLOTS)
 _SINK_KINDS = {SoftmaxType.VANILLA: 0, SoftmaxType.OFF_BY_ONE: 1, SoftmaxType.LEARNABLE: 2}
 _BIAS_KINDS = {BiasType.NONE: 0, BiasType.ALIBI: 0, BiasType.POST_SCALE: 1, BiasType.PRE_SCALE: 2}  # enum BiasKind
 _SCALAR_KINDS = {"float32": 0, "int32": 1}  # enum ScalarType
 _SCALAR_TYPES = {"float16": 5, "bfloat16": 15}  # c10::ScalarType codes
-_FROM_BHSD = {Layout.BSHD: (0, 2, 1, 3), Layout.SBHD: (2, 0, 1, 3), Layout.BHSD: (0, 1, 2, 3)}
+_FROM_BHSD = {Layout.BSHD: (0, 2, 1, 3), Layout.SBHD: (2, 0, 1, 3), Layout.BHSD: (0, 1, 2, 3),
+              Layout.THD: (0, 2, 1, 3)}  # THD: (B, S, H, D) order, of which the operator reads (H, D)
 PLAN_CAPACITY = core.PLAN_CAPACITY  # torch plans the operator keeps; the Python cache below is smaller
 
 NAME = build.NAMES["torch"].removesuffix(".so")  # the library's Python module name, where it is one
@@ -67,10 +69,8 @@ def reasons(cfg: AttentionConfig) -> list[str]:
     from fusedattn.backends.cudnn.spec import rows_without_keys
 
     found = []
-    if cfg.layout.is_ragged:
-        found.append("THD layouts")
-    if cfg.mask.is_padding:
-        found.append(f"mask {cfg.mask.value!r} (sequence lengths)")
+    if (cfg.layout.is_ragged or cfg.mask.is_padding) and cfg.score_mod_key is not None:
+        found.append("a score_mod with sequence lengths (padding masks, THD)")
     if cfg.return_max_logit:
         found.append("return_max_logit")
     if rows_without_keys(cfg):
@@ -124,6 +124,10 @@ def load_operator(path) -> ctypes.CDLL:
     operator.fusedattn_torch_init.argtypes = [ctypes.c_char_p]
     operator.fusedattn_torch_bounds.restype = ctypes.c_int64
     operator.fusedattn_torch_bounds.argtypes = [ctypes.c_int64]
+    operator.fusedattn_torch_sequences.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+    operator.fusedattn_torch_sequence_kernel.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_char_p,
+                                                         ctypes.c_int64, ctypes.c_char_p, ctypes.c_int64,
+                                                         ctypes.c_int64]
     return operator
 
 
@@ -215,10 +219,35 @@ def _register(cfg: AttentionConfig, device: int) -> int | None:
         bias_grad = "dbias" in backward.tensors
     if forward_plan is None or backward_plan is None:
         return None
-    shape = plan_shape(cfg, "stats" in forward.tensors, bias_grad)
-    plan = _state["library"].fusedattn_torch_plan(forward_plan, backward_plan,
-                                                   (ctypes.c_int64 * len(shape))(*shape), len(shape), cfg.scale)
-    return plan if plan >= 0 else None
+    stats = "stats" in forward.tensors
+    shape = plan_shape(cfg, stats, bias_grad)
+    library = _state["library"]
+    plan = library.fusedattn_torch_plan(forward_plan, backward_plan, (ctypes.c_int64 * len(shape))(*shape),
+                                        len(shape), cfg.scale)
+    if plan < 0:
+        return None
+    if cfg.layout.is_ragged or cfg.mask.is_padding:
+        return plan if _add_sequences(library, plan, cfg, stats) else None
+    return plan
+
+
+def _add_sequences(library, plan: int, cfg: AttentionConfig, stats: bool) -> bool:
+    """Makes `plan` a padded or THD plan: its sequence table's shape and its compiled kernels. False
+    (the Python path runs the config) where a kernel cannot be compiled for the operator."""
+    values = sequence_plans.values(cfg)
+    try:
+        compiled = sequence_plans.kernels(cfg, stats)
+    except Exception as error:  # no Triton for this GPU, or a kernel the launch cannot give what it needs
+        _warn(f"the sequence kernels could not be compiled ({type(error).__name__}: {error}); this "
+              "configuration keeps the Python launch path")
+        return False
+    status = library.fusedattn_torch_sequences(plan, (ctypes.c_int64 * len(values))(*values), len(values))
+    for which, (image, name, warps, shared) in enumerate(compiled):
+        status = status or library.fusedattn_torch_sequence_kernel(plan, which, image, len(image), name.encode(),
+                                                                  warps, shared)
+    if status:
+        raise RuntimeError(library.fusedattn_torch_last_error().decode())
+    return True
 
 
 def plan_shape(cfg: AttentionConfig, stats: bool, bias_grad: bool = False) -> list[int]:

@@ -1,0 +1,88 @@
+"""What the native operator needs to run a padded or THD config: its sequence table and kernels.
+
+The torch Python path builds each call's sequence table and fixes the rows cuDNN leaves with two
+Triton kernels (backends/cudnn/sequences.py). The operator launches the same kernels itself
+(torch_op.cc: SequencePlan, triton_launch.h): here each is compiled once per config with an explicit
+signature, every pointer without an alignment assumption and every int as int64, so that one cubin
+serves any tensor and any token count and C++ passes its arguments as 8-byte words in the kernel's
+order. `values(cfg)` gives the table's shape and the rows each graph slot reads.
+"""
+
+from __future__ import annotations
+
+from fusedattn.config import AttentionConfig
+
+__all__ = ["KERNELS", "FORWARD_SEQUENCE_SLOTS", "BACKWARD_SEQUENCE_SLOTS", "values", "kernels"]
+
+# Graph tensors that read the table, in the slot order of torch_op.cc (after each graph's own slots).
+FORWARD_SEQUENCE_SLOTS = ("seq_len_q", "seq_len_kv", "ro_q", "ro_k", "ro_v", "ro_o", "ro_stats")
+BACKWARD_SEQUENCE_SLOTS = (*FORWARD_SEQUENCE_SLOTS, "ro_dq", "ro_dk", "ro_dv")
+KERNELS = ("table", "fix_forward", "fix_backward_q", "fix_backward_kv")  # enum SequenceKernel
+_IO_TYPES = {"bfloat16": "*bf16", "float16": "*fp16"}
+# Pointer arguments' element types (the fix-ups' X and Y take the call's dtype); every other is int64.
+_POINTERS = {"CU_Q": "*i32", "CU_KV": "*i32", "STARTS_Q": "*i32", "STARTS_KV": "*i32", "TABLE": "*i32",
+             "X": None, "Y": None, "LSE": "*fp32", "STATS": "*fp32", "SINK": "*fp32"}
+_FLOATS = frozenset({"gap_lse"})
+
+
+def _layout(cfg: AttentionConfig):
+    from fusedattn.backends.cudnn.sequences import config_layout
+
+    return config_layout(cfg)
+
+
+def values(cfg: AttentionConfig) -> list[int]:
+    """The sequence plan as fusedattn_torch_sequences takes it (torch_op.cc)."""
+    from fusedattn.backends.cudnn.sequences import ROWS_PER_PROGRAM
+
+    layout = _layout(cfg)
+    rows = {"seq_len_q": 0, "seq_len_kv": 1}
+    rows.update({"ro_" + name: 4 + index for index, (name, _) in enumerate(layout.offsets)})
+    units = [x for index, (_, unit) in enumerate(layout.offsets) for x in (unit, int(index >= layout.queries))]
+    return [int(layout.ragged), int(cfg.padded_offsets), layout.batch, layout.width, layout.rows, layout.flag_row,
+            *layout.limits, cfg.seqlen_q, cfg.seqlen_kv, ROWS_PER_PROGRAM, len(layout.offsets), *units,
+            *(rows.get(name, -1) for name in FORWARD_SEQUENCE_SLOTS),
+            *(rows.get(name, -1) for name in BACKWARD_SEQUENCE_SLOTS)]
+
+
+def kernels(cfg: AttentionConfig, stats: bool, target=None) -> list:
+    """The config's compiled kernels in KERNELS' order, each as (cubin, name, warps, shared bytes).
+    stats: the forward graph writes the LSE (the forward fix-up writes the returned LSE from it).
+    target: a triton GPUTarget; the current device's by default."""
+    from fusedattn.backends.cudnn import sequence_kernels
+    from fusedattn.backends.cudnn.sequences import fix_constants, table_constants
+
+    layout = _layout(cfg)
+    heads_kv, dim_qk, dim_v = cfg.heads_kv, cfg.head_dim_qk, cfg.head_dim_v
+    fix = sequence_kernels.fix_rows
+    return [
+        _compile(sequence_kernels.sequence_tables, cfg, target, table_constants(layout, cfg.padded_offsets,
+                                                                                 cfg.padded_offsets)),
+        _compile(fix, cfg, target, fix_constants(layout, "q", cfg.heads_q, dim_v, None, stats,
+                                                 stats and not layout.ragged, cfg.softmax)),
+        _compile(fix, cfg, target, fix_constants(layout, "q", cfg.heads_q, dim_qk, None, False, False,
+                                                 cfg.softmax)),
+        _compile(fix, cfg, target, fix_constants(layout, "kv", heads_kv, dim_qk, dim_v, False, False,
+                                                 cfg.softmax)),
+    ]
+
+
+def _compile(function, cfg: AttentionConfig, target, constants: dict) -> tuple:
+    import triton
+    from triton.compiler import ASTSource
+
+    signature, constexprs = {}, {}
+    for index, name in enumerate(function.arg_names):
+        if function.params[index].is_constexpr:
+            signature[name] = "constexpr"
+            constexprs[(index,)] = constants[name]
+        elif name in _POINTERS:
+            signature[name] = _POINTERS[name] or _IO_TYPES[cfg.dtype]
+        else:
+            signature[name] = "fp32" if name in _FLOATS else "i64"
+    target = target or triton.runtime.driver.active.get_current_target()
+    compiled = triton.compile(ASTSource(function, signature, constexprs), target=target)
+    metadata = compiled.metadata
+    if metadata.global_scratch_size or getattr(metadata, "profile_scratch_size", 0):
+        raise RuntimeError(f"{function.__name__} needs scratch memory, which the operator's launch does not give")
+    return bytes(compiled.asm["cubin"]), metadata.name, metadata.num_warps, metadata.shared
