@@ -120,7 +120,7 @@ def test_a_score_mod_call_runs_eagerly_inside_a_compiled_step(ran):
         torch.testing.assert_close(got.grad, ref.grad)
     assert any(cfg.score_mod_key is not None for _, _, cfg in ran), ran
     torch._dynamo.reset()
-    with pytest.raises(Exception, match="with a score_mod runs eagerly inside a compiled model"):
+    with pytest.raises(Exception, match="with this score_mod runs eagerly inside a compiled model"):
         torch.compile(step, backend="aot_eager", fullgraph=True)(q, k, v, weight)
 
 
@@ -176,3 +176,47 @@ def test_a_backend_without_lse_gradient_never_drops_one_silently_under_compile(m
         torch.testing.assert_close(got, expected)
     for got, expected in zip(torch.autograd.grad(through_lse(q, k, v, weight=0.0), [q, k]), want):
         torch.testing.assert_close(got, expected)
+
+
+def test_touching_a_score_mods_reads_makes_a_compiled_graph_follow_a_new_number():
+    """compiled_score_mods bakes a mod's numbers into the graph; `touch` reads what the mod reads in the
+    traced code, so Dynamo guards on it: a new global cap, closure cell or ScoreMod number recompiles."""
+    from fusedattn import score_mods as sm
+    from fusedattn.torch import compiled_score_mods
+
+    state = {"cap": 3.0}
+
+    def flex(score, b, h, q_idx, kv_idx):
+        return state["cap"] * torch.tanh(score / state["cap"])
+
+    builtin = sm.softcap(5.0)
+
+    @torch._dynamo.assume_constant_result
+    def baked(score_mod):  # stands in for compiled_score_mods.plan: reads the numbers once, at trace time
+        if isinstance(score_mod, sm.ScoreMod):
+            return float(score_mod.tensors["cap"])
+        return float(score_mod(torch.tensor(1e9), 0, 0, 0, 0))
+
+    def step(x, score_mod):
+        compiled_score_mods.touch(score_mod, None, x)
+        return x * baked(score_mod)
+
+    x = torch.ones(2)
+    for mod, change, want in ((flex, lambda: state.update(cap=7.0), 7.0),
+                              (builtin, lambda: builtin.tensors.update(cap=11.0), 11.0)):
+        torch._dynamo.reset()
+        compiled = torch.compile(step, fullgraph=True, backend="eager")
+        first = compiled(x, mod)
+        change()
+        assert float(compiled(x, mod)[0]) == want != float(first[0])
+
+
+def test_score_mods_of_other_kinds_stay_out_of_the_graph():
+    from fusedattn import score_mods as sm
+    from fusedattn.torch import compiled_score_mods
+
+    assert compiled_score_mods.in_graph({"score_mod": lambda s, b, h, q, k: s})
+    assert compiled_score_mods.in_graph({"mask_mod": lambda b, h, q, k: q >= k})
+    assert compiled_score_mods.in_graph({"score_mod": sm.softcap(3.0)})
+    assert not compiled_score_mods.in_graph({"score_mod": sm.alibi([0.5, 0.25])})  # an array: bound per call
+    assert not compiled_score_mods.in_graph({"score_mod": lambda s, b, h, q, k: s, "score_mod_tensors": {}})

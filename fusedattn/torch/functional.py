@@ -30,8 +30,8 @@ from fusedattn.options import settings as settings_of
 from fusedattn.score_mods.core import as_score_mod, bind, needs_gradient
 from fusedattn.score_mods.mask_rewrite import rewrite_mask
 from fusedattn.selection import ENV_BACKEND, recall_call, remember_call
+from fusedattn.torch import compiled_score_mods, score_mod_bindings
 from fusedattn.torch import documents as documents_thd
-from fusedattn.torch import score_mod_bindings
 from fusedattn.torch.autograd import run_attention
 from fusedattn.torch.ops import backend_of, config_of, register_config
 from fusedattn.xp.torch_ops import OPS
@@ -120,7 +120,7 @@ def attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | 
     has_mod = not _SCORE_MOD_KEYWORDS.isdisjoint(options) and any(get(name) is not None for name in SCORE_MOD_NAMES)
     if compiling:
         if has_mod:
-            return _score_mod_call_outside_graph(q, k, v, **options)
+            return _compiled_score_mod_attention(q, k, v, options)
         return _compiled_attention(q, k, v, options)
     bias, sink = get("bias"), get("sink")
     offsets = (get("cu_seqlens_q"), get("cu_seqlens_kv"), get("cu_seqlens_q_padded"), get("cu_seqlens_kv_padded"))
@@ -355,17 +355,60 @@ def _score_mod_names(options: dict) -> tuple:
 
 # ---------------------------------------------------------------- under torch.compile
 
-SCORE_MOD_GRAPH_BREAK = (
-    "fusedattn.torch.attention with a score_mod runs eagerly inside a compiled model (one graph break): its "
-    "callbacks build cuDNN graphs in Python and its aux tensors and scalars are bound per call. Compile with "
-    "fullgraph=False; everything around the call still compiles.")
-
-
 def _score_mod_call_outside_graph(*args, **kwargs):
     return attention(*args, **kwargs)
 
 
-_score_mod_call_outside_graph = torch.compiler.disable(_score_mod_call_outside_graph, reason=SCORE_MOD_GRAPH_BREAK)
+_score_mod_call_outside_graph = torch.compiler.disable(_score_mod_call_outside_graph,
+                                                       reason=compiled_score_mods.GRAPH_BREAK)
+
+
+def _compiled_score_mod_attention(q, k, v, given: dict):
+    """A score_mod call in a compiled graph (torch/compiled_score_mods.py), or eagerly outside it."""
+    if not compiled_score_mods.in_graph(given):
+        return _score_mod_call_outside_graph(q, k, v, **given)
+    tensors, options, described = _compiled_description(q, k, v, given)
+    score_mod, mask_mod = given.get("score_mod"), given.get("mask_mod")
+    native, scalars, empty_rows = compiled_score_mods.plan(
+        described, tuple(options.items()), given.get("backend"), torch.is_grad_enabled(),
+        compiled_score_mods.passed(score_mod), mask_mod, q.device)
+    if native < 0:
+        return _score_mod_call_outside_graph(q, k, v, **given)
+    compiled_score_mods.touch(score_mod, mask_mod, q)
+    unpacked = split_packed(options["layout"], tuple(x for x in tensors[:3] if x is not None))
+    seed, offset = _compiled_dropout(q, options, given)
+    out, lse = torch.ops.fusedattn_native.attention.default(native, *unpacked, tensors[5], seed, offset, tensors[3],
+                                                            [], list(scalars), empty_rows, [])
+    return _compiled_result(out, lse, None, options)
+
+
+def _compiled_description(q, k, v, given: dict) -> tuple:
+    """(tensors in TENSOR_ARGUMENTS' order, settings, each tensor's shape, strides, dtype, device and
+    requires_grad) of a compiled call: what its trace-time planning reads."""
+    tensors = (q, k, v, *(given.get(name) for name in TENSORS))
+    options = settings_of(given)
+    if options["window"] is not None:
+        options["window"] = tuple(options["window"])
+    described = tuple(None if x is None else (tuple(x.shape), tuple(x.stride()), x.dtype, x.device, x.requires_grad)
+                      for x in tensors)
+    return tensors, options, described
+
+
+def _compiled_dropout(q, options: dict, given: dict) -> tuple:
+    """(seed, offset) device tensors of a compiled call with dropout, else (None, None)."""
+    if options["dropout_p"] <= 0.0:
+        return None, None
+    dropout_seed, dropout_offset = given.get("dropout_seed"), given.get("dropout_offset", 0)
+    seed = (torch.randint(0, 2**31 - 1, (), dtype=torch.int64, device=q.device) if dropout_seed is None
+            else torch.as_tensor(dropout_seed, dtype=torch.int64, device=q.device))
+    return seed, torch.as_tensor(dropout_offset, dtype=torch.int64, device=q.device)
+
+
+def _compiled_result(out, lse, max_logit, options: dict):
+    if not (options["return_lse"] or options["return_max_logit"]):
+        return out
+    return AttentionResult(out, lse if options["return_lse"] else None,
+                           max_logit if options["return_max_logit"] else None)
 
 
 @torch._dynamo.assume_constant_result
@@ -407,15 +450,8 @@ def _compile_time_native(key: str, device: torch.device) -> int:
 
 
 def _compiled_attention(q, k, v, given: dict):
-    tensors = (q, k, v, *(given.get(name) for name in TENSORS))
-    options = settings_of(given)
-    if options["window"] is not None:
-        options["window"] = tuple(options["window"])
-    described = tuple(None if x is None else (tuple(x.shape), tuple(x.stride()), x.dtype, x.device, x.requires_grad)
-                      for x in tensors)
+    tensors, options, described = _compiled_description(q, k, v, given)
     key = _compile_time_plan(described, tuple(options.items()), given.get("backend"), torch.is_grad_enabled())
-    dropout_seed, dropout_offset = given.get("dropout_seed"), given.get("dropout_offset", 0)
-    q, k, v = tensors[:3]
     passed = tuple(x for x in (q, k, v) if x is not None)
     unpacked = split_packed(options["layout"], passed)
     arrays, check = (*unpacked, *tensors[3:]), None
@@ -424,11 +460,7 @@ def _compiled_attention(q, k, v, given: dict):
         cfg = config_of(key)
         check = check_unread_offsets(cfg, passed, dict(zip(TENSOR_ARGUMENTS[6:], tensors[6:])))
         arrays = guard_inputs(cfg, passed, arrays, check)
-    seed = offset = None
-    if options["dropout_p"] > 0.0:
-        seed = (torch.randint(0, 2**31 - 1, (), dtype=torch.int64, device=q.device) if dropout_seed is None
-                else torch.as_tensor(dropout_seed, dtype=torch.int64, device=q.device))
-        offset = torch.as_tensor(dropout_offset, dtype=torch.int64, device=q.device)
+    seed, offset = _compiled_dropout(q, options, given)
     native = _compile_time_native(key, q.device)
     if native >= 0:  # the eager warm path's operator, its autograd traced by AOTAutograd
         cfg = config_of(key)
@@ -440,10 +472,7 @@ def _compiled_attention(q, k, v, given: dict):
     else:
         out, lse, max_logit = (poisoned(check, x)
                                for x in torch.ops.fusedattn.attention_fwd(key, *arrays, seed, offset))
-    if not (options["return_lse"] or options["return_max_logit"]):
-        return out
-    return AttentionResult(out, lse if options["return_lse"] else None,
-                           max_logit if options["return_max_logit"] else None)
+    return _compiled_result(out, lse, max_logit, options)
 
 
 def small_seq_attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | None = None, **kwargs):

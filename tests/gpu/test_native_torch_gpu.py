@@ -500,3 +500,84 @@ def test_compiled_thd_calls_run_the_operator_with_eagers_bits():
     grads = torch.autograd.grad(compiled(*leaves), leaves)
     for name, got, want in zip("qkv", grads, eager):
         assert torch.equal(got, want), f"d{name} differs from eager"
+
+
+# ---------------------------------------------------------------- score_mods in compiled graphs
+
+
+def _compiled_targets(fn, *args) -> set:
+    targets: set = set()
+
+    def recording(gm, example_inputs):
+        targets.update(str(node.target) for node in gm.graph.nodes)
+        return gm
+
+    torch._dynamo.reset()
+    torch.compile(fn, fullgraph=True, backend=recording)(*args)
+    return targets
+
+
+def test_flex_and_builtin_score_mods_compile_with_fullgraph_on_the_operator():
+    """A flex callback reading a global number, a closure made inside the compiled function and built-in
+    ScoreMods (made outside and inside it) run as the native operator inside a fullgraph compiled graph,
+    with eager's bits forward and backward; a new number recompiles and gives the new result."""
+    from fusedattn import score_mods as sm
+
+    global CAP
+    q, k, v = _inputs(seed=51)
+    builtin = sm.softcap(20.0)
+
+    def closure_loss(q, k, v, cap):
+        def capped(score, b, h, q_idx, kv_idx):
+            return cap * torch.tanh(score / cap)
+        return fat.attention(q, k, v, mask="causal", deterministic=True, score_mod=capped).float().square().sum()
+
+    cases = {
+        "global": lambda q, k, v: _loss(q, k, v, score_mod=_softcap),
+        "builtin": lambda q, k, v: _loss(q, k, v, score_mod=builtin),
+        "closure": lambda q, k, v: closure_loss(q, k, v, 25.0),
+        "builtin_made_inside": lambda q, k, v: _loss(q, k, v, score_mod=sm.softcap(15.0)),
+    }
+    for name, loss in cases.items():
+        assert NATIVE_OP in _compiled_targets(loss, q, k, v), name
+        eager = torch.autograd.grad(loss(q, k, v), (q, k, v))
+        for backend in ("aot_eager", "inductor"):
+            torch._dynamo.reset()
+            compiled = torch.compile(loss, fullgraph=True, backend=backend)
+            grads = torch.autograd.grad(compiled(q, k, v), (q, k, v))
+            assert all(torch.equal(a, b) for a, b in zip(grads, eager)), f"{name} ({backend}) differs from eager"
+    torch._dynamo.reset()
+    compiled = torch.compile(cases["global"], fullgraph=True, backend="aot_eager")
+    before = compiled(q, k, v)
+    CAP, old = 5.0, CAP
+    try:
+        after, eager_after = compiled(q, k, v), cases["global"](q, k, v)
+    finally:
+        CAP = old
+    assert torch.equal(after, eager_after) and not torch.equal(before, after)
+
+
+def _row_offset(graph, score, tensors):
+    """A cuDNN-native callback: score + q_idx / 64 (derivative 1)."""
+    from fusedattn import score_mods as sm
+
+    return graph.add(a=score, b=graph.div(a=sm.row_index(graph, score), b=tensors["width"]))
+
+
+@pytest.mark.parametrize("name", ["alibi_flex", "native_callback"])
+def test_score_mods_bound_per_call_still_break_the_graph_with_a_reason(name):
+    """Mods with aux tensors (ALiBi's captured slopes) and cuDNN-native callbacks run eagerly inside a
+    compiled function: fullgraph=True raises the reason, fullgraph=False gives eager's result."""
+    q, k, v = _inputs(seed=52)
+    options = ({n: x for n, x in _operand_options(name).items() if n != "mask"} if name == "alibi_flex"
+               else dict(score_mod=_row_offset, score_mod_tensors={"width": 64.0}))
+
+    def loss(q, k, v):
+        return _loss(q, k, v, **options)
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="runs eagerly inside a compiled model"):
+        torch.compile(loss, fullgraph=True, backend="aot_eager")(q, k, v)
+    torch._dynamo.reset()
+    compiled = torch.compile(loss, backend="aot_eager")
+    assert torch.equal(compiled(q, k, v), loss(q, k, v))
