@@ -163,7 +163,7 @@ def test_plans_with_a_wrong_shape_list_are_refused(operator):
 @pytest.mark.parametrize("changes, reason", [
     (dict(layout="thd", mask="padding", score_mod_key="mod"), "a score_mod with sequence lengths"),
     (dict(mask="padding", score_mod_key="mod"), "a score_mod with sequence lengths"),
-    (dict(return_max_logit=True), "return_max_logit"),
+    (dict(return_max_logit=True, mask="padding"), "return_max_logit with sequence lengths"),
     (dict(mask="causal_bottom_right", seqlen_q=64, seqlen_kv=40), "rows without keys"),
 ])
 def test_the_operator_declines_what_it_does_not_run(changes, reason):
@@ -172,6 +172,7 @@ def test_the_operator_declines_what_it_does_not_run(changes, reason):
 
 
 @pytest.mark.parametrize("changes", [dict(layout="thd", mask="padding_causal"), dict(mask="padding"),
+                                     dict(return_max_logit=True),
                                      dict(layout="thd", mask="padding", padded_offsets=True, dropout_p=0.1)])
 def test_the_operator_runs_padded_and_thd_calls(changes):
     assert torch_plans.reasons(_cfg(**changes)) == []
@@ -481,3 +482,15 @@ def test_the_sequence_kernels_compile_for_the_operator_without_scratch():
 
     assert len(runtime_arguments(sequence_kernels.fix_rows)) == 23  # fix_rows's words in torch_op.cc
     assert len(runtime_arguments(sequence_kernels.sequence_tables)) == 11
+
+
+def test_max_logit_plans_return_the_lse_and_the_largest_logit_per_head(operator):
+    cfg = _cfg(return_max_logit=True)
+    plan = _register(operator, cfg, stats=False)
+    q, k, v = (_meta(cfg, role, requires_grad=True) for role in ("q", "k", "v"))
+    out, lse, max_logit = torch.ops.fusedattn_native.forward(plan, q, k, v, None, None, None, *PLAIN)
+    assert lse.shape == (2, 4, 48) and max_logit.shape == (4,) and max_logit.dtype == torch.float32
+    out, lse, max_logit = torch.ops.fusedattn_native.attention(plan, q, k, v, None, None, None, *PLAIN)
+    assert out.grad_fn is lse.grad_fn is not None and max_logit.grad_fn is None
+    out.sum().backward()  # the backward reads the LSE made from the row maxima
+    assert q.grad.shape == q.shape

@@ -292,7 +292,7 @@ def _native_call(plan: int, signature, planned, q, k, v, sink, bias, binding, op
     if cfg.layout.is_ragged or cfg.mask.is_padding:  # the sequence offsets, read on the device
         extra = (*extra, *_PLAIN_OPERANDS[len(extra):-1], _offsets(cfg, options.get))
     try:
-        out, lse = _operator(plan, q, k, v, sink, seed, offset, *extra)
+        outputs = _operator(plan, q, k, v, sink, seed, offset, *extra)
     except RuntimeError as error:
         if "is not registered in this process" not in str(error):
             raise
@@ -302,14 +302,15 @@ def _native_call(plan: int, signature, planned, q, k, v, sink, bias, binding, op
             remember_call(signature, (*planned[:2], plan))
         if plan is None:
             raise
-        out, lse = _operator(plan, q, k, v, sink, seed, offset, *extra)
-    return pick_outputs(cfg, out, lse, None)
+        outputs = _operator(plan, q, k, v, sink, seed, offset, *extra)
+    return pick_outputs(cfg, outputs[0], outputs[1], outputs[2] if len(outputs) > 2 else None)
 
 
 def _operator(plan: int, q, k, v, sink, seed, offset, *extra):
-    """(out, lse) from the native operator: through the library's Python entry where it has one and no
-    tensor overrides torch functions (those go through torch.ops, which honours them). extra: the
-    operator's trailing operands (bias, aux, scalars, empty_rows, offsets), as many as the call has."""
+    """[out, lse] (and max_logit where the plan has it) from the native operator: through the library's
+    Python entry where it has one and no tensor overrides torch functions (those go through torch.ops,
+    which honours them). extra: the operator's trailing operands (bias, aux, scalars, empty_rows,
+    offsets), as many as the call has."""
     entry = torch_plans.entry
     if entry is not None and not has_torch_function((q, k, v, sink, *extra[:1], *(extra[1] if extra[1:] else ()),
                                                      *(extra[4] if extra[4:] else ()))):
@@ -378,7 +379,7 @@ def _compiled_score_mod_attention(q, k, v, given: dict):
     unpacked = split_packed(options["layout"], tuple(x for x in tensors[:3] if x is not None))
     seed, offset = _compiled_dropout(q, options, given)
     out, lse = torch.ops.fusedattn_native.attention.default(native, *unpacked, tensors[5], seed, offset, tensors[3],
-                                                            [], list(scalars), empty_rows, [])
+                                                            [], list(scalars), empty_rows, [])[:2]
     return _compiled_result(out, lse, None, options)
 
 
@@ -466,9 +467,10 @@ def _compiled_attention(q, k, v, given: dict):
         cfg = config_of(key)
         sequences = _offsets(cfg, dict(zip(TENSORS, tensors[3:])).get) if (
             cfg.layout.is_ragged or cfg.mask.is_padding) else []
-        out, lse = torch.ops.fusedattn_native.attention.default(native, *unpacked, tensors[5], seed, offset,
-                                                                tensors[3], [], [], False, sequences)
-        max_logit = None
+        out, lse, *max_logit = torch.ops.fusedattn_native.attention.default(native, *unpacked, tensors[5], seed,
+                                                                            offset, tensors[3], [], [], False,
+                                                                            sequences)
+        max_logit = max_logit[0] if max_logit else None
     else:
         out, lse, max_logit = (poisoned(check, x)
                                for x in torch.ops.fusedattn.attention_fwd(key, *arrays, seed, offset))

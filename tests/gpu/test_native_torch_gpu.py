@@ -581,3 +581,46 @@ def test_score_mods_bound_per_call_still_break_the_graph_with_a_reason(name):
     torch._dynamo.reset()
     compiled = torch.compile(loss, backend="aot_eager")
     assert torch.equal(compiled(q, k, v), loss(q, k, v))
+
+
+# ---------------------------------------------------------------- max_logit on the operator
+
+
+@pytest.mark.parametrize("mask", ["causal", "none"])
+def test_max_logit_calls_run_on_the_operator_and_match_float64(mask):
+    """The operator makes the LSE from cuDNN's row maxima and sums and the largest logit per head in C++:
+    both match the float64 reference, the backward (which reads that LSE) too; compiled calls give
+    eager's bits; warm calls never wait for the device."""
+    from gpu_checks import assert_close_to_exact, run
+
+    tensors = _inputs(seed=61)
+    options = {"mask": mask, "deterministic": True}
+    got, got_grads = run("cudnn", tensors, options, max_logit=True)
+    assert _ran_native(got.out), got.out.grad_fn
+    same, same_grads = run("reference", tensors, options, max_logit=True)
+    exact, exact_grads = run("reference", [t.double() for t in tensors], options, max_logit=True)
+    assert_close_to_exact("out", got.out, same.out, exact.out)
+    torch.testing.assert_close(got.lse, exact.lse.float(), atol=2e-2, rtol=2e-3)
+    torch.testing.assert_close(got.max_logit, exact.max_logit.float(), atol=5e-2, rtol=1e-2)
+    for i, (g, s, e) in enumerate(zip(got_grads, same_grads, exact_grads)):
+        assert_close_to_exact(f"grad {i}", g, s, e)
+
+    q, k, v = (t.detach().requires_grad_() for t in tensors)
+
+    def step(q, k, v):
+        result = fat.attention(q, k, v, return_max_logit=True, **options)
+        return result.out.float().square().sum(), result.max_logit
+
+    eager_loss, eager_max = step(q, k, v)
+    eager = torch.autograd.grad(eager_loss, (q, k, v))
+    torch._dynamo.reset()
+    loss, max_logit = torch.compile(step, fullgraph=True, backend="aot_eager")(q, k, v)
+    assert torch.equal(max_logit, eager_max)
+    assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(loss, (q, k, v)), eager))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(2):
+            torch.autograd.grad(step(q, k, v)[0], (q, k, v))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -52,7 +52,8 @@ fusedattn_native::CoreApi &core() {
 // into the call's sequence table at the rows the plan gives.
 constexpr int kForwardSequenceSlots = 7, kBackwardSequenceSlots = 10;
 enum ForwardSlot {
-    kFwdQ, kFwdK, kFwdV, kFwdSink, kFwdSeed, kFwdOffset, kFwdO, kFwdStats, kFwdBias, kFwdSequences,
+    kFwdQ, kFwdK, kFwdV, kFwdSink, kFwdSeed, kFwdOffset, kFwdO, kFwdStats, kFwdBias, kFwdRowMax, kFwdSumExp,
+    kFwdSequences,
     kForwardSlots = kFwdSequences + kForwardSequenceSlots
 };
 enum BackwardSlot {
@@ -176,6 +177,7 @@ struct TorchPlan {
     int64_t sink_kind = kNoSink;
     int64_t heads_q = 0;
     bool stats = false;  // the forward writes the LSE
+    bool max_logit = false;  // the forward writes row maxima and sums of exp instead (return_max_logit)
     std::vector<int64_t> out_sizes, out_strides, lse_sizes;
     std::vector<int64_t> sizes[3], strides[3], grad_strides[3];  // q, k, v
     std::vector<int64_t> to_bhsd;  // the permutation taking out to (B, H, S, D)
@@ -452,6 +454,12 @@ std::vector<void *> with_operands(const std::array<void *, N> &own, const ScoreM
 std::vector<Tensor> forward_outputs(const TorchPlan &plan, const Tensor &q) {
     std::vector<Tensor> outputs;
     outputs.reserve(4);
+    if (plan.max_logit) {  // the LSE made from the row maxima and sums, then the largest logit per head
+        outputs.push_back(new_tensor(plan.out_sizes, plan.out_strides, q.scalar_type(), q));
+        outputs.push_back(new_dense(plan.lse_sizes, at::kFloat, q));
+        outputs.push_back(new_dense({plan.heads_q}, at::kFloat, q));
+        return outputs;
+    }
     if (plan.ragged()) {
         outputs.push_back(new_dense({q.size(0), plan.heads_q, plan.out_sizes[3]}, q.scalar_type(), q));
         outputs.push_back(new_dense(plan.stats ? c10::IntArrayRef({q.size(0), plan.heads_q})
@@ -523,9 +531,20 @@ std::vector<Tensor> forward_cuda(int64_t plan_id, const Tensor &q, const Tensor 
     own[kFwdO] = outputs[0].data_ptr();
     own[kFwdStats] = plan->stats ? stats.data_ptr() : nullptr;
     own[kFwdBias] = biases.defined() ? biases.data_ptr() : nullptr;
+    Tensor row_max, sum_exp;
+    if (plan->max_logit) {
+        row_max = new_dense(plan->lse_sizes, at::kFloat, q);
+        sum_exp = new_dense(plan->lse_sizes, at::kFloat, q);
+        own[kFwdRowMax] = row_max.data_ptr();
+        own[kFwdSumExp] = sum_exp.data_ptr();
+    }
     if (sequences != nullptr) bind_table(sequences->forward_rows, *sequences, table, &own[kFwdSequences]);
     auto slots = with_operands(own, operands);
     launch(*plan, 0, q.device(), slots.data(), slots.size(), timer);
+    if (plan->max_logit) {  // LSE = max + log(sum of exp(s - max)); the largest logit of each head
+        at::add_out(outputs[1], row_max, sum_exp.log());
+        at::amax_out(outputs[2], row_max, {0, 2});
+    }
     Tensor backward_stats;
     if (empty_rows) backward_stats = clear_empty_rows(*plan, outputs);
     if (sequences != nullptr) {
@@ -837,7 +856,7 @@ std::vector<Tensor> attention_autograd(int64_t plan, const Tensor &q, const Tens
         node->out = SavedVariable(outputs[0], true);
         // The stats the backward reads: the LSE, or the forward's own (separate_stats), and the sequence
         // table; neither is an output of this op, so they are saved as inputs would be.
-        size_t next = 2;
+        size_t next = find_plan(plan)->max_logit ? 3 : 2;
         node->stats = find_plan(plan)->separate_stats(empty_rows) ? SavedVariable(outputs[next++], false)
                                                                   : SavedVariable(outputs[1], true);
         node->table = SavedVariable(outputs.size() > next ? outputs[next] : Tensor(), false);
@@ -846,7 +865,7 @@ std::vector<Tensor> attention_autograd(int64_t plan, const Tensor &q, const Tens
         node->scalars.assign(scalars.begin(), scalars.end());
         timer.mark(kSave);
     }
-    outputs.resize(2);
+    outputs.resize(find_plan(plan)->max_logit ? 3 : 2);  // out, LSE and max_logit where the plan has it
     whole.mark(kWhole);
     return outputs;
 }
@@ -887,7 +906,7 @@ TORCH_LIBRARY_IMPL(fusedattn_native, Meta, m) {
 
 namespace {
 
-std::tuple<Tensor, Tensor> call_attention(int64_t plan, const Tensor &q, const Tensor &k, const Tensor &v,
+std::vector<Tensor> call_attention(int64_t plan, const Tensor &q, const Tensor &k, const Tensor &v,
                                           const optional<Tensor> &sink, const optional<Tensor> &seed,
                                           const optional<Tensor> &offset, const optional<Tensor> &bias,
                                           const std::vector<Tensor> &aux, const std::vector<double> &scalars,
@@ -895,8 +914,7 @@ std::tuple<Tensor, Tensor> call_attention(int64_t plan, const Tensor &q, const T
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("fusedattn_native::attention", "")
                          .typed<decltype(attention_autograd)>();
-    auto outputs = op.call(plan, q, k, v, sink, seed, offset, bias, aux, scalars, empty_rows, offsets);
-    return {outputs[0], outputs[1]};
+    return op.call(plan, q, k, v, sink, seed, offset, bias, aux, scalars, empty_rows, offsets);
 }
 
 }  // namespace
@@ -951,10 +969,10 @@ int fusedattn_torch_init(const char *core_path) {
 // A torch plan from two core plans (backward -1 for inference) and its shapes, flattened:
 // dtype code (c10::ScalarType), sink kind, Hq, stats, out sizes[4], out strides[4], lse sizes[3],
 // then for q, k, v: sizes[4], strides[4], gradient strides[4]; then out's permutation to BHSD[4],
-// bias kind, bias shape[4], the graph's bias dims[4], dBias (0/1), the aux tensor count, the scalar
+// bias kind, bias shape[4], the graph's bias dims[4], dBias (0/1), max_logit (0/1), the aux tensor count, the scalar
 // count and each scalar's type (ScalarType). scale: what a pre-scale bias is multiplied by. Its id, or -1.
 int64_t fusedattn_torch_plan(int64_t forward, int64_t backward, const int64_t *shape, int64_t count, double scale) {
-    constexpr int64_t kFixed = 4 + 4 + 4 + 3 + 3 * 12 + 4 + 1 + 4 + 4 + 1 + 1 + 1;
+    constexpr int64_t kFixed = 4 + 4 + 4 + 3 + 3 * 12 + 4 + 1 + 4 + 4 + 1 + 1 + 1 + 1;
     if (count < kFixed || count != kFixed + shape[kFixed - 1]) {
         fusedattn_error = "expected " + std::to_string(kFixed) + " shape entries and one per scalar, got " +
                           std::to_string(count);
@@ -987,6 +1005,7 @@ int64_t fusedattn_torch_plan(int64_t forward, int64_t backward, const int64_t *s
     plan->bias_shape = take(4);
     plan->bias_dims = take(4);
     plan->bias_grad = *next++ != 0;
+    plan->max_logit = *next++ != 0;
     plan->aux_count = *next++;
     int64_t scalars = *next++;
     plan->scalar_types = take(scalars);

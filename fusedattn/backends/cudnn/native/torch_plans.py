@@ -7,7 +7,8 @@ k, v, sink, seed, offset, bias, aux, scalars, empty_rows)`: the operator allocat
 records its C++ autograd node. A score_mod's aux tensors and numbers travel as `aux` and `scalars`
 in the order `operands(cfg)` gives. Where Python's headers exist, the library is also a Python
 module whose `attention` calls the same operator more cheaply (`entry`).
-Configs it does not run (padding masks, THD, max_logit, rows without keys) keep the Python path;
+Configs it does not run (a score_mod or max_logit with sequence lengths, rows without keys) keep the
+Python path;
 `unavailable()` says why the library cannot be used at all on this machine.
 FUSEDATTN_TORCH_NATIVE=0 turns the operator off.
 """
@@ -28,8 +29,8 @@ __all__ = ["ENV_SWITCH", "unavailable", "reasons", "plan_for", "forget", "plan_s
 
 ENV_SWITCH = "FUSEDATTN_TORCH_NATIVE"
 # Graph tensor names in the slot orders of torch_op.cc (enum ForwardSlot / BackwardSlot).
-FORWARD_SLOTS = ("q", "k", "v", "sink", "dropout_seed", "dropout_offset", "o", "stats", "bias",
-                 *sequence_plans.FORWARD_SEQUENCE_SLOTS)
+FORWARD_SLOTS = ("q", "k", "v", "sink", "dropout_seed", "dropout_offset", "o", "stats", "bias", "row_max",
+                 "sum_exp", *sequence_plans.FORWARD_SEQUENCE_SLOTS)
 BACKWARD_SLOTS = ("q", "k", "v", "o", "dO", "stats", "sink", "dropout_seed", "dropout_offset", "dq", "dk", "dv",
                   "dsink", "bias", "dbias", *sequence_plans.BACKWARD_SEQUENCE_SLOTS)
 _SINK_KINDS = {SoftmaxType.VANILLA: 0, SoftmaxType.OFF_BY_ONE: 1, SoftmaxType.LEARNABLE: 2}
@@ -71,8 +72,8 @@ def reasons(cfg: AttentionConfig) -> list[str]:
     found = []
     if (cfg.layout.is_ragged or cfg.mask.is_padding) and cfg.score_mod_key is not None:
         found.append("a score_mod with sequence lengths (padding masks, THD)")
-    if cfg.return_max_logit:
-        found.append("return_max_logit")
+    if cfg.return_max_logit and (cfg.layout.is_ragged or cfg.mask.is_padding):
+        found.append("return_max_logit with sequence lengths (padding masks, THD)")
     if rows_without_keys(cfg):
         found.append("rows without keys (bottom-right causal with Sq > Skv)")
     return found
@@ -254,8 +255,9 @@ def plan_shape(cfg: AttentionConfig, stats: bool, bias_grad: bool = False) -> li
     """The shapes and strides of a config's tensors as fusedattn_torch_plan takes them (torch_op.cc):
     dtype code, sink kind, Hq, stats, out sizes and strides, LSE sizes, then q, k, v sizes, strides and
     gradient strides, all in the caller's base layout (the graphs' BHSD order permuted back); then
-    out's permutation to BHSD, the bias (kind, shape, the graph's dims, whether dBias is written) and
-    the score_mod operands (aux count, scalar count, scalar types)."""
+    out's permutation to BHSD, the bias (kind, shape, the graph's dims, whether dBias is written),
+    whether the forward writes row maxima for max_logit, and the score_mod operands (aux count, scalar
+    count, scalar types)."""
     from fusedattn.backends.cudnn.spec import gradient_spec, sdpa_spec
     from fusedattn.layout import layout_spec
 
@@ -270,7 +272,7 @@ def plan_shape(cfg: AttentionConfig, stats: bool, bias_grad: bool = False) -> li
     shape += [order.index(axis) for axis in range(4)]  # the inverse permutation: user layout -> BHSD
     bias = spec.bias is not None
     shape += [_BIAS_KINDS[cfg.bias], *(cfg.bias_shape if bias else (1, 1, 1, 1)),
-              *(spec.bias.dim if bias else (1, 1, 1, 1)), int(bias_grad)]
+              *(spec.bias.dim if bias else (1, 1, 1, 1)), int(bias_grad), int(spec.max_logit)]
     extra = operands(cfg)
     types = extra.types()
     return [*shape, len(extra.aux), len(types), *types]
