@@ -29,6 +29,11 @@ def interleaved(rows: dict, rounds: int = 15, calls: int = 300) -> dict:
     return {name: statistics.median(values) for name, values in times.items()}
 
 
+def sdpa_default(q, k, v):
+    return torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                            is_causal=True)
+
+
 def main():
     q, k, v = (torch.randn(1, 128, 8, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     options = {"mask": "causal"}  # the keywords of the call timed below
@@ -42,7 +47,8 @@ def main():
         op = torch.ops.fusedattn_native.attention.default
         def lean():  # the warm path's steps without the rest of attention's body
             signature = functional._signature(tensors, options, None)
-            return functional._native_call(plan, signature, recall_call(signature), q, k, v, None, options)
+            return functional._native_call(plan, signature, recall_call(signature), q, k, v, None, None, None,
+                                           options)
 
         def public_without_gc():
             gc.disable()
@@ -55,7 +61,9 @@ def main():
                 "public, gc off": public_without_gc,
                 "lean": lean,
                 "operator": lambda: op(plan, q, k, v, *PLAIN),
-                "_native_call": lambda: functional._native_call(plan, signature, planned, q, k, v, None, options),
+                "_native_call": lambda: functional._native_call(plan, signature, planned, q, k, v, None, None, None,
+                                                                options),
+                "sdpa (default)": lambda: sdpa_default(q, k, v),
                 "_signature": lambda: functional._signature(tensors, options, None),
                 "recall_call": lambda: recall_call(signature),
                 "is_compiling": torch.compiler.is_compiling,
