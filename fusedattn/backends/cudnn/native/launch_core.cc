@@ -56,6 +56,13 @@ struct Plan {
     // bytes are written, and stays until the plan goes.
     std::atomic<fe::graph::Graph *> ready[kMaxDevices] = {};
     int64_t ready_workspace[kMaxDevices] = {};
+#if CUDNN_FRONTEND_VERSION >= 13200
+    // For each pointer the graph reads, in the frontend's sorted order, the slot that gives it (-1:
+    // none): a launch hands the frontend its pointer array directly, without a uid map. The same on
+    // every device (one blob); written with the first graph, before it is published.
+    std::vector<int32_t> order;
+    std::vector<int64_t> order_uids;
+#endif
 };
 
 struct Device {
@@ -213,6 +220,16 @@ inline std::string graph_on(Plan *plan, int32_t ordinal, Device *device, fe::gra
         }
         plan->workspace[ordinal] = graph->get_workspace_size();
         trace("deserialized; workspace " + std::to_string(plan->workspace[ordinal]) + " bytes");
+#if CUDNN_FRONTEND_VERSION >= 13200
+        if (plan->order_uids.empty()) {
+            plan->order_uids = graph->get_variant_pack_uids_sorted();
+            for (int64_t uid : plan->order_uids) {
+                auto found = std::find(plan->uids.begin(), plan->uids.end(), uid);
+                plan->order.push_back(found == plan->uids.end() ? -1
+                                                                : static_cast<int32_t>(found - plan->uids.begin()));
+            }
+        }
+#endif
         slot = std::move(graph);
     }
     *out = slot.get();
@@ -255,6 +272,26 @@ inline std::string execute(Plan *plan, int32_t ordinal, cudaStream_t stream, voi
         return "the graph needs a " + std::to_string(needed) + "-byte workspace on device " + std::to_string(ordinal) +
                ", the call has " + std::to_string(workspace_bytes);
     }
+#if CUDNN_FRONTEND_VERSION >= 13200
+    // The graph's pointers in the frontend's sorted order, straight from the slots.
+    constexpr size_t kOnStack = 64;
+    void *on_stack[kOnStack];
+    std::vector<void *> on_heap;
+    const size_t reads = plan->order.size();
+    void **sorted = reads <= kOnStack ? on_stack : (on_heap.resize(reads), on_heap.data());
+    for (size_t j = 0; j < reads; ++j) {
+        int32_t slot = plan->order[j];
+        if (slot < 0 || slot >= count) {
+            return "the graph reads uid " + std::to_string(plan->order_uids[j]) + ", which the call does not bind";
+        }
+        sorted[j] = slots[slot];
+    }
+    watch.lap(kBinding);
+    std::lock_guard<std::mutex> lock(device->mutex);
+    if (fe::detail::set_stream(device->handle, stream) != CUDNN_STATUS_SUCCESS) return "cudnnSetStream failed";
+    watch.lap(kStream);
+    auto status = graph->execute(device->handle, sorted, static_cast<int>(reads), workspace);
+#else
     // This thread's map from the last launch: clear() keeps its buckets, so only the entries are new.
     static thread_local std::unordered_map<int64_t, void *> pointers;
     pointers.clear();
@@ -267,6 +304,7 @@ inline std::string execute(Plan *plan, int32_t ordinal, cudaStream_t stream, voi
     if (fe::detail::set_stream(device->handle, stream) != CUDNN_STATUS_SUCCESS) return "cudnnSetStream failed";
     watch.lap(kStream);
     auto status = graph->execute(device->handle, pointers, workspace);
+#endif
     watch.lap(kExecute);
     if (status.is_bad()) return "cuDNN execute: " + status.get_message();
     return "";
