@@ -22,11 +22,9 @@ import numbers
 
 import torch
 
-from fusedattn.arguments import TensorMeta
-from fusedattn.frontend_common import TENSOR_ARGUMENTS, prepare_call
 from fusedattn.score_mods.core import ScoreMod, as_score_mod, needs_gradient
 from fusedattn.score_mods.flex import is_flex_score_mod
-from fusedattn.xp.torch_ops import OPS
+from fusedattn.torch import trace_time
 
 __all__ = ["GRAPH_BREAK", "NOT_IN_GRAPH", "in_graph", "passed", "plan", "touch"]
 
@@ -86,26 +84,17 @@ def plan(described: tuple, options: tuple, backend, grad_enabled: bool, score_mo
     runs this once per distinct call."""
     if isinstance(score_mod, tuple):  # a ScoreMod's fields (passed)
         score_mod = ScoreMod(*score_mod)
-    options = dict(options)
-    stand_ins, metas = {}, {}
-    for name, entry in zip(TENSOR_ARGUMENTS, described):
-        if entry is None:
-            stand_ins[name] = None
-            continue
-        shape, _, dtype, where, requires_grad = entry
-        stand_ins[name] = torch.empty(shape, dtype=dtype, device="meta").requires_grad_(requires_grad)
-        metas[name] = TensorMeta(tuple(shape), OPS.dtype_name(stand_ins[name]), str(where), where.type)
-    if any(stand_ins[n] is not None for n in TENSOR_ARGUMENTS[6:]):
+    if any(entry is not None for entry in described[6:]):
         return NOT_IN_GRAPH  # the operator does not run a score_mod with sequence lengths
     try:
-        return _plan(stand_ins, metas, described, options, backend, grad_enabled, score_mod, mask_mod, device)
+        return _plan(described, dict(options), backend, grad_enabled, score_mod, mask_mod, device)
     except Exception:  # the eager call outside the graph raises it again, with its own message
         return NOT_IN_GRAPH
 
 
-def _plan(stand_ins, metas, described, options, backend, grad_enabled, score_mod, mask_mod, device) -> tuple:
+def _plan(described, options, backend, grad_enabled, score_mod, mask_mod, device) -> tuple:
     from fusedattn.backends.cudnn.native import torch_plans
-    from fusedattn.torch.functional import _native_plan_on, _strides
+    from fusedattn.torch.functional import _native_plan_on
     from fusedattn.torch.score_mod_bindings import may_empty_rows
 
     if score_mod is not None and not isinstance(score_mod, ScoreMod) and not is_flex_score_mod(score_mod):
@@ -115,14 +104,7 @@ def _plan(stand_ins, metas, described, options, backend, grad_enabled, score_mod
         return NOT_IN_GRAPH
     if any(isinstance(v, torch.Tensor) for v in (*mod.tensors.values(), *mod.bprop_tensors.values())):
         return NOT_IN_GRAPH  # captured tensors become aux tensors, bound per call
-    differentiable = [stand_ins[n] for n in TENSOR_ARGUMENTS[:6] if stand_ins[n] is not None]
-    cfg, selection, _, bound = prepare_call(
-        API, "torch", stand_ins, describe=lambda x, name: metas.get(name), host_copy=lambda x: None,
-        is_training=grad_enabled and any(x.requires_grad for x in differentiable),
-        bias_requires_grad=bool(stand_ins["bias"] is not None and stand_ins["bias"].requires_grad),
-        backend=backend, score_mod=mod, strides=_strides(*(None if x is None else x[1] for x in described[:3])),
-        **options,
-    )
+    cfg, selection, _, bound = trace_time.configure(described, options, backend, grad_enabled, mod)
     native = _native_plan_on(cfg, selection.name, device)
     operands = torch_plans.operands(cfg)
     if native is None or bound is None or operands.aux:

@@ -30,7 +30,7 @@ from fusedattn.options import settings as settings_of
 from fusedattn.score_mods.core import as_score_mod, bind, needs_gradient
 from fusedattn.score_mods.mask_rewrite import rewrite_mask
 from fusedattn.selection import ENV_BACKEND, recall_call, remember_call
-from fusedattn.torch import compiled_score_mods, score_mod_bindings
+from fusedattn.torch import compiled_score_mods, score_mod_bindings, trace_time
 from fusedattn.torch import documents as documents_thd
 from fusedattn.torch.autograd import run_attention
 from fusedattn.torch.ops import backend_of, config_of, register_config
@@ -390,9 +390,7 @@ def _compiled_description(q, k, v, given: dict) -> tuple:
     options = settings_of(given)
     if options["window"] is not None:
         options["window"] = tuple(options["window"])
-    described = tuple(None if x is None else (tuple(x.shape), tuple(x.stride()), x.dtype, x.device, x.requires_grad)
-                      for x in tensors)
-    return tensors, options, described
+    return tensors, options, trace_time.describe(tensors)
 
 
 def _compiled_dropout(q, options: dict, given: dict) -> tuple:
@@ -418,27 +416,7 @@ def _compile_time_plan(described: tuple, options: tuple, backend, grad_enabled: 
 
     Dynamo runs this once per distinct call and bakes the key into the graph as a constant.
     """
-    options = dict(options)
-    stand_ins, metas = {}, {}
-    for name, entry in zip(TENSOR_ARGUMENTS, described):
-        if entry is None:
-            stand_ins[name] = None
-            continue
-        shape, _, dtype, device, requires_grad = entry
-        stand_ins[name] = torch.empty(shape, dtype=dtype, device="meta").requires_grad_(requires_grad)
-        metas[name] = TensorMeta(tuple(shape), OPS.dtype_name(stand_ins[name]), str(device), device.type)
-    offsets_given = any(stand_ins[n] is not None for n in TENSOR_ARGUMENTS[6:])
-    if offsets_given and (options["max_seqlen_q"] is None or options["max_seqlen_kv"] is None):
-        raise ValueError(f"{API}: max_seqlen_q/max_seqlen_kv: expected ints under torch.compile (the offsets' "
-                         "values cannot be read while tracing), got None")
-    differentiable = [stand_ins[n] for n in TENSOR_ARGUMENTS[:6] if stand_ins[n] is not None]
-    cfg, selection, _, _ = prepare_call(
-        API, "torch", stand_ins, describe=lambda x, name: metas.get(name), host_copy=lambda x: None,
-        is_training=grad_enabled and any(x.requires_grad for x in differentiable),
-        bias_requires_grad=bool(stand_ins["bias"] is not None and stand_ins["bias"].requires_grad),
-        backend=backend, score_mod=None, strides=_strides(*(None if x is None else x[1] for x in described[:3])),
-        **options,
-    )
+    cfg, selection, _, _ = trace_time.configure(described, dict(options), backend, grad_enabled)
     return register_config(cfg, selection.name)
 
 

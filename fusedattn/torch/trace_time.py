@@ -1,0 +1,52 @@
+"""A compiled call's validation, configuration and selection, from its tensors' description alone.
+
+While Dynamo traces a call, the tensors are fake: the planning functions Dynamo runs for real
+(assume_constant_result) get each tensor's shape, strides, dtype, device and requires_grad, and
+configure the call on meta stand-ins exactly as an eager call is configured.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fusedattn.arguments import TensorMeta
+from fusedattn.frontend_common import TENSOR_ARGUMENTS, PreparedCall, prepare_call
+from fusedattn.xp.torch_ops import OPS
+
+__all__ = ["describe", "configure"]
+
+API = "fusedattn.torch.attention"
+
+
+def describe(tensors: tuple) -> tuple:
+    """Each of a call's tensors (TENSOR_ARGUMENTS' order) as (shape, strides, dtype, device,
+    requires_grad), or None: what the planning functions take instead of the tensors."""
+    return tuple(None if x is None else (tuple(x.shape), tuple(x.stride()), x.dtype, x.device, x.requires_grad)
+                 for x in tensors)
+
+
+def configure(described: tuple, options: dict, backend, grad_enabled: bool, score_mod=None) -> PreparedCall:
+    """prepare_call on meta stand-ins of the described tensors (offsets are never read: THD and padded
+    calls need both max lengths)."""
+    from fusedattn.torch.functional import _strides
+
+    stand_ins, metas = {}, {}
+    for name, entry in zip(TENSOR_ARGUMENTS, described):
+        if entry is None:
+            stand_ins[name] = None
+            continue
+        shape, _, dtype, device, requires_grad = entry
+        stand_ins[name] = torch.empty(shape, dtype=dtype, device="meta").requires_grad_(requires_grad)
+        metas[name] = TensorMeta(tuple(shape), OPS.dtype_name(stand_ins[name]), str(device), device.type)
+    offsets_given = any(stand_ins[n] is not None for n in TENSOR_ARGUMENTS[6:])
+    if offsets_given and (options["max_seqlen_q"] is None or options["max_seqlen_kv"] is None):
+        raise ValueError(f"{API}: max_seqlen_q/max_seqlen_kv: expected ints under torch.compile (the offsets' "
+                         "values cannot be read while tracing), got None")
+    differentiable = [stand_ins[n] for n in TENSOR_ARGUMENTS[:6] if stand_ins[n] is not None]
+    return prepare_call(
+        API, "torch", stand_ins, describe=lambda x, name: metas.get(name), host_copy=lambda x: None,
+        is_training=grad_enabled and any(x.requires_grad for x in differentiable),
+        bias_requires_grad=bool(stand_ins["bias"] is not None and stand_ins["bias"].requires_grad),
+        backend=backend, score_mod=score_mod,
+        strides=_strides(*(None if x is None else x[1] for x in described[:3])), **options,
+    )
