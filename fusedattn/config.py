@@ -278,6 +278,11 @@ class AttentionConfig:
         return left != UNBOUNDED or (right != UNBOUNDED and not self.mask.is_causal)
 
     @property
+    def has_sequence_lengths(self) -> bool:
+        """Per-sequence lengths from cu_seqlens: a padding mask, which every THD layout has (checked above)."""
+        return self.mask.is_padding
+
+    @property
     def gqa_group(self) -> int:
         return self.heads_q // self.heads_kv
 

@@ -289,7 +289,7 @@ def _native_call(plan: int, signature, planned, q, k, v, sink, bias, binding, op
         seed, offset = _dropout_state(options.get("dropout_seed"), options.get("dropout_offset", 0), q)
     extra = () if binding is None and bias is None else (
         (bias,) if binding is None else (bias, binding.aux, binding.scalars, binding.empty_rows))
-    if cfg.layout.is_ragged or cfg.mask.is_padding:  # the sequence offsets, read on the device
+    if cfg.has_sequence_lengths:  # the sequence offsets, read on the device
         extra = (*extra, *_PLAIN_OPERANDS[len(extra):-1], _offsets(cfg, options.get))
     try:
         outputs = _operator(plan, q, k, v, sink, seed, offset, *extra)
@@ -443,8 +443,7 @@ def _compiled_attention(q, k, v, given: dict):
     native = _compile_time_native(key, q.device)
     if native >= 0:  # the eager warm path's operator, its autograd traced by AOTAutograd
         cfg = config_of(key)
-        sequences = _offsets(cfg, dict(zip(TENSORS, tensors[3:])).get) if (
-            cfg.layout.is_ragged or cfg.mask.is_padding) else []
+        sequences = _offsets(cfg, dict(zip(TENSORS, tensors[3:])).get) if cfg.has_sequence_lengths else []
         out, lse, *max_logit = torch.ops.fusedattn_native.attention.default(native, *unpacked, tensors[5], seed,
                                                                             offset, tensors[3], [], [], False,
                                                                             sequences)

@@ -106,23 +106,35 @@ def test_warm_calls_never_wait_for_the_device(options):
     if options.get("softmax_type") == "learnable":
         options["sink"] = torch.randn(8, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     leaves = [x for x in (*args, options.get("sink")) if x is not None]
-    for _ in range(2):  # cold: validation, selection, graph builds and plan registration may read the host
+    _warm_calls_never_wait(args, options, leaves)
+
+
+def _never_waiting(calls, repeats: int = 3) -> None:
+    """calls() `repeats` times with every host-device synchronisation an error."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(repeats):
+            calls()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
+def _warm_calls_never_wait(args, options: dict, leaves) -> None:
+    """A training call with its backward and an inference call, twice cold (validation, selection, graph
+    builds and plan registration may read the host), on the operator, then warm under _never_waiting."""
+    def calls():
         out = fat.attention(*args, **options)
         torch.autograd.grad(out.float().square().sum(), leaves)
         with torch.no_grad():
             fat.attention(*args, **options)
+        return out
+
+    for _ in range(2):
+        out = calls()
     assert _ran_native(out), out.grad_fn
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(3):
-            out = fat.attention(*args, **options)
-            torch.autograd.grad(out.float().square().sum(), leaves)
-            with torch.no_grad():
-                fat.attention(*args, **options)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
+    _never_waiting(calls)
 
 
 class _Block(torch.nn.Module):
@@ -365,25 +377,7 @@ def test_warm_score_mod_and_bias_calls_never_wait_for_the_device(name):
     if name == "bias":
         options["bias"].requires_grad_(True)
     leaves = [q, k, v, *([options["bias"]] if name == "bias" else [])]
-
-    def calls():
-        out = fat.attention(q, k, v, **options)
-        torch.autograd.grad(out.float().square().sum(), leaves)
-        with torch.no_grad():
-            fat.attention(q, k, v, **options)
-        return out
-
-    for _ in range(2):
-        out = calls()
-    assert _ran_native(out), out.grad_fn
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(3):
-            calls()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
+    _warm_calls_never_wait((q, k, v), options, leaves)
 
 
 # ---------------------------------------------------------------- padded and THD calls on the operator
@@ -469,21 +463,7 @@ def test_broken_offsets_give_nan_on_the_operator(name):
 def test_warm_padded_and_thd_calls_never_wait_for_the_device(name):
     tensors, options = _sequence_call(name)
     leaves = [t.detach().clone().requires_grad_() for t in tensors]
-    for _ in range(2):
-        out = fat.attention(*leaves, **options)
-        torch.autograd.grad(out.float().square().sum(), leaves)
-    assert _ran_native(out)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(3):
-            out = fat.attention(*leaves, **options)
-            torch.autograd.grad(out.float().square().sum(), leaves)
-            with torch.no_grad():
-                fat.attention(*leaves, **options)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
+    _warm_calls_never_wait(leaves, options, leaves)
 
 
 def test_compiled_thd_calls_run_the_operator_with_eagers_bits():
@@ -617,10 +597,4 @@ def test_max_logit_calls_run_on_the_operator_and_match_float64(mask):
     loss, max_logit = torch.compile(step, fullgraph=True, backend="aot_eager")(q, k, v)
     assert torch.equal(max_logit, eager_max)
     assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(loss, (q, k, v)), eager))
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(2):
-            torch.autograd.grad(step(q, k, v)[0], (q, k, v))
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    _never_waiting(lambda: torch.autograd.grad(step(q, k, v)[0], (q, k, v)), repeats=2)

@@ -441,6 +441,31 @@ struct ScoreModOperands {
     }
 };
 
+// x as the graph reads it: with the plan's strides, as THD tokens for a THD plan.
+Tensor conform_input(const TorchPlan &plan, const Tensor &x, const std::vector<int64_t> &sizes,
+                     const std::vector<int64_t> &strides, const char *name) {
+    return plan.ragged() ? tokens(x, sizes, strides, name) : conform(x, sizes, strides, name);
+}
+
+// What both passes read besides their own tensors, as the graphs read it.
+struct PassInputs {
+    Tensor q, k, v, sinks, biases;
+    ScoreModOperands operands;
+
+    PassInputs(const TorchPlan &plan, const Tensor &q_in, const Tensor &k_in, const Tensor &v_in,
+               const optional<Tensor> &sink, const optional<Tensor> &bias, at::TensorList aux,
+               c10::ArrayRef<double> scalars)
+        : q(conform_input(plan, q_in, plan.sizes[0], plan.strides[0], "q")),
+          k(conform_input(plan, k_in, plan.sizes[1], plan.strides[1], "k")),
+          v(conform_input(plan, v_in, plan.sizes[2], plan.strides[2], "v")),
+          sinks(sink_buffer(plan, sink, q_in)),
+          biases(bias_buffer(plan, bias, q_in)),
+          operands(plan, aux, scalars) {}
+
+    void *sink_pointer() const { return sinks.defined() ? sinks.data_ptr() : nullptr; }
+    void *bias_pointer() const { return biases.defined() ? biases.data_ptr() : nullptr; }
+};
+
 // The slots of one pass: the graph's own, then the score_mod's operands.
 template <size_t N>
 std::vector<void *> with_operands(const std::array<void *, N> &own, const ScoreModOperands &operands) {
@@ -502,13 +527,7 @@ std::vector<Tensor> forward_cuda(int64_t plan_id, const Tensor &q, const Tensor 
     timer.mark(kFwdGuard);
     const SequencePlan *sequences = plan->sequences.get();
     bool ragged = plan->ragged();
-    auto conform_input = ragged ? tokens : conform;
-    Tensor qs = conform_input(q, plan->sizes[0], plan->strides[0], "q");
-    Tensor ks = conform_input(k, plan->sizes[1], plan->strides[1], "k");
-    Tensor vs = conform_input(v, plan->sizes[2], plan->strides[2], "v");
-    Tensor sinks = sink_buffer(*plan, sink, q);
-    Tensor biases = bias_buffer(*plan, bias, q);
-    ScoreModOperands operands(*plan, aux, scalars);
+    PassInputs inputs(*plan, q, k, v, sink, bias, aux, scalars);
     Tensor table;
     if (sequences != nullptr) {
         table = sequence_table(*sequences, offsets, ragged ? q.size(0) : 0, ragged ? k.size(0) : 0, q);
@@ -522,15 +541,15 @@ std::vector<Tensor> forward_cuda(int64_t plan_id, const Tensor &q, const Tensor 
                                                                   : outputs[1];
     timer.mark(kFwdOutputs);
     std::array<void *, kForwardSlots> own{};
-    own[kFwdQ] = qs.data_ptr();
-    own[kFwdK] = ks.data_ptr();
-    own[kFwdV] = vs.data_ptr();
-    own[kFwdSink] = sinks.defined() ? sinks.data_ptr() : nullptr;
+    own[kFwdQ] = inputs.q.data_ptr();
+    own[kFwdK] = inputs.k.data_ptr();
+    own[kFwdV] = inputs.v.data_ptr();
+    own[kFwdSink] = inputs.sink_pointer();
     own[kFwdSeed] = pointer(seed);
     own[kFwdOffset] = pointer(offset);
     own[kFwdO] = outputs[0].data_ptr();
     own[kFwdStats] = plan->stats ? stats.data_ptr() : nullptr;
-    own[kFwdBias] = biases.defined() ? biases.data_ptr() : nullptr;
+    own[kFwdBias] = inputs.bias_pointer();
     Tensor row_max, sum_exp;
     if (plan->max_logit) {
         row_max = new_dense(plan->lse_sizes, at::kFloat, q);
@@ -539,7 +558,7 @@ std::vector<Tensor> forward_cuda(int64_t plan_id, const Tensor &q, const Tensor 
         own[kFwdSumExp] = sum_exp.data_ptr();
     }
     if (sequences != nullptr) bind_table(sequences->forward_rows, *sequences, table, &own[kFwdSequences]);
-    auto slots = with_operands(own, operands);
+    auto slots = with_operands(own, inputs.operands);
     launch(*plan, 0, q.device(), slots.data(), slots.size(), timer);
     if (plan->max_logit) {  // LSE = max + log(sum of exp(s - max)); the largest logit of each head
         at::add_out(outputs[1], row_max, sum_exp.log());
@@ -554,7 +573,7 @@ std::vector<Tensor> forward_cuda(int64_t plan_id, const Tensor &q, const Tensor 
             lse_stats = ragged ? outputs[1] : stats.permute({0, 2, 1});
         }
         fix_rows(*sequences, kFixForward, table, ragged ? outputs[0] : bshd(*plan, outputs[0]), Tensor(), lse,
-                 lse_stats, sinks.defined() && plan->sink_kind == kLearnableSink ? sinks : Tensor(),
+                 lse_stats, plan->sink_kind == kLearnableSink ? inputs.sinks : Tensor(),
                  sequences->seqlen_q);
         if (!ragged && plan->backward >= 0) backward_stats = stats;
     }
@@ -661,36 +680,30 @@ std::vector<Tensor> backward_cuda(int64_t plan_id, const Tensor &grad_out, const
     const SequencePlan *sequences = plan->sequences.get();
     check_table(*plan, table);
     bool ragged = plan->ragged();
-    auto conform_input = ragged ? tokens : conform;
-    Tensor qs = conform_input(q, plan->sizes[0], plan->strides[0], "q");
-    Tensor ks = conform_input(k, plan->sizes[1], plan->strides[1], "k");
-    Tensor vs = conform_input(v, plan->sizes[2], plan->strides[2], "v");
-    Tensor dout = conform_input(grad_out, plan->out_sizes, plan->out_strides, "grad_out");
-    Tensor sinks = sink_buffer(*plan, sink, q);
-    Tensor biases = bias_buffer(*plan, bias, q);
-    ScoreModOperands operands(*plan, aux, scalars);
+    PassInputs inputs(*plan, q, k, v, sink, bias, aux, scalars);
+    Tensor dout = conform_input(*plan, grad_out, plan->out_sizes, plan->out_strides, "grad_out");
     timer.mark(kBwdInputs);
     auto grads = backward_outputs(*plan, q, k, v);
     timer.mark(kBwdOutputs);
     size_t dsink = 3, dbias = plan->sink_kind != kNoSink ? 4 : 3;
     std::array<void *, kBackwardSlots> own{};
-    own[kBwdQ] = qs.data_ptr();
-    own[kBwdK] = ks.data_ptr();
-    own[kBwdV] = vs.data_ptr();
+    own[kBwdQ] = inputs.q.data_ptr();
+    own[kBwdK] = inputs.k.data_ptr();
+    own[kBwdV] = inputs.v.data_ptr();
     own[kBwdO] = out.data_ptr();
     own[kBwdDO] = dout.data_ptr();
     own[kBwdStats] = stats.data_ptr();
-    own[kBwdSink] = sinks.defined() ? sinks.data_ptr() : nullptr;
+    own[kBwdSink] = inputs.sink_pointer();
     own[kBwdSeed] = pointer(seed);
     own[kBwdOffset] = pointer(offset);
     own[kBwdDQ] = grads[0].data_ptr();
     own[kBwdDK] = grads[1].data_ptr();
     own[kBwdDV] = grads[2].data_ptr();
     own[kBwdDSink] = plan->sink_kind != kNoSink ? grads[dsink].data_ptr() : nullptr;
-    own[kBwdBias] = biases.defined() ? biases.data_ptr() : nullptr;
+    own[kBwdBias] = inputs.bias_pointer();
     own[kBwdDBias] = plan->bias_grad ? grads[dbias].data_ptr() : nullptr;
     if (sequences != nullptr) bind_table(sequences->backward_rows, *sequences, *table, &own[kBwdSequences]);
-    auto slots = with_operands(own, operands);
+    auto slots = with_operands(own, inputs.operands);
     launch(*plan, 1, q.device(), slots.data(), slots.size(), timer);
     if (sequences != nullptr) {  // the rows cuDNN leaves: outside every sequence, or with an empty other side
         auto view = [&](const Tensor &grad) { return ragged ? grad : bshd(*plan, grad); };
@@ -822,6 +835,7 @@ std::vector<Tensor> attention_autograd(int64_t plan, const Tensor &q, const Tens
                                        at::TensorList aux, c10::ArrayRef<double> scalars, bool empty_rows,
                                        at::TensorList offsets) {
     Timer whole;
+    auto owner = find_plan(plan);
     bool grad_mode = at::GradMode::is_enabled();
     bool differentiable = grad_mode && (q.requires_grad() || k.requires_grad() || v.requires_grad() ||
                                         requires_grad(sink) || requires_grad(bias));
@@ -856,8 +870,8 @@ std::vector<Tensor> attention_autograd(int64_t plan, const Tensor &q, const Tens
         node->out = SavedVariable(outputs[0], true);
         // The stats the backward reads: the LSE, or the forward's own (separate_stats), and the sequence
         // table; neither is an output of this op, so they are saved as inputs would be.
-        size_t next = find_plan(plan)->max_logit ? 3 : 2;
-        node->stats = find_plan(plan)->separate_stats(empty_rows) ? SavedVariable(outputs[next++], false)
+        size_t next = owner->max_logit ? 3 : 2;
+        node->stats = owner->separate_stats(empty_rows) ? SavedVariable(outputs[next++], false)
                                                                   : SavedVariable(outputs[1], true);
         node->table = SavedVariable(outputs.size() > next ? outputs[next] : Tensor(), false);
         node->aux.reserve(aux.size());
@@ -865,7 +879,7 @@ std::vector<Tensor> attention_autograd(int64_t plan, const Tensor &q, const Tens
         node->scalars.assign(scalars.begin(), scalars.end());
         timer.mark(kSave);
     }
-    outputs.resize(find_plan(plan)->max_logit ? 3 : 2);  // out, LSE and max_logit where the plan has it
+    outputs.resize(owner->max_logit ? 3 : 2);  // out, LSE and max_logit where the plan has it
     whole.mark(kWhole);
     return outputs;
 }

@@ -70,9 +70,9 @@ def reasons(cfg: AttentionConfig) -> list[str]:
     from fusedattn.backends.cudnn.spec import rows_without_keys
 
     found = []
-    if (cfg.layout.is_ragged or cfg.mask.is_padding) and cfg.score_mod_key is not None:
+    if cfg.has_sequence_lengths and cfg.score_mod_key is not None:
         found.append("a score_mod with sequence lengths (padding masks, THD)")
-    if cfg.return_max_logit and (cfg.layout.is_ragged or cfg.mask.is_padding):
+    if cfg.return_max_logit and cfg.has_sequence_lengths:
         found.append("return_max_logit with sequence lengths (padding masks, THD)")
     if rows_without_keys(cfg):
         found.append("rows without keys (bottom-right causal with Sq > Skv)")
@@ -227,7 +227,7 @@ def _register(cfg: AttentionConfig, device: int) -> int | None:
                                         len(shape), cfg.scale)
     if plan < 0:
         return None
-    if cfg.layout.is_ragged or cfg.mask.is_padding:
+    if cfg.has_sequence_lengths:
         return plan if _add_sequences(library, plan, cfg, stats) else None
     return plan
 
