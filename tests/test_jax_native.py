@@ -2,8 +2,8 @@
 a GPU.
 
 The handler runs in tests/gpu/test_jax.py. Here: when the path says it is unavailable and why, how
-a pass is registered with the launch core (the uid of every buffer, then the workspace; one
-registration per config, direction and buffer count; the bytes, uids and digest as the call's
+a pass is registered with the launch core (the uid of every buffer, then the workspace, then the
+pass-by-value scalars; one registration per config, direction and slots; the bytes, uids and digest as the call's
 attributes), what happens when cuDNN cannot rebuild a graph, the handler library building from
 XLA's headers alone and finding the core's functions, and the header search's errors.
 """
@@ -47,20 +47,27 @@ class FakeCore:
         return self.error if self.error is not None else (core.digest(blob, uids), self.workspace)
 
 
-class FakeRunner:
-    def __init__(self, cfg="cfg-a"):
-        self.cfg = cfg
-        self.serialized_calls = 0
+class FakeGraphs:
+    """native.serialized: a graph's bytes and {graph tensor name: uid}, counting the builds asked for."""
 
-    def serialized(self, direction, device):
-        self.serialized_calls += 1
-        return b"graph-" + direction.encode(), (11, 12, 13, 14) + ((15,) if direction == "forward" else (15, 16))
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, cfg, direction, device):
+        self.calls += 1
+        uids = {"q": 11, "k": 12, "v": 13, "o": 14, "stats": 15, "mod:cap": 21}
+        if direction == "backward":
+            uids.update(dO=16, dq=17, dk=18, dv=19)
+        return b"graph-" + direction.encode() + cfg.encode(), uids
+
+
+FORWARD = ("q", "k", "v", "o", "stats", "row_max")
 
 
 def test_switched_off_by_the_environment(fresh, monkeypatch):
     monkeypatch.setenv(native.ENV_SWITCH, "0")
     assert native.unavailable() == f"{native.ENV_SWITCH}=0"
-    assert native.plan_id(FakeRunner(), "forward", 0, 6) is None
+    assert native.plan("cfg-a", "forward", 0, FORWARD) is None
 
 
 def test_a_failed_load_is_a_reason_not_an_error(fresh, monkeypatch):
@@ -71,32 +78,42 @@ def test_a_failed_load_is_a_reason_not_an_error(fresh, monkeypatch):
     reason = native.unavailable()
     assert reason == "FileNotFoundError: cudnn.h not found in /nowhere"
     assert native.unavailable() == reason  # decided once
-    assert native.plan_id(FakeRunner(), "forward", 0, 6) is None
+    assert native.plan("cfg-a", "forward", 0, FORWARD) is None
 
 
-def test_registration_binds_every_buffer_then_the_workspace_once_per_pass(fresh, monkeypatch):
-    fake = FakeCore(workspace=4096)
+def test_registration_binds_every_buffer_then_the_workspace_then_the_scalars_once_per_pass(fresh, monkeypatch):
+    fake, graphs = FakeCore(workspace=4096), FakeGraphs()
     monkeypatch.setattr(core, "register", fake)
+    monkeypatch.setattr(native, "serialized", graphs)
     native._state["library"] = object()
-    runner = FakeRunner()
-    # forward: q, k, v, then out, lse, max_logit: the graph binds five, max_logit is unbound
-    forward = native.plan_id(runner, "forward", 3, 6)
+    # forward: q, k, v, then out, stats and row_max, which this graph does not have: left unbound
+    forward = native.plan("cfg-a", "forward", 3, FORWARD, ("mod:cap",))
     assert forward.workspace == 4096
-    assert native.plan_id(runner, "forward", 3, 6) is forward  # cached: no second registration
-    backward = native.plan_id(runner, "backward", 3, 9)
-    assert runner.serialized_calls == 2 and len(fake.registered) == 2
+    assert native.plan("cfg-a", "forward", 3, FORWARD, ("mod:cap",)) is forward  # cached: no second registration
+    backward = native.plan("cfg-a", "backward", 3, ("q", "k", "v", "o", "dO", "stats", "dq", "dk", "dv", "dbias"),
+                           ("mod:cap",))
+    assert graphs.calls == 2 and len(fake.registered) == 2
     (blob, uids, device), (_, backward_uids, _) = fake.registered
-    assert blob == b"graph-forward" and device == 3  # deserialized on the tracing device at once
-    assert uids == (11, 12, 13, 14, 15, core.UNBOUND, core.WORKSPACE)
-    assert backward_uids == (11, 12, 13, 14, 15, 16, core.UNBOUND, core.UNBOUND, core.UNBOUND, core.WORKSPACE)
+    assert blob == b"graph-forwardcfg-a" and device == 3  # deserialized on the tracing device at once
+    assert uids == (11, 12, 13, 14, 15, core.UNBOUND, core.WORKSPACE, 21)
+    assert backward_uids == (11, 12, 13, 14, 16, 15, 17, 18, 19, core.UNBOUND, core.WORKSPACE, 21)
     # the call carries what the handler needs to register the plan again: bytes, uids, digest
     attributes = forward.attributes
     assert set(attributes) == {"plan", "blob", "uids"}
     assert attributes["blob"].dtype == np.uint8 and attributes["blob"].tobytes() == blob
     assert attributes["uids"].dtype == np.int64 and tuple(attributes["uids"]) == uids
     assert attributes["plan"] == core.digest(blob, uids) != backward.attributes["plan"]
-    assert native.plan_id(FakeRunner("cfg-b"), "forward", 3, 6) is not forward  # another config
-    assert len(fake.registered) == 3
+    assert native.plan("cfg-b", "forward", 3, FORWARD, ("mod:cap",)) is not forward  # another config
+    assert native.plan("cfg-a", "forward", 3, FORWARD[:-1], ("mod:cap",)) is not forward  # other slots
+    assert len(fake.registered) == 4
+
+
+def test_a_graph_tensor_the_call_does_not_pass_is_an_error_when_traced(fresh, monkeypatch):
+    monkeypatch.setattr(core, "register", FakeCore())
+    monkeypatch.setattr(native, "serialized", FakeGraphs())
+    native._state["library"] = object()
+    with pytest.raises(RuntimeError, match=r"forward graph binds \['mod:cap'\], which the call does not pass"):
+        native.plan("cfg-a", "forward", 0, FORWARD)
 
 
 def test_digests_are_non_negative_and_name_the_content():
@@ -105,11 +122,12 @@ def test_digests_are_non_negative_and_name_the_content():
     assert core.digest(b"abc", (1, 2)) == core.digest(b"abc", (1, 2)) != core.digest(b"abc", (2, 1))
 
 
-def test_a_graph_cudnn_cannot_rebuild_keeps_the_callback_with_a_warning(fresh, monkeypatch):
+def test_a_graph_cudnn_cannot_rebuild_is_none_with_a_warning(fresh, monkeypatch):
     monkeypatch.setattr(core, "register", FakeCore(error="deserialize: no engine"))
+    monkeypatch.setattr(native, "serialized", FakeGraphs())
     native._state["library"] = object()
-    with pytest.warns(RuntimeWarning, match="could not rebuild the forward graph .*no engine.*Python callback"):
-        assert native.plan_id(FakeRunner(), "forward", 0, 6) is None
+    with pytest.warns(RuntimeWarning, match="could not rebuild the forward graph .*no engine"):
+        assert native.plan("cfg-a", "forward", 0, FORWARD, ("mod:cap",)) is None
 
 
 _FAKE_CORE = r"""

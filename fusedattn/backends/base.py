@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 from fusedattn.config import AttentionConfig
 
-__all__ = ["Backend", "AttentionInputs", "AttentionOutputs", "ARRAY_NAMES", "package_missing"]
+__all__ = ["Backend", "AttentionInputs", "AttentionOutputs", "ARRAY_NAMES", "package_missing", "jax_needs_torch"]
 
 DIFFERENTIABLE = ("q", "k", "v", "bias", "sink", "alibi_slopes")
 
@@ -157,6 +157,15 @@ class Backend:
 
     def __repr__(self) -> str:
         return f"<fusedattn backend {self.name}>"
+
+
+def jax_needs_torch(backend_name: str, what: str) -> list[str]:
+    """The reason a JAX call cannot run on a backend whose kernels reach JAX through torch (buffer
+    callbacks) when torch is not installed; empty when it is."""
+    if not package_missing("torch"):
+        return []
+    return [f"{backend_name} from JAX runs {what} through torch (buffer callbacks), and torch is not installed "
+            "(pip install torch, or use another backend)"]
 
 
 def no_lse_gradient(api: str, backend_name: str) -> NotImplementedError:

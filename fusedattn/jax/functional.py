@@ -21,7 +21,7 @@ from fusedattn.frontend_common import (
     prepare_call,
     slopes_are_standard,
 )
-from fusedattn.jax import torch_bridge
+from fusedattn.jax import cudnn_call, torch_bridge
 from fusedattn.jax.partition import find_split
 from fusedattn.jax.shard_guard import batched, check_shard_axes, guard_whole
 from fusedattn.layout import layout_spec
@@ -79,9 +79,17 @@ def _inputs(arrays, score_mod) -> AttentionInputs:
     return AttentionInputs(**dict(zip(ARRAY_NAMES, arrays)), score_mod=score_mod)
 
 
+def _native_cudnn(backend) -> bool:
+    """Whether this backend's passes run as native custom calls (cuDNN, where the library loads)."""
+    return backend.name == "cudnn" and cudnn_call.unavailable() is None
+
+
 def _run_forward(cfg, backend_name, score_mod, split, arrays):
-    """(outputs, saved): in jax.numpy, or through torch for backends whose kernels are torch's."""
+    """(outputs, saved): in jax.numpy, as native cuDNN calls, or through torch for backends whose
+    kernels are torch's."""
     backend = get_backend(backend_name)
+    if _native_cudnn(backend):
+        return AttentionOutputs(*cudnn_call.forward(cfg, score_mod, arrays, split)), None
     if backend.array_framework == "torch":
         return AttentionOutputs(*torch_bridge.forward(cfg, backend, score_mod, arrays, split)), None
     return backend.forward(cfg, _inputs(arrays, score_mod))
@@ -121,7 +129,9 @@ def _attention_bwd(cfg, backend_name, score_mod, split, residuals, cotangents):
     backend = get_backend(backend_name)
     if grad_lse is not None and not backend.lse_gradient:
         raise no_lse_gradient(API, backend.name)
-    if backend.array_framework == "torch":
+    if _native_cudnn(backend):
+        grads = cudnn_call.backward(cfg, score_mod, arrays, out, lse, grad_out, split)
+    elif backend.array_framework == "torch":
         grads = torch_bridge.backward(cfg, backend, score_mod, arrays, out, lse, grad_out, grad_lse, split)
     else:
         grads = backend.backward(cfg, _inputs(arrays, score_mod), saved, AttentionOutputs(out, lse), grad_out,

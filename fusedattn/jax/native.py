@@ -1,14 +1,14 @@
-"""cuDNN graphs as native XLA custom calls: the JAX bridge's fastest path.
+"""cuDNN graphs as native XLA custom calls: how JAX runs the cuDNN backend, with no Python and no
+torch at run time (jax/cudnn_call.py prepares each pass's operands around the call).
 
-A buffer callback costs a Python call, the GIL and a context object on every launch (about
-10 us, as much as an S=1024 attention kernel). The custom call (backends/cudnn/native/jax_call.cc)
-hands XLA's buffers to the launch core the torch operator uses too, so a launch is a map of
-pointers and one cuDNN execute. Each call carries its graph's bytes, uids and digest as attributes:
-the core's bounded registry may evict a plan, and a program (or one compiled in another process)
-then registers its own bytes again. The libraries are compiled from source on first use (a C++17
-compiler and the headers the installed packages ship) and cached; when that is not possible
-`unavailable()` says why and the bridge keeps its callbacks. FUSEDATTN_JAX_NATIVE=0 turns the path
-off.
+The custom call (backends/cudnn/native/jax_call.cc) hands XLA's buffers to the launch core the
+torch operator uses too, so a launch is a list of pointers and one cuDNN execute. Each call carries
+its graph's bytes, uids and digest as attributes, and its pass-by-value numbers: the core's bounded
+registry may evict a plan, and a program (or one compiled in another process) then registers its
+own bytes again. The libraries are compiled from source on first use (a C++17 compiler and the
+headers the installed packages ship) and cached; when that is not possible `unavailable()` says
+why, and cuDNN calls from JAX go through torch (buffer callbacks) where torch is installed.
+FUSEDATTN_JAX_NATIVE=0 turns the path off.
 """
 
 from __future__ import annotations
@@ -23,21 +23,21 @@ import numpy as np
 from fusedattn.backends.cudnn.native import build, core
 from fusedattn.cache import LRUCache, register
 
-__all__ = ["TARGET", "ENV_SWITCH", "NativePlan", "enabled", "unavailable", "plan_id"]
+__all__ = ["TARGET", "ENV_SWITCH", "NativePlan", "enabled", "unavailable", "plan", "serialized"]
 
 TARGET = "fusedattn_cudnn_execute"
 ENV_SWITCH = "FUSEDATTN_JAX_NATIVE"
 
 _lock = threading.Lock()
 _state: dict = {}  # "library" (ctypes.CDLL) or "reason" (str), once decided
-# (cfg, direction, buffers) -> NativePlan, or None (cuDNN could not rebuild the graph from its bytes)
+# (cfg, direction, buffer names, scalar names) -> NativePlan, or None (cuDNN could not rebuild the graph from its bytes)
 _plans: LRUCache = register("jax.native.plans", LRUCache(core.PLAN_CAPACITY // 2))
 
 
 class NativePlan(NamedTuple):
     """What a custom call needs: its workspace result's bytes and its attributes."""
     workspace: int
-    attributes: dict  # plan (the digest), blob (uint8 array), uids (int64 array)
+    attributes: dict  # plan (the digest), blob (uint8 array), uids (int64 array); the caller adds scalars
 
 
 def enabled() -> bool:
@@ -57,27 +57,40 @@ def unavailable() -> str | None:
     return _state.get("reason")
 
 
-def plan_id(runner, direction: str, device: int, buffers: int) -> NativePlan | None:
-    """The custom call for `runner`'s pass on `device`, registered with the core (and deserialized
-    there) once. The call passes `buffers` operands and results, then a uint8 workspace result of
-    the plan's bytes (at least 1). None when the native path is unavailable or cuDNN cannot rebuild
-    this graph from its bytes."""
+def plan(cfg, direction: str, device: int, buffers: tuple[str, ...], scalars: tuple[str, ...] = ()
+         ) -> NativePlan | None:
+    """The custom call for cfg's pass on `device`, registered with the core (and deserialized there)
+    once. The call passes its operands and results named `buffers` (graph tensor names; a name the
+    graph lacks is left unbound), then a uint8 workspace result of the plan's bytes (at least 1), then
+    the pass-by-value `scalars` as the "scalars" attribute. None when the native path is unavailable or
+    cuDNN cannot rebuild this graph from its bytes."""
     if unavailable() is not None:
         return None
 
     def make() -> NativePlan | None:
-        blob, uids = runner.serialized(direction, device)
-        uids = tuple(uids) + (core.UNBOUND,) * (buffers - len(uids)) + (core.WORKSPACE,)
+        blob, uid_of = serialized(cfg, direction, device)
+        unbound = sorted(set(uid_of) - set(buffers) - set(scalars))
+        if unbound:  # a bug of ours: the launch would fail on every call
+            raise RuntimeError(f"fusedattn.jax: the {direction} graph binds {unbound}, which the call does not pass")
+        uids = (*(uid_of.get(n, core.UNBOUND) for n in buffers), core.WORKSPACE,
+                *(uid_of.get(n, core.UNBOUND) for n in scalars))
         registered = core.register(blob, uids, device)
         if isinstance(registered, str):
-            _warn(f"cuDNN could not rebuild the {direction} graph from its bytes ({registered}); this call "
-                  "keeps the Python callback")
+            _warn(f"cuDNN could not rebuild the {direction} graph from its bytes ({registered})")
             return None
         digest, workspace = registered
         return NativePlan(workspace, {"plan": np.int64(digest), "blob": np.frombuffer(blob, np.uint8),
                                       "uids": np.asarray(uids, np.int64)})
 
-    return _plans.get_or_build((runner.cfg, direction, buffers), make)
+    return _plans.get_or_build((cfg, direction, buffers, scalars), make)
+
+
+def serialized(cfg, direction: str, device: int) -> tuple[bytes, dict]:
+    """cfg's built graph for the pass as cuDNN's serialized plan, and {graph tensor name: uid}."""
+    from fusedattn.backends.cudnn.graph_cache import get_graph
+
+    built = get_graph(cfg, direction, device)
+    return bytes(built.graph.serialize(as_bytes=True)), {name: t.get_uid() for name, t in built.tensors.items()}
 
 
 def _warn(message: str) -> None:

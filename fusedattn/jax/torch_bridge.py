@@ -21,13 +21,11 @@ from jax.experimental.buffer_callback import buffer_callback
 
 from fusedattn.backends.base import ARRAY_NAMES, DIFFERENTIABLE, AttentionInputs, AttentionOutputs
 from fusedattn.config import AttentionConfig
-from fusedattn.jax.partition import ShardedCall, Split, shard_local
-from fusedattn.layout import layout_spec
-from fusedattn.score_mods.core import RuntimeScalar
+from fusedattn.jax.partition import Split
+from fusedattn.jax.pass_calls import aux_arrays, lse_role, output_shapes, present, roles, run_split, unpacked
 
-__all__ = ["forward", "backward", "output_shapes"]
+__all__ = ["forward", "backward"]
 
-API = "fusedattn.jax.attention"
 ENV_LEAN = "FUSEDATTN_JAX_LEAN"
 
 
@@ -57,19 +55,6 @@ def _fill(targets, results) -> None:
             target.copy_(result.reshape(target.shape))
 
 
-def _present(arrays) -> tuple[list[int], list]:
-    index = [i for i, x in enumerate(arrays) if x is not None]
-    return index, [arrays[i] for i in index]
-
-
-def _aux(score_mod) -> tuple[list[str], list]:
-    """The score_mod's aux arrays (names, arrays): operands of the callback, like q/k/v."""
-    if score_mod is None:
-        return [], []
-    names = [name for name, value in score_mod.values.items() if not isinstance(value, RuntimeScalar)]
-    return names, [score_mod.values[name] for name in names]
-
-
 def _inputs(index, tensors, score_mod, aux_names) -> AttentionInputs:
     """AttentionInputs of torch views: arrays by position, then the aux arrays by name."""
     import torch
@@ -86,34 +71,8 @@ def _inputs(index, tensors, score_mod, aux_names) -> AttentionInputs:
     return AttentionInputs(**values, score_mod=score_mod)
 
 
-def output_shapes(cfg: AttentionConfig, q) -> tuple[jax.ShapeDtypeStruct, ...]:
-    """(out, lse, max_logit) of a call, from the config and the unpacked q."""
-    out = jax.ShapeDtypeStruct(tuple(q.shape[:-1]) + (cfg.head_dim_v,), jnp.dtype(cfg.out_dtype))
-    lse_shape = (q.shape[0], cfg.heads_q) if cfg.layout.is_ragged else (cfg.batch, cfg.heads_q, cfg.seqlen_q)
-    max_logit = (cfg.heads_q,) if cfg.return_max_logit else (0,)
-    return (out, jax.ShapeDtypeStruct(lse_shape, jnp.float32), jax.ShapeDtypeStruct(max_logit, jnp.float32))
-
-
 def _forward_shapes(cfg: AttentionConfig, operands) -> tuple[jax.ShapeDtypeStruct, ...]:
     return output_shapes(cfg, operands[0])
-
-
-def _unpacked(cfg: AttentionConfig) -> AttentionConfig:
-    """The config for separate q, k, v: JAX slices packed layouts into new arrays before the call."""
-    return cfg.replace(layout=layout_spec(cfg.layout).base)
-
-
-def _roles(cfg: AttentionConfig, index) -> list[str]:
-    """Each operand's axes for sharding (see partition.py), right-aligned."""
-    q_axes = layout_spec(cfg.layout).tensors[0][1]
-    kv_axes = q_axes.replace("H", "G")
-    roles = {"q": q_axes, "k": kv_axes, "v": kv_axes, "bias": "BHQK", "alibi_slopes": "BH", "sink": "H",
-             "dropout_seed": "", "dropout_offset": ""}
-    return [roles.get(ARRAY_NAMES[i], "N") for i in index]
-
-
-def _lse_role(cfg: AttentionConfig) -> str:
-    return "TH" if cfg.layout.is_ragged else "BHQ"
 
 
 def _lean(backend, cfg: AttentionConfig, index, aux, grad_lse=None):
@@ -132,23 +91,6 @@ def _device(buffer) -> int:
     return buffer.__dlpack_device__()[1]
 
 
-def _native_call(lean, direction: str, operands, shapes):
-    """The pass as a native XLA custom call (fusedattn.jax.native) when the lean path applies and
-    the native library runs here: no Python at run time. None otherwise."""
-    if lean is None:
-        return None
-    import torch
-
-    from fusedattn.jax import native
-
-    plan = native.plan_id(lean, direction, torch.cuda.current_device(), len(operands) + len(shapes))
-    if plan is None:
-        return None
-    workspace = jax.ShapeDtypeStruct((max(plan.workspace, 1),), jnp.uint8)
-    call = jax.ffi.ffi_call(native.TARGET, (*shapes, workspace), vmap_method="sequential")
-    return call(*operands, **plan.attributes)[:-1]
-
-
 def _lean_callback(lean, direction: str, outputs: int):
     """A callback that hands XLA's buffer addresses (the inputs, then the first `outputs` results)
     straight to the backend, on XLA's stream."""
@@ -158,22 +100,11 @@ def _lean_callback(lean, direction: str, outputs: int):
     return callback
 
 
-def _call(cfg, run, shapes, operands, roles, out_roles, summed, index, aux_count, split) -> tuple:
-    """run over operands: whole, or once per shard of `split`. shapes(cfg, operands): the results'."""
-    if split is None:
-        return run(cfg, tuple(operands))
-    seed_position = ARRAY_NAMES.index("dropout_seed")
-    seed = index.index(seed_position) if seed_position in index else None
-    pinned = tuple(range(len(index), len(index) + aux_count))
-    call = ShardedCall(API, cfg, run, tuple(roles), tuple(out_roles), tuple(summed), shapes, seed, pinned)
-    return shard_local(call, split, operands)
-
-
 def forward(cfg: AttentionConfig, backend, score_mod, arrays, split: Split | None = None) -> tuple:
     """(out, lse, max_logit) of backend's forward, as JAX arrays."""
-    cfg = _unpacked(cfg)
-    index, present = _present(arrays)
-    aux_names, aux = _aux(score_mod)
+    cfg = unpacked(cfg)
+    index, passed = present(arrays)
+    aux_names, aux = aux_arrays(score_mod)
 
     def run(local_cfg, operands):
         def through_torch(ctx, outs, *buffers):
@@ -184,23 +115,20 @@ def forward(cfg: AttentionConfig, backend, score_mod, arrays, split: Split | Non
 
         lean = _lean(backend, local_cfg, index, aux)
         shapes = _forward_shapes(local_cfg, operands)
-        native = _native_call(lean, "forward", operands, shapes)
-        if native is not None:
-            return tuple(native)
         callback = through_torch if lean is None else _lean_callback(lean, "forward", outputs=2)  # not max_logit
         return tuple(buffer_callback(callback, shapes, vmap_method="sequential")(*operands))
 
-    roles = _roles(cfg, index)
-    return _call(cfg, run, _forward_shapes, present + aux, roles + ["BHQK"] * len(aux),
-                 (roles[0], _lse_role(cfg), "H"), (False, False, False), index, len(aux), split)
+    operand_roles = roles(cfg, index)
+    return run_split(cfg, run, _forward_shapes, passed + aux, operand_roles + ["BHQK"] * len(aux),
+                     (operand_roles[0], lse_role(cfg), "H"), (False, False, False), index, len(aux), split)
 
 
 def backward(cfg: AttentionConfig, backend, score_mod, arrays, out, lse, grad_out, grad_lse,
              split: Split | None = None) -> dict:
     """{name: gradient} for the differentiable arrays; grad_out/grad_lse None mean zero."""
-    cfg = _unpacked(cfg)
-    index, present = _present(arrays)
-    aux_names, aux = _aux(score_mod)
+    cfg = unpacked(cfg)
+    index, passed = present(arrays)
+    aux_names, aux = aux_arrays(score_mod)
     wanted = [i for i in index if ARRAY_NAMES[i] in DIFFERENTIABLE]
     extra = [out, lse, jnp.zeros_like(out) if grad_out is None else grad_out]
     if grad_lse is not None:
@@ -224,17 +152,14 @@ def backward(cfg: AttentionConfig, backend, score_mod, arrays, out, lse, grad_ou
 
         lean = _lean(backend, local_cfg, index, aux, grad_lse)
         shapes = gradient_shapes(local_cfg, operands)
-        native = _native_call(lean, "backward", operands, shapes)
-        if native is not None:
-            return tuple(native)
         callback = through_torch if lean is None else _lean_callback(lean, "backward", outputs=3)
         return tuple(buffer_callback(callback, shapes, vmap_method="sequential")(*operands))
 
-    roles = _roles(cfg, index)
-    q_role, lse_role = roles[0], _lse_role(cfg)
-    extra_roles = [q_role, lse_role, q_role, lse_role][:len(extra)]
-    out_roles = [roles[index.index(i)] for i in wanted]
+    operand_roles = roles(cfg, index)
+    q_role, lse_axes = operand_roles[0], lse_role(cfg)
+    extra_roles = [q_role, lse_axes, q_role, lse_axes][:len(extra)]
+    out_roles = [operand_roles[index.index(i)] for i in wanted]
     summed = [ARRAY_NAMES[i] not in ("q", "k", "v") for i in wanted]
-    grads = _call(cfg, run, gradient_shapes, present + aux + extra, roles + ["BHQK"] * len(aux) + extra_roles,
-                  out_roles, summed, index, len(aux), split)
+    grads = run_split(cfg, run, gradient_shapes, passed + aux + extra,
+                      operand_roles + ["BHQK"] * len(aux) + extra_roles, out_roles, summed, index, len(aux), split)
     return {ARRAY_NAMES[i]: g for i, g in zip(wanted, grads)}

@@ -1,4 +1,5 @@
-"""fusedattn.jax.attention on the cuDNN backend (buffer callbacks into torch's cuDNN runner), on a GPU.
+"""fusedattn.jax.attention on the cuDNN backend (native custom calls; buffer callbacks into torch where
+the native library is off), on a GPU.
 
 Every feature is checked forward and through every gradient against the float64 reference,
 by STYLE rule 15 (gpu_checks.assert_close_to_exact: cuDNN's error within a small multiple of
@@ -95,14 +96,15 @@ def cudnn_calls(monkeypatch):
 
     monkeypatch.setattr(pointer_run.AddressRunner, "__call__", lean_spy)
 
-    def native_spy(runner, direction, *args, _original=native.plan_id):
-        plan = _original(runner, direction, *args)
-        if plan is not None:
-            calls.append((direction, runner.cfg))
-            calls.native.append(direction)
-        return plan
+    from fusedattn.jax import cudnn_call
 
-    monkeypatch.setattr(native, "plan_id", native_spy)
+    def native_spy(cfg, direction, *args, _original=cudnn_call._launch):  # traced once per pass
+        got = _original(cfg, direction, *args)
+        calls.append((direction, cfg))
+        calls.native.append(direction)
+        return got
+
+    monkeypatch.setattr(cudnn_call, "_launch", native_spy)
 
     from fusedattn.torch import functional  # torch calls on the native operator skip torch_run
 
@@ -928,11 +930,12 @@ def test_native_custom_call_matches_the_reference_under_vmap_and_inference():
 
 
 def test_a_call_whose_buffers_do_not_match_its_plan_is_refused():
-    """The native call carries its plan's uids, one per buffer; a call with another number of buffers
-    fails with a clear error instead of binding the wrong ones."""
+    """The native call carries its plan's uids, one per buffer and scalar; a call with another number of
+    them fails with a clear error instead of binding the wrong ones."""
     assert native.unavailable() is None, native.unavailable()  # loads the handler and registers its target
     q = jax.random.normal(jax.random.key(3), (2, 128, 4, 64), jnp.bfloat16)
     stray = jax.ffi.ffi_call(native.TARGET, (jax.ShapeDtypeStruct((1,), jnp.uint8),), vmap_method="sequential")
-    attributes = {"plan": np.int64(12345), "blob": np.zeros(4, np.uint8), "uids": np.asarray([1, 2, 3], np.int64)}
-    with pytest.raises(Exception, match="binds 3 buffers, the call has 2"):
+    attributes = {"plan": np.int64(12345), "blob": np.zeros(4, np.uint8), "uids": np.asarray([1, 2, 3, 4], np.int64),
+                  "scalars": np.asarray([7], np.int32)}
+    with pytest.raises(Exception, match="binds 4 slots, the call has 2 buffers and 1 scalars"):
         np.asarray(jax.jit(lambda q: stray(q, **attributes)[0])(q))

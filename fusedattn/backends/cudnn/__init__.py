@@ -7,13 +7,13 @@ those graphs. The cudnn and torch imports happen only once the cheap rules pass.
 
 from __future__ import annotations
 
-from fusedattn.backends.base import Backend
+from fusedattn.backends.base import Backend, jax_needs_torch
 from fusedattn.backends.cudnn.spec import ALIGNMENT, rows_with_keys_config, unsupported
 
 
 class CudnnBackend(Backend):
     name = "cudnn"
-    frameworks = ("torch", "jax")  # JAX through buffer callbacks (fusedattn/jax/torch_bridge.py)
+    frameworks = ("torch", "jax")  # JAX as native custom calls (fusedattn/jax/cudnn_call.py)
     devices = ("cuda",)
     dtypes = ("float16", "bfloat16")
     max_head_dim = 256
@@ -26,7 +26,11 @@ class CudnnBackend(Backend):
         reasons = unsupported(cfg)
         if reasons:
             return reasons
-        from fusedattn.backends.cudnn.runtime import probe
+        if cfg.framework == "jax":
+            reasons = _jax_launch(cfg)
+            if reasons:
+                return reasons
+        from fusedattn.backends.cudnn.graph_cache import probe
 
         return probe(rows_with_keys_config(cfg))
 
@@ -63,6 +67,18 @@ class CudnnBackend(Backend):
         from fusedattn.backends.cudnn.torch_run import backward
 
         return backward(cfg, inputs, outputs, grad_out, grad_lse, into)
+
+
+def _jax_launch(cfg) -> list[str]:
+    """Why JAX cannot launch cuDNN graphs here: the native custom call does not load and the buffer
+    callbacks' torch is missing too; empty when one of them runs."""
+    from fusedattn.jax import native
+
+    why = native.unavailable()
+    if why is None:
+        return []
+    return [f"{reason}; the native custom call is unavailable ({why})"
+            for reason in jax_needs_torch("cudnn", "its graphs")]
 
 
 __all__ = ["CudnnBackend"]

@@ -108,7 +108,7 @@ class AddressRunner:
     def serialized(self, direction: str, device: int) -> tuple[bytes, tuple[int, ...]]:
         """The pass's graph as cuDNN's serialized plan, and the uid each buffer binds to (-1: none),
         for running it without Python (fusedattn.jax.native)."""
-        from fusedattn.backends.cudnn.runtime import get_graph
+        from fusedattn.backends.cudnn.graph_cache import get_graph
 
         built = get_graph(self.cfg, direction, device)
         return bytes(built.graph.serialize(as_bytes=True)), _buffer_uids(built, direction)

@@ -1,83 +1,22 @@
-"""Running built cuDNN graphs on torch tensors: handles per device and thread, the graph
-cache, and binding buffers on torch's current stream."""
+"""Running built cuDNN graphs on torch tensors: binding buffers on torch's current stream. Graphs
+are built and cached framework-free (graph_cache.py); its names are re-exported here for torch's
+callers."""
 
 from __future__ import annotations
 
-import os
-import threading
-
-import cudnn
 import torch
 
 from fusedattn.backends.cudnn import core_launch
 from fusedattn.backends.cudnn.alignment import ALIGNMENT, aligned_copy
-from fusedattn.backends.cudnn.graphs import OUTPUT_NAMES, BuiltGraph, GraphBuildError, build_backward, build_forward
-from fusedattn.backends.cudnn.spec import graph_key, sdpa_spec
-from fusedattn.cache import LRUCache, register
-from fusedattn.config import AttentionConfig
+from fusedattn.backends.cudnn.graph_cache import build_lock, get_graph, graph_cache, handle, probe
+from fusedattn.backends.cudnn.graphs import OUTPUT_NAMES, BuiltGraph
 
-ENV_CACHE_SIZE = "FUSEDATTN_CUDNN_CACHE_SIZE"
-_graphs: LRUCache = register("cudnn.graphs", LRUCache(int(os.environ.get(ENV_CACHE_SIZE, "256"))))
-# Not caches, so not in the registry: one lock per device index (bounded by the device count),
-# and per thread one cuDNN handle per device (bounded by devices; freed with the thread).
-_build_locks: dict[int, threading.Lock] = {}
-_locks_guard = threading.Lock()
-_local = threading.local()
-
-
-def graph_cache() -> LRUCache:
-    return _graphs
+__all__ = ["execute", "get_graph", "graph_cache", "probe", "build_lock"]
 
 
 def _handle(device: int, stream: int | None = None):
     """This thread's cuDNN handle for `device`, bound to `stream` (default: torch's current stream there)."""
-    handles = getattr(_local, "handles", None)
-    if handles is None:
-        handles = _local.handles = {}
-    if device not in handles:
-        with torch.cuda.device(device):
-            handles[device] = cudnn.create_handle()
-    handle = handles[device]
-    cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream(device).cuda_stream if stream is None else stream)
-    return handle
-
-
-def _build_lock(device: int) -> threading.Lock:
-    # cuDNN handles and graph builds are not thread-safe: builds on one device take turns.
-    with _locks_guard:
-        return _build_locks.setdefault(device, threading.Lock())
-
-
-def get_graph(cfg: AttentionConfig, direction: str, device: int) -> BuiltGraph:
-    """The built forward or backward graph of cfg on `device`, built once and cached."""
-    def build() -> BuiltGraph:
-        with _build_lock(device), torch.cuda.device(device):
-            builder = build_forward if direction == "forward" else build_backward
-            return builder(cfg, sdpa_spec(cfg), _handle(device))
-
-    return _graphs.get_or_build(graph_key(cfg, direction, device), build)
-
-
-def probe(cfg: AttentionConfig) -> list[str]:
-    """Build what the run will use on the current device; reasons when cuDNN declines."""
-    if not torch.cuda.is_available():
-        return ["no CUDA device visible to torch"]
-    device = torch.cuda.current_device()
-    directions = ("forward", "backward") if cfg.is_training else ("forward",)
-    for direction in directions:
-        try:
-            get_graph(cfg, direction, device)
-        except GraphBuildError as error:
-            return [f"cuDNN {cudnn.backend_version()}: {error} ({_relevant(cfg)})"]
-    return []
-
-
-def _relevant(cfg: AttentionConfig) -> str:
-    """The config fields cuDNN's support rules look at, for the reason text."""
-    return (f"dtype={cfg.dtype} B={cfg.batch} Sq={cfg.seqlen_q} Skv={cfg.seqlen_kv} Hq={cfg.heads_q} "
-            f"Hkv={cfg.heads_kv} D={cfg.head_dim_qk} Dv={cfg.head_dim_v} mask={cfg.mask.value} "
-            f"window={cfg.window} bias={cfg.bias.value} softmax={cfg.softmax.value} dropout_p={cfg.dropout_p} "
-            f"deterministic={cfg.deterministic}")
+    return handle(device, torch.cuda.current_stream(device).cuda_stream if stream is None else stream)
 
 
 def execute(built: BuiltGraph, buffers: dict, device: int) -> None:

@@ -1,15 +1,19 @@
 """What a score_mod graph binds besides the user's callbacks: the names of its aux tensors and the
 masks cuDNN cannot combine with a score_mod, written after it (score_mod_graph.py builds them).
-No cudnn import here: the torch operator's plans (native/torch_plans.py) read it too."""
+Also the order a plan binds a score_mod's operands in (`operands`). No cudnn import here: the torch
+operator's plans (native/torch_plans.py) and JAX's custom calls (jax/cudnn_call.py) read it too."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from fusedattn.config import UNBOUNDED, AttentionConfig
 from fusedattn.score_mods.core import MASKED
 
-__all__ = ["MaskPlan", "mask_plan", "aux_name"]
+__all__ = ["MaskPlan", "mask_plan", "aux_name", "Operands", "operands"]
+
+_SCALAR_KINDS = {"float32": 0, "int32": 1}  # the native libraries' scalar type codes
 
 
 def aux_name(name: str) -> str:
@@ -56,3 +60,36 @@ class MaskPlan:
 def mask_plan(cfg: AttentionConfig) -> MaskPlan:
     left, right = cfg.window
     return MaskPlan(padding=cfg.mask.is_padding, left=left != UNBOUNDED, right=right != UNBOUNDED)
+
+
+class Operands(NamedTuple):
+    """A plan's score_mod operands, bound after each graph's own slots in this order: the bound
+    values' arrays (`aux`), their runtime scalars (`scalars`), then the pass-by-value inputs of the
+    masks written after the score_mod (`constants`: (graph name, value, dtype), fixed by the config)."""
+
+    aux: tuple = ()
+    scalars: tuple = ()
+    scalar_types: tuple = ()
+    constants: tuple = ()
+
+    def graph_names(self) -> tuple:
+        return (*map(aux_name, self.aux), *map(aux_name, self.scalars), *(name for name, _, _ in self.constants))
+
+    def types(self) -> list[int]:
+        return [_SCALAR_KINDS[t] for t in (*self.scalar_types, *(dtype for _, _, dtype in self.constants))]
+
+    def values(self, bound: dict) -> tuple[list, list]:
+        """(aux tensors, scalars) of one call from its bound values (score_mods.core.bind)."""
+        return ([bound[name] for name in self.aux],
+                [*(bound[name].value for name in self.scalars), *(value for _, value, _ in self.constants)])
+
+
+def operands(cfg: AttentionConfig) -> Operands:
+    """The score_mod operands of a config's plan (none without a score_mod)."""
+    recipe = cfg.score_mod_recipe
+    if cfg.score_mod_key is None or recipe is None:
+        return Operands()
+    aux = tuple(name for name, description in recipe.aux if description[0] != "scalar")
+    scalars = tuple((name, description[1]) for name, description in recipe.aux if description[0] == "scalar")
+    constants = tuple(mask_plan(cfg).constants(cfg))
+    return Operands(aux, tuple(name for name, _ in scalars), tuple(dtype for _, dtype in scalars), constants)

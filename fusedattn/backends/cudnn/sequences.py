@@ -8,15 +8,13 @@ whether the offsets were read before: a broken call gives NaN in every output an
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import cached_property
-
 import torch
 import triton
 
 from fusedattn.backends.cudnn import sequence_kernels
+from fusedattn.backends.cudnn.sequence_layout import Layout, config_layout, layout_of
 from fusedattn.backends.fast_launch import FastLaunch
-from fusedattn.config import AttentionConfig, SoftmaxType
+from fusedattn.config import SoftmaxType
 
 __all__ = ["Layout", "layout_of", "config_layout", "SequenceTable", "table_constants", "fix_constants",
            "ROWS_PER_PROGRAM"]
@@ -25,61 +23,8 @@ _TABLE_BLOCK = 128  # sequences per step of the table kernel
 ROWS_PER_PROGRAM = 16
 _ELEMENTS_PER_STEP = 1024
 _SINK_KINDS = {SoftmaxType.VANILLA: 0, SoftmaxType.OFF_BY_ONE: 1, SoftmaxType.LEARNABLE: 2}
-_Q_SIDE = ("q", "o", "stats", "dq")  # ragged offsets in query tokens; the others in key tokens
 _sequence_tables = FastLaunch(sequence_kernels.sequence_tables)
 _fix_rows = FastLaunch(sequence_kernels.fix_rows)
-
-
-@dataclass(frozen=True)
-class Layout:
-    """What a config fixes about its table: the ragged offsets' names and units, the table's width."""
-
-    batch: int
-    width: int  # int32 entries per row: B + 1 rounded up to 16 bytes
-    offsets: tuple  # ((name, unit), ...), query side first
-    queries: int  # how many of `offsets` are on the query side
-    ragged: bool
-    limits: tuple  # (longest query sequence, longest key sequence)
-
-    @property
-    def flag_row(self) -> int:
-        return 4 + len(self.offsets)
-
-    @property
-    def rows(self) -> int:
-        return self.flag_row + 1
-
-    @cached_property
-    def row_units(self) -> tuple:
-        """Elements per token of the rows from the third on: the starts themselves, then the offsets."""
-        return (1, 1) + tuple(unit for _, unit in self.offsets)
-
-    @cached_property
-    def row_sides(self) -> tuple:
-        """The side (0 queries, 1 keys) whose starts each of those rows scales."""
-        return (0, 1) + tuple(int(index >= self.queries) for index in range(len(self.offsets)))
-
-
-def layout_of(cfg: AttentionConfig, units: dict) -> Layout:
-    """units: {ragged offset name: elements per token} for THD (empty for padded layouts)."""
-    query_side = [(name, unit) for name, unit in units.items() if name in _Q_SIDE]
-    key_side = [(name, unit) for name, unit in units.items() if name not in _Q_SIDE]
-    return Layout(cfg.batch, -(-(cfg.batch + 1) // 4) * 4, (*query_side, *key_side), len(query_side),
-                  cfg.layout.is_ragged, (cfg.seqlen_q, cfg.seqlen_kv))
-
-
-def config_layout(cfg: AttentionConfig) -> Layout:
-    """A padded or THD config's table layout, for the Python path and the native operator alike."""
-    from fusedattn.backends.cudnn.spec import gradient_spec, sdpa_spec
-
-    if not cfg.layout.is_ragged:
-        return layout_of(cfg, {})
-    spec = sdpa_spec(cfg)  # THD: elements per token of every tensor the graphs read through ragged offsets
-    units = {role: spec.token_stride(role) for role in ("q", "k", "v", "o")}
-    units["stats"] = cfg.heads_q
-    for role in ("q", "k", "v"):
-        units["d" + role] = gradient_spec(getattr(spec, role)).stride[2]
-    return layout_of(cfg, units)
 
 
 _INT32_MAX = 2**31 - 1

@@ -321,11 +321,11 @@ def dropout_mask(cfg: AttentionConfig, inputs: AttentionInputs) -> torch.Tensor:
     Built outside the graph cache: the debug output makes it another graph.
     """
     from fusedattn.backends.cudnn.graphs import build_forward
-    from fusedattn.backends.cudnn.runtime import _build_lock, _handle
+    from fusedattn.backends.cudnn.runtime import _handle, build_lock
 
     device = inputs.q.device
     plan = _plan(cfg)
-    with _build_lock(device.index):
+    with build_lock(device.index):
         built = build_forward(cfg, plan.spec, _handle(device.index), dump_dropout=True)
     buffers, _ = _shared_buffers(cfg, plan, inputs)
     _, buffers["o"] = _empty_bhsd(plan.spec.o, plan, inputs.q.dtype, device)

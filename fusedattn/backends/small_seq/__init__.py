@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from fusedattn.backends.base import Backend
+from fusedattn.backends.base import Backend, jax_needs_torch
 from fusedattn.config import UNBOUNDED, BiasType, SoftmaxType
 
 # The longest key sequence this backend takes: up to here it beat every other backend on
@@ -51,7 +51,7 @@ class SmallSeqBackend(Backend):
         return ("cuda", "cpu") if on_cpu else ("cuda",)
 
     def _reasons(self, cfg):
-        reasons = []
+        reasons = jax_needs_torch(self.name, "its Triton kernels") if cfg.framework == "jax" else []
         if cfg.layout.value not in _LAYOUTS:
             reasons.append(f"layout {cfg.layout.value!r}: reads {', '.join(_LAYOUTS)}")
         if cfg.seqlen_q != 1:

@@ -1,7 +1,8 @@
 // fusedattn's cuDNN graphs as an XLA FFI custom call, launched by the shared launch core.
 //
 // Python builds a graph, serializes it and puts the bytes, the uid each buffer binds to and
-// their digest into the call's attributes. XLA then runs the call like any custom call: no Python,
+// their digest into the call's attributes, with the graph's pass-by-value numbers (4-byte values,
+// bound after the buffers, by host pointers into the attribute). XLA then runs the call like any custom call: no Python,
 // no GIL, no torch at run time. The core keeps plans by digest in its bounded registry; a program
 // whose plan it no longer holds (evicted, or compiled in another process) registers its own bytes
 // again, so no compiled program ever names a plan that cannot run. The workspace is one more result
@@ -30,14 +31,17 @@ fusedattn_native::CoreApi &core() {
 }
 
 ffi::Error Execute(cudaStream_t stream, int32_t device, int64_t plan, ffi::Span<const uint8_t> blob,
-                   ffi::Span<const int64_t> uids, ffi::RemainingArgs args, ffi::RemainingRets rets) {
+                   ffi::Span<const int64_t> uids, ffi::Span<const int32_t> scalars, ffi::RemainingArgs args,
+                   ffi::RemainingRets rets) {
     if (core().execute == nullptr) {
         return ffi::Error::Internal("fusedattn: the launch core is not loaded (fusedattn_jax_init)");
     }
-    if (args.size() + rets.size() != uids.size()) {
+    const size_t buffers = args.size() + rets.size();
+    if (buffers + scalars.size() != uids.size()) {
         return ffi::Error::InvalidArgument("fusedattn: plan " + std::to_string(plan) + " binds " +
-                                           std::to_string(uids.size()) + " buffers, the call has " +
-                                           std::to_string(args.size() + rets.size()));
+                                           std::to_string(uids.size()) + " slots, the call has " +
+                                           std::to_string(buffers) + " buffers and " +
+                                           std::to_string(scalars.size()) + " scalars");
     }
     std::vector<void *> slots(uids.size(), nullptr);
     void *workspace = nullptr;
@@ -58,6 +62,9 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, int64_t plan, ffi::Span<
             workspace = slots[args.size() + i];
             workspace_bytes = static_cast<int64_t>((*buffer)->size_bytes());
         }
+    }
+    for (size_t i = 0; i < scalars.size(); ++i) {  // cuDNN copies pass-by-value inputs at launch
+        slots[buffers + i] = const_cast<int32_t *>(scalars.begin() + i);
     }
     auto run = [&] {
         return core().execute(plan, device, stream, slots.data(), static_cast<int64_t>(slots.size()), workspace,
@@ -85,6 +92,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(fusedattn_cudnn_execute, Execute,
                                   .Attr<int64_t>("plan")
                                   .Attr<ffi::Span<const uint8_t>>("blob")
                                   .Attr<ffi::Span<const int64_t>>("uids")
+                                  .Attr<ffi::Span<const int32_t>>("scalars")
                                   .RemainingArgs()
                                   .RemainingRets());
 

@@ -18,9 +18,9 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from typing import NamedTuple
 
 from fusedattn.backends.cudnn.native import build, core, sequence_plans
+from fusedattn.backends.cudnn.score_mod_masks import Operands, operands
 from fusedattn.cache import LRUCache, register
 from fusedattn.config import AttentionConfig, BiasType, Layout, SoftmaxType
 
@@ -35,7 +35,6 @@ BACKWARD_SLOTS = ("q", "k", "v", "o", "dO", "stats", "sink", "dropout_seed", "dr
                   "dsink", "bias", "dbias", *sequence_plans.BACKWARD_SEQUENCE_SLOTS)
 _SINK_KINDS = {SoftmaxType.VANILLA: 0, SoftmaxType.OFF_BY_ONE: 1, SoftmaxType.LEARNABLE: 2}
 _BIAS_KINDS = {BiasType.NONE: 0, BiasType.ALIBI: 0, BiasType.POST_SCALE: 1, BiasType.PRE_SCALE: 2}  # enum BiasKind
-_SCALAR_KINDS = {"float32": 0, "int32": 1}  # enum ScalarType
 _SCALAR_TYPES = {"float16": 5, "bfloat16": 15}  # c10::ScalarType codes
 _FROM_BHSD = {Layout.BSHD: (0, 2, 1, 3), Layout.SBHD: (2, 0, 1, 3), Layout.BHSD: (0, 1, 2, 3),
               Layout.THD: (0, 2, 1, 3)}  # THD: (B, S, H, D) order, of which the operator reads (H, D)
@@ -153,43 +152,6 @@ def forget(cfg: AttentionConfig) -> None:
     _plans.pop(cfg)
 
 
-class Operands(NamedTuple):
-    """A plan's score_mod operands, bound after each graph's own slots in this order: the bound
-    values' arrays (`aux`), their runtime scalars (`scalars`), then the pass-by-value inputs of the
-    masks written after the score_mod (`constants`: (graph name, value, dtype), fixed by the config)."""
-
-    aux: tuple = ()
-    scalars: tuple = ()
-    scalar_types: tuple = ()
-    constants: tuple = ()
-
-    def graph_names(self) -> tuple:
-        from fusedattn.backends.cudnn.score_mod_masks import aux_name
-
-        return (*map(aux_name, self.aux), *map(aux_name, self.scalars), *(name for name, _, _ in self.constants))
-
-    def types(self) -> list[int]:
-        return [_SCALAR_KINDS[t] for t in (*self.scalar_types, *(dtype for _, _, dtype in self.constants))]
-
-    def values(self, bound: dict) -> tuple[list, list]:
-        """(aux tensors, scalars) of one call from its bound values (score_mods.core.bind)."""
-        return ([bound[name] for name in self.aux],
-                [*(bound[name].value for name in self.scalars), *(value for _, value, _ in self.constants)])
-
-
-def operands(cfg: AttentionConfig) -> Operands:
-    """The score_mod operands of a config's plan (none without a score_mod)."""
-    recipe = cfg.score_mod_recipe
-    if cfg.score_mod_key is None or recipe is None:
-        return Operands()
-    from fusedattn.backends.cudnn.score_mod_masks import mask_plan
-
-    aux = tuple(name for name, description in recipe.aux if description[0] != "scalar")
-    scalars = tuple((name, description[1]) for name, description in recipe.aux if description[0] == "scalar")
-    constants = tuple(mask_plan(cfg).constants(cfg))
-    return Operands(aux, tuple(name for name, _ in scalars), tuple(dtype for _, dtype in scalars), constants)
-
-
 def _core_plan(built, names: tuple, device: int) -> int | None:
     blob = bytes(built.graph.serialize(as_bytes=True))
     uids = tuple(built.tensors[n].get_uid() if n in built.tensors else core.UNBOUND for n in names)
@@ -208,7 +170,7 @@ def _warn(message: str) -> None:
 
 
 def _register(cfg: AttentionConfig, device: int) -> int | None:
-    from fusedattn.backends.cudnn.runtime import get_graph
+    from fusedattn.backends.cudnn.graph_cache import get_graph
 
     extra = operands(cfg).graph_names()
     forward = get_graph(cfg, "forward", device)

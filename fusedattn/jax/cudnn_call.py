@@ -1,0 +1,350 @@
+"""The cuDNN backend from JAX: each pass is one native XLA custom call (jax/native.py), with what the
+graph needs around it written in jax.numpy, so XLA fuses it and no torch or Python runs at run time.
+
+Around the graph, as the torch path does it (backends/cudnn/torch_run.py), in jax.numpy:
+  before: the bias in q's dtype (pre-scaled), the sink logits, the dropout seed and offset as the
+  graph's int64 (a uint32 pair), sequence lengths and THD ragged offsets from cu_seqlens, a
+  score_mod's padding penalties;
+  after: the LSE from cuDNN's row maxima and sums (max_logit), rows a score_mod left without keys
+  (output 0, LSE -inf), rows outside every sequence (padded and THD), dBias summed over its
+  broadcast axes, dSink in the sink's dtype.
+Offsets reach here already checked or made safe by the frontend (a broken traced call runs on
+all-zero offsets and its outputs are NaN), so cuDNN never reads past a buffer. Numbers of a
+score_mod travel by value in the call's attributes; its arrays are operands.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fusedattn.backends.base import ARRAY_NAMES, DIFFERENTIABLE
+from fusedattn.backends.cudnn.score_mod_masks import aux_name, operands
+from fusedattn.backends.cudnn.sequence_layout import config_layout
+from fusedattn.backends.cudnn.spec import rows_with_keys_config, rows_without_keys, sdpa_spec
+from fusedattn.config import AttentionConfig, BiasType, Layout, SoftmaxType
+from fusedattn.jax import native
+from fusedattn.jax.partition import Split
+from fusedattn.jax.pass_calls import aux_arrays, lse_role, output_shapes, present, roles, run_split, unpacked
+from fusedattn.score_mods.core import MASKED, MASKED_BELOW
+
+__all__ = ["unavailable", "forward", "backward"]
+
+_SEQ_AXIS = {Layout.BSHD: 1, Layout.SBHD: 0, Layout.BHSD: 2}  # the sequence axis of q/k/v/o
+_SCALAR_BITS = {"float32": np.float32, "int32": np.int32}
+
+
+def unavailable() -> str | None:
+    """Why cuDNN passes cannot run as native custom calls here (None: they can)."""
+    return native.unavailable()
+
+
+class _Sequences:
+    """A padded or THD call's per-sequence facts as JAX arrays: lengths, starts, the graph's inputs."""
+
+    def __init__(self, cfg: AttentionConfig, named: dict):
+        self.cfg = cfg
+        self.lengths, self.starts = {}, {}
+        for side in ("q", "kv"):
+            cu = named[f"cu_seqlens_{side}"].astype(jnp.int32)
+            padded = named.get(f"cu_seqlens_{side}_padded")
+            self.lengths[side] = cu[1:] - cu[:-1]
+            self.starts[side] = cu if padded is None else padded.astype(jnp.int32)
+        self.inputs = {"seq_len_q": self.lengths["q"].reshape(-1, 1, 1, 1),
+                       "seq_len_kv": self.lengths["kv"].reshape(-1, 1, 1, 1)}
+        layout = config_layout(cfg)
+        for index, (name, unit) in enumerate(layout.offsets):  # THD: element offsets of each sequence
+            side = "q" if index < layout.queries else "kv"
+            self.inputs["ro_" + name] = (self.starts[side] * unit).reshape(-1, 1, 1, 1)
+
+    def rows(self, side: str, count: int) -> tuple:
+        """(inside, alone) booleans of one side's rows: (B, S) for padded layouts, (T,) for THD. inside:
+        the row belongs to a sequence; alone: it does, and the other side of that sequence is empty."""
+        other = self.lengths["kv" if side == "q" else "q"]
+        lengths = self.lengths[side]
+        if self.cfg.layout.is_ragged:
+            tokens = jnp.arange(count, dtype=jnp.int32)
+            starts = self.starts[side][:-1]
+            sequence = jnp.clip(jnp.searchsorted(starts, tokens, side="right") - 1, 0, self.cfg.batch - 1)
+            position = tokens - starts[sequence]
+            inside = (position >= 0) & (position < lengths[sequence])
+            return inside, inside & (other[sequence] == 0)
+        position = jnp.arange(count, dtype=jnp.int32)[None, :]
+        inside = position < lengths[:, None]
+        return inside, inside & (other[:, None] == 0)
+
+
+def _rows_as(rows, cfg: AttentionConfig, ndim: int, lse: bool = False):
+    """A (B, S) or (T,) row mask broadcast against a tensor of the call's layout (out, dq: ndim 4 or
+    THD's 3) or against the LSE (B, H, S) / (T, H)."""
+    if cfg.layout.is_ragged:
+        return rows[:, None] if lse else rows[:, None, None]
+    if lse:
+        return rows[:, None, :]
+    return {Layout.BSHD: rows[:, :, None, None], Layout.SBHD: rows.T[:, :, None, None],
+            Layout.BHSD: rows[:, None, :, None]}[cfg.layout]
+
+
+def _clear_rows(x, rows, cfg: AttentionConfig):
+    """x with the rows outside every sequence, or whose other side is empty, set to 0."""
+    inside, alone = rows
+    keep = _rows_as(inside & ~alone, cfg, x.ndim)
+    return jnp.where(keep, x, jnp.zeros((), x.dtype))
+
+
+def _graph_inputs(cfg: AttentionConfig, named: dict, aux: dict, score_mod, sequences: _Sequences | None) -> dict:
+    """The graph's inputs by graph tensor name (besides o, dO and stats)."""
+    spec = sdpa_spec(cfg)
+    q = named["q"]
+    inputs = {"q": q, "k": named["k"], "v": named["v"]}
+    if sequences is not None:
+        inputs.update(sequences.inputs)
+    if spec.bias is not None:
+        bias = named["bias"].astype(q.dtype)
+        if cfg.bias is BiasType.PRE_SCALE:  # (qk + b) * scale == qk * scale + b * scale
+            bias = bias * jnp.asarray(cfg.scale, q.dtype)
+        inputs["bias"] = bias.reshape(cfg.bias_shape)
+    if spec.sink:
+        sink = (named["sink"].astype(jnp.float32) if cfg.softmax is SoftmaxType.LEARNABLE
+                else jnp.zeros((cfg.heads_q,), jnp.float32))  # off_by_one: a zero logit per head
+        inputs["sink"] = sink.reshape(1, cfg.heads_q, 1, 1)
+    if spec.dropout:  # the graph's int64 seed and offset: the uint32 value, then zero (little-endian)
+        for name in ("dropout_seed", "dropout_offset"):
+            value = jnp.reshape(named[name], ()).astype(jnp.uint32)
+            inputs[name] = jnp.stack([value, jnp.zeros((), jnp.uint32)])
+    if spec.score_mod:
+        inputs.update({aux_name(name): array for name, array in aux.items()})
+        if sequences is not None:  # padding written in the score_mod: 0 inside each sequence, MASKED outside
+            rows = jnp.arange(cfg.seqlen_q, dtype=jnp.int32)[None, :] < sequences.lengths["q"][:, None]
+            cols = jnp.arange(cfg.seqlen_kv, dtype=jnp.int32)[None, :] < sequences.lengths["kv"][:, None]
+            inputs["sm_row_penalty"] = jnp.where(rows, 0.0, MASKED).astype(jnp.float32)[:, None, :, None]
+            inputs["sm_col_penalty"] = jnp.where(cols, 0.0, MASKED).astype(jnp.float32)[:, None, None, :]
+    return inputs
+
+
+def _scalars(cfg: AttentionConfig, score_mod) -> tuple[tuple[str, ...], np.ndarray]:
+    """The pass-by-value inputs: (graph names, their 4-byte values as int32 bits)."""
+    found = operands(cfg)
+    _, values = found.values(score_mod.values) if found.scalars else ([], [v for _, v, _ in found.constants])
+    types = (*found.scalar_types, *(dtype for _, _, dtype in found.constants))
+    bits = [np.asarray(value, _SCALAR_BITS[dtype]).view(np.int32) for value, dtype in zip(values, types)]
+    names = (*map(aux_name, found.scalars), *(name for name, _, _ in found.constants))
+    return names, np.asarray(bits, np.int32).reshape(-1)
+
+
+def _launch(cfg: AttentionConfig, direction: str, inputs: dict, results: dict, score_mod) -> dict:
+    """One custom call: the graph reads `inputs` and writes `results` ({name: ShapeDtypeStruct}), by
+    graph tensor name; the results as {name: array}. Names the graph lacks are left unbound."""
+    from fusedattn.backends.cudnn.graph_cache import current_device
+
+    scalar_names, scalar_bits = _scalars(cfg, score_mod) if cfg.score_mod_key is not None else ((), None)
+    in_names, out_names = tuple(inputs), tuple(results)
+    plan = native.plan(cfg, direction, current_device("jax"), in_names + out_names, scalar_names)
+    if plan is None:
+        raise RuntimeError(f"fusedattn.jax.attention: cudnn: the {direction} graph cannot run as a native call "
+                           "(cuDNN could not rebuild it from its bytes); use backend='reference'")
+    workspace = jax.ShapeDtypeStruct((max(plan.workspace, 1),), jnp.uint8)
+    call = jax.ffi.ffi_call(native.TARGET, (*results.values(), workspace), vmap_method="sequential")
+    bits = np.zeros((0,), np.int32) if scalar_bits is None else scalar_bits
+    outs = call(*inputs.values(), **plan.attributes, scalars=bits)
+    return dict(zip(out_names, outs[:-1]))
+
+
+def _sequences(cfg: AttentionConfig, named: dict) -> _Sequences | None:
+    return _Sequences(cfg, named) if cfg.has_sequence_lengths else None
+
+
+def _forward_pass(cfg: AttentionConfig, named: dict, aux: dict, score_mod) -> tuple:
+    """(out, lse, max_logit) of one unsharded forward."""
+    if rows_without_keys(cfg):
+        return _forward_rows_with_keys(cfg, named, aux, score_mod)
+    spec = sdpa_spec(cfg)
+    q = named["q"]
+    sequences = _sequences(cfg, named)
+    out_shape, lse_shape, max_shape = output_shapes(cfg, q)
+    stats_shape = (q.shape[0], cfg.heads_q) if spec.ragged else spec.stats.dim
+    stats = jax.ShapeDtypeStruct(stats_shape, jnp.float32)
+    results = {"o": out_shape}
+    if spec.max_logit:
+        results.update(row_max=stats, sum_exp=stats)
+    else:
+        results["stats"] = stats  # unbound (never written) for an inference graph without it
+    got = _launch(cfg, "forward", _graph_inputs(cfg, named, aux, score_mod, sequences), results, score_mod)
+    out = got["o"]
+    max_logit = jnp.zeros(max_shape.shape, jnp.float32)
+    if spec.max_logit:
+        row_max = got["row_max"]
+        if sequences is not None:  # cuDNN leaves row maxima unwritten past each end and without keys
+            inside, alone = sequences.rows("q", cfg.seqlen_q)
+            row_max = jnp.where((inside & ~alone)[:, None, :, None], row_max, -jnp.inf)
+        lse = row_max + jnp.log(got["sum_exp"])
+        max_logit = jnp.max(row_max, axis=(0, 2, 3))
+    else:
+        lse = got["stats"]
+    lse = lse.reshape(lse_shape.shape)
+    if spec.score_mod:  # rows the score_mod left without a visible key (NaN counts as one too)
+        empty = ~(lse >= MASKED_BELOW)
+        out = jnp.where(_lse_to_out(empty, cfg), jnp.zeros((), out.dtype), out)
+        lse = jnp.where(empty, -jnp.inf, lse)
+    if sequences is not None:
+        out, lse = _fix_forward_rows(cfg, sequences, out, lse, named.get("sink"))
+    return out, lse, max_logit
+
+
+_LSE_TO_OUT = {Layout.BSHD: (0, 2, 1), Layout.SBHD: (2, 0, 1), Layout.BHSD: (0, 1, 2)}  # (B, H, S) -> layout
+
+
+def _lse_to_out(mask, cfg: AttentionConfig):
+    """An LSE-shaped mask ((B, H, Sq), or THD's (T, H)) against out in the call's layout."""
+    if cfg.layout.is_ragged:
+        return mask[..., None]
+    return mask.transpose(_LSE_TO_OUT[cfg.layout])[..., None]
+
+
+def _fix_forward_rows(cfg: AttentionConfig, sequences: _Sequences, out, lse, sink) -> tuple:
+    """Rows outside every sequence: output 0 and LSE -inf (THD gaps: 0); queries whose sequence has
+    no keys: output 0 and the LSE of the sink alone (-inf without one)."""
+    rows = sequences.rows("q", out.shape[0] if cfg.layout.is_ragged else cfg.seqlen_q)
+    inside, alone = rows
+    out = _clear_rows(out, rows, cfg)
+    if cfg.softmax is SoftmaxType.LEARNABLE:
+        sink_lse = sink.astype(jnp.float32)
+    else:
+        sink_lse = jnp.full((cfg.heads_q,), 0.0 if cfg.softmax is SoftmaxType.OFF_BY_ONE else -jnp.inf, jnp.float32)
+    sink_lse = sink_lse[None, :] if cfg.layout.is_ragged else sink_lse[None, :, None]
+    lse = jnp.where(_rows_as(alone, cfg, 0, lse=True), sink_lse, lse)
+    gap = 0.0 if cfg.layout.is_ragged else -jnp.inf
+    return out, jnp.where(_rows_as(inside, cfg, 0, lse=True), lse, gap)
+
+
+def _backward_pass(cfg: AttentionConfig, named: dict, aux: dict, score_mod, out, lse, grad_out,
+                   wanted: tuple[str, ...]) -> dict:
+    """{name: gradient} of one unsharded backward, for the differentiable arrays in `wanted`."""
+    if rows_without_keys(cfg):
+        return _backward_rows_with_keys(cfg, named, aux, score_mod, out, lse, grad_out, wanted)
+    spec = sdpa_spec(cfg)
+    sequences = _sequences(cfg, named)
+    inputs = _graph_inputs(cfg, named, aux, score_mod, sequences)
+    if spec.score_mod:  # +inf for empty rows, so exp(score - stats) is 0 there
+        stats = jnp.where(lse == -jnp.inf, jnp.inf, lse)
+    elif sequences is not None and not spec.ragged:  # finite past each sequence's end
+        inside, _ = sequences.rows("q", cfg.seqlen_q)
+        stats = jnp.where(inside[:, None, :], lse, 0.0)
+    else:
+        stats = lse
+    inputs.update(o=out, dO=jnp.zeros_like(out) if grad_out is None else grad_out.astype(out.dtype),
+                  stats=stats if spec.ragged else stats.reshape(spec.stats.dim))
+    results = {"d" + role: jax.ShapeDtypeStruct(named[role].shape, named[role].dtype) for role in ("q", "k", "v")}
+    if spec.bias is not None and cfg.bias_requires_grad:  # what the graph writes (graphs.build_backward)
+        results["dbias"] = jax.ShapeDtypeStruct(spec.bias.dim, named["q"].dtype)
+    if spec.sink:  # written for an off-by-one sink too, and not returned
+        results["dsink"] = jax.ShapeDtypeStruct((1, cfg.heads_q, 1, 1), jnp.float32)
+    got = _launch(cfg, "backward", inputs, results, score_mod)
+    grads = {role: got["d" + role] for role in ("q", "k", "v")}
+    if sequences is not None:  # rows outside every sequence, or without the other side: 0
+        grads["q"] = _clear_rows(grads["q"], sequences.rows("q", _rows_of(cfg, grads["q"], "q")), cfg)
+        kv_rows = sequences.rows("kv", _rows_of(cfg, grads["k"], "kv"))
+        grads["k"], grads["v"] = (_clear_rows(grads[role], kv_rows, cfg) for role in ("k", "v"))
+    if "dbias" in got:
+        axes = tuple(i for i, (g, s) in enumerate(zip(spec.bias.dim, cfg.bias_shape)) if s == 1 and g != 1)
+        dbias = got["dbias"].astype(jnp.float32).sum(axis=axes, keepdims=True)
+        if cfg.bias is BiasType.PRE_SCALE:
+            dbias = dbias * cfg.scale
+        grads["bias"] = dbias.reshape(named["bias"].shape).astype(named["bias"].dtype)
+    if "dsink" in got and cfg.softmax is SoftmaxType.LEARNABLE:
+        grads["sink"] = got["dsink"].reshape(cfg.heads_q).astype(named["sink"].dtype)
+    return {name: grads[name] for name in wanted if name in grads}
+
+
+def _rows_of(cfg: AttentionConfig, x, side: str) -> int:
+    """How many rows of a side a tensor has: THD tokens, else that side's sequence length."""
+    if cfg.layout.is_ragged:
+        return x.shape[0]
+    return cfg.seqlen_q if side == "q" else cfg.seqlen_kv
+
+
+# Bottom-right causal with Sq > Skv: the first Sq - Skv query rows see no key. cuDNN refuses the mask
+# there, so the last Skv rows run on their own and the others are filled in (output 0, LSE -inf).
+def _rows_with_keys(cfg: AttentionConfig, named: dict) -> tuple:
+    skipped, axis = rows_without_keys(cfg), _SEQ_AXIS[cfg.layout]
+    sub = rows_with_keys_config(cfg)
+    named = dict(named, q=jax.lax.slice_in_dim(named["q"], skipped, cfg.seqlen_q, axis=axis))
+    if named.get("bias") is not None and sub.bias_shape != cfg.bias_shape:
+        named["bias"] = named["bias"].reshape(cfg.bias_shape)[:, :, skipped:]
+    return sub, skipped, axis, named
+
+
+def _pad_rows(x, skipped: int, axis: int, fill):
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (skipped, 0)
+    return jnp.pad(x, widths, constant_values=fill)
+
+
+def _forward_rows_with_keys(cfg: AttentionConfig, named: dict, aux: dict, score_mod) -> tuple:
+    sub, skipped, axis, named = _rows_with_keys(cfg, named)
+    out, lse, max_logit = _forward_pass(sub, named, aux, score_mod)
+    return _pad_rows(out, skipped, axis, 0), _pad_rows(lse, skipped, 2, -jnp.inf), max_logit
+
+
+def _backward_rows_with_keys(cfg: AttentionConfig, named: dict, aux: dict, score_mod, out, lse, grad_out,
+                             wanted: tuple[str, ...]) -> dict:
+    sub, skipped, axis, sub_named = _rows_with_keys(cfg, named)
+    rows = lambda x: jax.lax.slice_in_dim(x, skipped, cfg.seqlen_q, axis=axis)  # noqa: E731
+    grads = _backward_pass(sub, sub_named, aux, score_mod, rows(out), lse[:, :, skipped:],
+                           None if grad_out is None else rows(grad_out), wanted)
+    grads["q"] = _pad_rows(grads["q"], skipped, axis, 0)
+    if "bias" in grads and sub.bias_shape != cfg.bias_shape:
+        full = _pad_rows(grads["bias"].reshape(sub.bias_shape), skipped, 2, 0)
+        grads["bias"] = full.reshape(named["bias"].shape)
+    return grads
+
+
+def _named(index, operands, aux_names) -> tuple[dict, dict]:
+    """({array name: operand}, {aux name: operand}) of a pass's operands."""
+    named = {ARRAY_NAMES[i]: x for i, x in zip(index, operands)}
+    return named, dict(zip(aux_names, operands[len(index):len(index) + len(aux_names)]))
+
+
+def forward(cfg: AttentionConfig, score_mod, arrays, split: Split | None = None) -> tuple:
+    """(out, lse, max_logit) of the cuDNN forward, as JAX arrays."""
+    cfg = unpacked(cfg)
+    index, passed = present(arrays)
+    aux_names, aux = aux_arrays(score_mod)
+
+    def run(local_cfg, operands):
+        named, local_aux = _named(index, operands, aux_names)
+        return _forward_pass(local_cfg, named, local_aux, score_mod)
+
+    operand_roles = roles(cfg, index)
+    return run_split(cfg, run, lambda c, ops: output_shapes(c, ops[0]), passed + aux,
+                     operand_roles + ["BHQK"] * len(aux), (operand_roles[0], lse_role(cfg), "H"),
+                     (False, False, False), index, len(aux), split)
+
+
+def backward(cfg: AttentionConfig, score_mod, arrays, out, lse, grad_out, split: Split | None = None) -> dict:
+    """{name: gradient} for the differentiable arrays the call passed; grad_out None means zero."""
+    cfg = unpacked(cfg)
+    index, passed = present(arrays)
+    aux_names, aux = aux_arrays(score_mod)
+    wanted = tuple(ARRAY_NAMES[i] for i in index if ARRAY_NAMES[i] in DIFFERENTIABLE)
+    extra = [out, lse, jnp.zeros_like(out) if grad_out is None else grad_out]
+
+    def gradient_shapes(_cfg, operands):  # each gradient has its array's shape and dtype
+        return tuple(jax.ShapeDtypeStruct(operands[index.index(ARRAY_NAMES.index(name))].shape,
+                                          operands[index.index(ARRAY_NAMES.index(name))].dtype) for name in wanted)
+
+    def run(local_cfg, operands):
+        named, local_aux = _named(index, operands, aux_names)
+        local_out, local_lse, local_grad = operands[len(index) + len(aux):]
+        grads = _backward_pass(local_cfg, named, local_aux, score_mod, local_out, local_lse, local_grad, wanted)
+        return tuple(grads.get(name, jnp.zeros_like(named[name])) for name in wanted)
+
+    operand_roles = roles(cfg, index)
+    q_role = operand_roles[0]
+    out_roles = [operand_roles[index.index(ARRAY_NAMES.index(name))] for name in wanted]
+    summed = [name not in ("q", "k", "v") for name in wanted]
+    grads = run_split(cfg, run, gradient_shapes, passed + aux + extra,
+                      operand_roles + ["BHQK"] * len(aux) + [q_role, lse_role(cfg), q_role], out_roles, summed,
+                      index, len(aux), split)
+    return dict(zip(wanted, grads))

@@ -1,0 +1,170 @@
+"""JAX's cuDNN passes (fusedattn.jax.cudnn_call) without a GPU: what each pass hands the graph and what
+it makes of the graph's results, with the custom call replaced by a fake that records its operands
+and returns known values. The custom call itself runs in tests/gpu/test_jax.py and
+tests/gpu/test_jax_without_torch.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+
+from fusedattn.backends.base import ARRAY_NAMES  # noqa: E402
+from fusedattn.backends.cudnn.spec import sdpa_spec  # noqa: E402
+from fusedattn.config import AttentionConfig  # noqa: E402
+from fusedattn.jax import cudnn_call  # noqa: E402
+
+B, S, H, D = 2, 8, 2, 16
+
+
+class FakeLaunch:
+    """cudnn_call._launch: records (direction, inputs) and returns `value` in every result."""
+
+    def __init__(self, value=1.0):
+        self.calls, self.value = [], value
+
+    def __call__(self, cfg, direction, inputs, results, score_mod):
+        self.calls.append((direction, cfg, {n: (tuple(x.shape), str(x.dtype)) for n, x in inputs.items()}))
+        return {name: jnp.full(shape.shape, self.value, shape.dtype) for name, shape in results.items()}
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    launch = FakeLaunch()
+    monkeypatch.setattr(cudnn_call, "_launch", launch)
+    return launch
+
+
+def _cfg(**changes) -> AttentionConfig:
+    base = dict(dtype="bfloat16", layout="bshd", batch=B, seqlen_q=S, seqlen_kv=S, heads_q=H, heads_kv=H,
+                head_dim_qk=D, head_dim_v=D, is_training=True, device="cuda", framework="jax")
+    return AttentionConfig(**{**base, **changes})
+
+
+def _arrays(cfg: AttentionConfig, **named) -> tuple:
+    rng = np.random.default_rng(0)
+    shapes = {"bshd": ((B, cfg.seqlen_q, H, D), (B, cfg.seqlen_kv, H, D)),
+              "sbhd": ((cfg.seqlen_q, B, H, D), (cfg.seqlen_kv, B, H, D)),
+              "bhsd": ((B, H, cfg.seqlen_q, D), (B, H, cfg.seqlen_kv, D))}
+    q_shape, kv_shape = shapes.get(cfg.layout.value, ((cfg.seqlen_q, H, D), (cfg.seqlen_kv, H, D)))
+    named = {"q": rng.standard_normal(q_shape), "k": rng.standard_normal(kv_shape),
+             "v": rng.standard_normal(kv_shape), **named}
+    return tuple(None if named.get(n) is None else jnp.asarray(named[n], jnp.int32 if n.startswith("cu_")
+                                                                else jnp.bfloat16)
+                 for n in ARRAY_NAMES)
+
+
+@pytest.mark.parametrize("layout", ["bshd", "sbhd", "bhsd"])
+def test_dense_passes_bind_q_k_v_and_return_the_layouts_shapes(fake, layout):
+    cfg = _cfg(layout=layout, mask="causal")
+    arrays = _arrays(cfg)
+    out, lse, max_logit = cudnn_call.forward(cfg, None, arrays)
+    assert out.shape == arrays[0].shape and out.dtype == jnp.bfloat16
+    assert lse.shape == (B, H, S) and lse.dtype == jnp.float32 and max_logit.shape == (0,)
+    (_, _, inputs), = fake.calls
+    assert set(inputs) == {"q", "k", "v"} and inputs["q"] == (arrays[0].shape, "bfloat16")
+    grads = cudnn_call.backward(cfg, None, arrays, out, lse, None)
+    direction, _, inputs = fake.calls[-1]
+    assert direction == "backward" and set(inputs) == {"q", "k", "v", "o", "dO", "stats"}
+    assert inputs["stats"] == ((B, H, S, 1), "float32")
+    assert {n: g.shape for n, g in grads.items()} == {n: arrays[ARRAY_NAMES.index(n)].shape for n in "qkv"}
+
+
+def test_bias_sink_and_dropout_reach_the_graph_as_it_declares_them(fake):
+    cfg = _cfg(bias="pre_scale", bias_shape=(1, H, 1, S), bias_requires_grad=True, softmax="learnable",
+               dropout_p=0.1)
+    arrays = list(_arrays(cfg, bias=np.ones((H, 1, S)), sink=np.zeros(H)))
+    arrays[ARRAY_NAMES.index("dropout_seed")] = jnp.uint32(7)
+    arrays[ARRAY_NAMES.index("dropout_offset")] = jnp.uint32(3)
+    out, lse, _ = cudnn_call.forward(cfg, None, tuple(arrays))
+    inputs = fake.calls[0][2]
+    assert inputs["bias"] == ((1, H, 1, S), "bfloat16") and inputs["sink"] == ((1, H, 1, 1), "float32")
+    assert inputs["dropout_seed"] == ((2,), "uint32")  # 8 bytes: cuDNN's int64
+    grads = cudnn_call.backward(cfg, None, tuple(arrays), out, lse, jnp.ones_like(out))
+    assert set(grads) == {"q", "k", "v", "bias", "sink"}
+    # dBias: the graph's (1, H, Sq, Skv) summed over the broadcast query axis, times the scale (pre_scale),
+    # in the bias's own shape
+    assert grads["bias"].shape == (H, 1, S)
+    np.testing.assert_allclose(np.asarray(grads["bias"], np.float32), S * cfg.scale, rtol=1e-2)
+    assert grads["sink"].shape == (H,)
+
+
+def test_seed_bits_are_the_uint32_then_zero():
+    inputs = cudnn_call._graph_inputs(_cfg(dropout_p=0.5), {
+        "q": jnp.zeros((B, S, H, D), jnp.bfloat16), "k": None, "v": None,
+        "dropout_seed": jnp.uint32(0xDEADBEEF), "dropout_offset": jnp.uint32(5)}, {}, None, None)
+    assert np.asarray(inputs["dropout_seed"]).view(np.int64)[0] == 0xDEADBEEF
+    assert np.asarray(inputs["dropout_offset"]).view(np.int64)[0] == 5
+
+
+def test_padded_rows_past_each_end_get_zero_output_and_minus_inf_lse(fake):
+    cfg = _cfg(mask="padding")
+    cu = np.array([0, 5, 5])  # the second sequence has no queries
+    cu_kv = np.array([0, 0, 8])  # ... and the first has no keys
+    arrays = _arrays(cfg, cu_seqlens_q=cu, cu_seqlens_kv=cu_kv)
+    out, lse, _ = cudnn_call.forward(cfg, None, arrays)
+    inputs = fake.calls[0][2]
+    assert inputs["seq_len_q"] == ((B, 1, 1, 1), "int32") and "ro_q" not in inputs
+    out, lse = np.asarray(out, np.float32), np.asarray(lse)
+    assert (out == 0).all()  # sequence 0 has no keys, sequence 1 no queries
+    assert np.isneginf(lse).all()
+    grads = cudnn_call.backward(cfg, None, arrays, jnp.asarray(out, jnp.bfloat16), jnp.asarray(lse), None)
+    assert all((np.asarray(grads[n], np.float32) == 0).all() for n in "qkv")
+
+
+def test_thd_offsets_are_element_offsets_and_gaps_are_cleared(fake):
+    cfg = _cfg(layout="thd", mask="padding_causal", seqlen_q=4, seqlen_kv=4, padded_offsets=True)
+    cu = np.array([0, 3, 5])
+    padded = np.array([0, 4, 8])  # one unused token after the first sequence, three after the second
+    tokens = np.ones((8, H, D))
+    arrays = _arrays(cfg, q=tokens, k=tokens, v=tokens, cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                     cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded)
+    out, lse, _ = cudnn_call.forward(cfg, None, arrays)
+    inputs = fake.calls[0][2]
+    spec = sdpa_spec(cfg)
+    assert inputs["ro_q"] == ((B + 1, 1, 1, 1), "int32") and inputs["ro_stats"] == ((B + 1, 1, 1, 1), "int32")
+    table = cudnn_call._Sequences(cfg, dict(zip(ARRAY_NAMES, arrays)))
+    np.testing.assert_array_equal(np.asarray(table.inputs["ro_q"]).ravel(), padded * spec.token_stride("q"))
+    np.testing.assert_array_equal(np.asarray(table.inputs["ro_stats"]).ravel(), padded * H)
+    inside = np.array([1, 1, 1, 0, 1, 1, 0, 0], bool)  # tokens of a sequence
+    out = np.asarray(out, np.float32)
+    assert (out[inside] == 1).all() and (out[~inside] == 0).all()
+    np.testing.assert_array_equal(np.asarray(lse)[~inside], 0.0)  # THD gaps: LSE 0, as the torch path
+    grads = cudnn_call.backward(cfg, None, arrays, jnp.asarray(out, jnp.bfloat16), lse, None)
+    for name in "qkv":
+        got = np.asarray(grads[name], np.float32)
+        assert (got[inside] == 1).all() and (got[~inside] == 0).all(), name
+
+
+def test_queries_of_a_sequence_without_keys_get_the_sink_logit(fake):
+    cfg = _cfg(mask="padding", softmax="learnable")
+    sink = np.array([0.5, -1.0])
+    arrays = _arrays(cfg, cu_seqlens_q=np.array([0, 8, 16]), cu_seqlens_kv=np.array([0, 0, 8]), sink=sink)
+    out, lse, _ = cudnn_call.forward(cfg, None, arrays)
+    lse = np.asarray(lse)
+    np.testing.assert_allclose(lse[0], np.broadcast_to(np.asarray(jnp.asarray(sink, jnp.bfloat16),
+                                                                  np.float32)[:, None], (H, S)))
+    np.testing.assert_array_equal(lse[1], 1.0)  # the fake's stats, untouched inside a sequence with keys
+
+
+def test_max_logit_is_the_largest_row_maximum_and_the_lse_their_sum(fake):
+    cfg = _cfg(return_max_logit=True)
+    out, lse, max_logit = cudnn_call.forward(cfg, None, _arrays(cfg))
+    assert set(fake.calls[0][2]) == {"q", "k", "v"}
+    np.testing.assert_allclose(np.asarray(lse), 1.0)  # row max 1 + log(sum 1)
+    np.testing.assert_allclose(np.asarray(max_logit), np.ones(H))
+
+
+def test_bottom_right_rows_without_keys_run_the_rows_that_have_keys(fake):
+    cfg = _cfg(mask="causal_bottom_right", seqlen_q=12, seqlen_kv=8)
+    arrays = _arrays(cfg)
+    out, lse, _ = cudnn_call.forward(cfg, None, arrays)
+    ran = fake.calls[0][1]
+    assert ran.seqlen_q == 8 and fake.calls[0][2]["q"][0] == (B, 8, H, D)
+    out, lse = np.asarray(out, np.float32), np.asarray(lse)
+    assert out.shape == (B, 12, H, D) and (out[:, :4] == 0).all() and (out[:, 4:] == 1).all()
+    assert np.isneginf(lse[:, :, :4]).all() and (lse[:, :, 4:] == 1).all()
+    grads = cudnn_call.backward(cfg, None, arrays, jnp.asarray(out, jnp.bfloat16), jnp.asarray(lse), None)
+    assert grads["q"].shape == (B, 12, H, D) and (np.asarray(grads["q"][:, :4], np.float32) == 0).all()
