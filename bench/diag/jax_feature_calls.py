@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -16,19 +16,15 @@ import jax.numpy as jnp
 import fusedattn.jax as fj
 from fusedattn import score_mods as sm
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: its timing loop
+from bench_jax import timed_ms  # noqa: E402  (median per-call ms of back-to-back loops)
+
 B, H, S, D = 4, 16, 1024, 128
 
 
-def timed_us(step, args, calls=50, loops=7) -> float:
+def timed_us(step, args) -> float:
     jax.block_until_ready(step(*args))
-    samples = []
-    for _ in range(loops):
-        start = time.perf_counter()
-        for _ in range(calls):
-            result = step(*args)
-        jax.block_until_ready(result)
-        samples.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(samples)
+    return timed_ms(step, args, 7, 50) * 1e3
 
 
 def steps(fn):

@@ -58,39 +58,48 @@ class _Sequences:
             side = "q" if index < layout.queries else "kv"
             self.inputs["ro_" + name] = (self.starts[side] * unit).reshape(-1, 1, 1, 1)
 
-    def rows(self, side: str, count: int) -> tuple:
-        """(inside, alone) booleans of one side's rows: (B, S) for padded layouts, (T,) for THD. inside:
-        the row belongs to a sequence; alone: it does, and the other side of that sequence is empty."""
+    def within(self, side: str):
+        """(B, S) booleans of one side's padded positions: True inside the sequence."""
+        seqlen = self.cfg.seqlen_q if side == "q" else self.cfg.seqlen_kv
+        return jnp.arange(seqlen, dtype=jnp.int32)[None, :] < self.lengths[side][:, None]
+
+    def rows(self, side: str, x) -> tuple:
+        """(inside, alone) booleans of the rows of `x`, a tensor of that side: (B, S) for padded layouts,
+        (T,) for THD. inside: the row belongs to a sequence; alone: it does, and the other side of that
+        sequence is empty."""
         other = self.lengths["kv" if side == "q" else "q"]
-        lengths = self.lengths[side]
-        if self.cfg.layout.is_ragged:
-            tokens = jnp.arange(count, dtype=jnp.int32)
-            starts = self.starts[side][:-1]
-            sequence = jnp.clip(jnp.searchsorted(starts, tokens, side="right") - 1, 0, self.cfg.batch - 1)
-            position = tokens - starts[sequence]
-            inside = (position >= 0) & (position < lengths[sequence])
-            return inside, inside & (other[sequence] == 0)
-        position = jnp.arange(count, dtype=jnp.int32)[None, :]
-        inside = position < lengths[:, None]
-        return inside, inside & (other[:, None] == 0)
+        if not self.cfg.layout.is_ragged:
+            inside = self.within(side)
+            return inside, inside & (other[:, None] == 0)
+        tokens = jnp.arange(x.shape[0], dtype=jnp.int32)
+        starts = self.starts[side][:-1]
+        sequence = jnp.clip(jnp.searchsorted(starts, tokens, side="right") - 1, 0, self.cfg.batch - 1)
+        position = tokens - starts[sequence]
+        inside = (position >= 0) & (position < self.lengths[side][sequence])
+        return inside, inside & (other[sequence] == 0)
 
 
-def _rows_as(rows, cfg: AttentionConfig, ndim: int, lse: bool = False):
-    """A (B, S) or (T,) row mask broadcast against a tensor of the call's layout (out, dq: ndim 4 or
-    THD's 3) or against the LSE (B, H, S) / (T, H)."""
+_LSE_TO_OUT = {Layout.BSHD: (0, 2, 1), Layout.SBHD: (2, 0, 1), Layout.BHSD: (0, 1, 2)}  # (B, H, S) -> layout
+
+
+def _lse_to_out(mask, cfg: AttentionConfig):
+    """An LSE-shaped mask ((B, H, Sq), or THD's (T, H)) against out (or a gradient) in the call's layout."""
     if cfg.layout.is_ragged:
-        return rows[:, None] if lse else rows[:, None, None]
-    if lse:
-        return rows[:, None, :]
-    return {Layout.BSHD: rows[:, :, None, None], Layout.SBHD: rows.T[:, :, None, None],
-            Layout.BHSD: rows[:, None, :, None]}[cfg.layout]
+        return mask[..., None]
+    return mask.transpose(_LSE_TO_OUT[cfg.layout])[..., None]
+
+
+def _rows_as(rows, cfg: AttentionConfig, lse: bool = False):
+    """A (B, S) or (T,) row mask against the LSE ((B, H, S) / (T, H)), or else against a tensor in the
+    call's layout."""
+    as_lse = rows[:, None] if cfg.layout.is_ragged else rows[:, None, :]
+    return as_lse if lse else _lse_to_out(as_lse, cfg)
 
 
 def _clear_rows(x, rows, cfg: AttentionConfig):
     """x with the rows outside every sequence, or whose other side is empty, set to 0."""
     inside, alone = rows
-    keep = _rows_as(inside & ~alone, cfg, x.ndim)
-    return jnp.where(keep, x, jnp.zeros((), x.dtype))
+    return jnp.where(_rows_as(inside & ~alone, cfg), x, jnp.zeros((), x.dtype))
 
 
 def _graph_inputs(cfg: AttentionConfig, named: dict, aux: dict, score_mod, sequences: _Sequences | None) -> dict:
@@ -116,21 +125,17 @@ def _graph_inputs(cfg: AttentionConfig, named: dict, aux: dict, score_mod, seque
     if spec.score_mod:
         inputs.update({aux_name(name): array for name, array in aux.items()})
         if sequences is not None:  # padding written in the score_mod: 0 inside each sequence, MASKED outside
-            rows = jnp.arange(cfg.seqlen_q, dtype=jnp.int32)[None, :] < sequences.lengths["q"][:, None]
-            cols = jnp.arange(cfg.seqlen_kv, dtype=jnp.int32)[None, :] < sequences.lengths["kv"][:, None]
-            inputs["sm_row_penalty"] = jnp.where(rows, 0.0, MASKED).astype(jnp.float32)[:, None, :, None]
-            inputs["sm_col_penalty"] = jnp.where(cols, 0.0, MASKED).astype(jnp.float32)[:, None, None, :]
+            penalty = {side: jnp.where(sequences.within(side), 0.0, MASKED).astype(jnp.float32) for side in ("q", "kv")}
+            inputs["sm_row_penalty"] = penalty["q"][:, None, :, None]
+            inputs["sm_col_penalty"] = penalty["kv"][:, None, None, :]
     return inputs
 
 
 def _scalars(cfg: AttentionConfig, score_mod) -> tuple[tuple[str, ...], np.ndarray]:
     """The pass-by-value inputs: (graph names, their 4-byte values as int32 bits)."""
-    found = operands(cfg)
-    _, values = found.values(score_mod.values) if found.scalars else ([], [v for _, v, _ in found.constants])
-    types = (*found.scalar_types, *(dtype for _, _, dtype in found.constants))
-    bits = [np.asarray(value, _SCALAR_BITS[dtype]).view(np.int32) for value, dtype in zip(values, types)]
-    names = (*map(aux_name, found.scalars), *(name for name, _, _ in found.constants))
-    return names, np.asarray(bits, np.int32).reshape(-1)
+    entries = operands(cfg).by_value(score_mod.values)
+    bits = [np.asarray(value, _SCALAR_BITS[dtype]).view(np.int32) for _, value, dtype in entries]
+    return tuple(name for name, _, _ in entries), np.asarray(bits, np.int32).reshape(-1)
 
 
 def _launch(cfg: AttentionConfig, direction: str, inputs: dict, results: dict, score_mod) -> dict:
@@ -176,7 +181,7 @@ def _forward_pass(cfg: AttentionConfig, named: dict, aux: dict, score_mod) -> tu
     if spec.max_logit:
         row_max = got["row_max"]
         if sequences is not None:  # cuDNN leaves row maxima unwritten past each end and without keys
-            inside, alone = sequences.rows("q", cfg.seqlen_q)
+            inside, alone = sequences.rows("q", q)
             row_max = jnp.where((inside & ~alone)[:, None, :, None], row_max, -jnp.inf)
         lse = row_max + jnp.log(got["sum_exp"])
         max_logit = jnp.max(row_max, axis=(0, 2, 3))
@@ -192,20 +197,10 @@ def _forward_pass(cfg: AttentionConfig, named: dict, aux: dict, score_mod) -> tu
     return out, lse, max_logit
 
 
-_LSE_TO_OUT = {Layout.BSHD: (0, 2, 1), Layout.SBHD: (2, 0, 1), Layout.BHSD: (0, 1, 2)}  # (B, H, S) -> layout
-
-
-def _lse_to_out(mask, cfg: AttentionConfig):
-    """An LSE-shaped mask ((B, H, Sq), or THD's (T, H)) against out in the call's layout."""
-    if cfg.layout.is_ragged:
-        return mask[..., None]
-    return mask.transpose(_LSE_TO_OUT[cfg.layout])[..., None]
-
-
 def _fix_forward_rows(cfg: AttentionConfig, sequences: _Sequences, out, lse, sink) -> tuple:
     """Rows outside every sequence: output 0 and LSE -inf (THD gaps: 0); queries whose sequence has
     no keys: output 0 and the LSE of the sink alone (-inf without one)."""
-    rows = sequences.rows("q", out.shape[0] if cfg.layout.is_ragged else cfg.seqlen_q)
+    rows = sequences.rows("q", out)
     inside, alone = rows
     out = _clear_rows(out, rows, cfg)
     if cfg.softmax is SoftmaxType.LEARNABLE:
@@ -213,9 +208,9 @@ def _fix_forward_rows(cfg: AttentionConfig, sequences: _Sequences, out, lse, sin
     else:
         sink_lse = jnp.full((cfg.heads_q,), 0.0 if cfg.softmax is SoftmaxType.OFF_BY_ONE else -jnp.inf, jnp.float32)
     sink_lse = sink_lse[None, :] if cfg.layout.is_ragged else sink_lse[None, :, None]
-    lse = jnp.where(_rows_as(alone, cfg, 0, lse=True), sink_lse, lse)
+    lse = jnp.where(_rows_as(alone, cfg, lse=True), sink_lse, lse)
     gap = 0.0 if cfg.layout.is_ragged else -jnp.inf
-    return out, jnp.where(_rows_as(inside, cfg, 0, lse=True), lse, gap)
+    return out, jnp.where(_rows_as(inside, cfg, lse=True), lse, gap)
 
 
 def _backward_pass(cfg: AttentionConfig, named: dict, aux: dict, score_mod, out, lse, grad_out,
@@ -229,8 +224,7 @@ def _backward_pass(cfg: AttentionConfig, named: dict, aux: dict, score_mod, out,
     if spec.score_mod:  # +inf for empty rows, so exp(score - stats) is 0 there
         stats = jnp.where(lse == -jnp.inf, jnp.inf, lse)
     elif sequences is not None and not spec.ragged:  # finite past each sequence's end
-        inside, _ = sequences.rows("q", cfg.seqlen_q)
-        stats = jnp.where(inside[:, None, :], lse, 0.0)
+        stats = jnp.where(sequences.within("q")[:, None, :], lse, 0.0)
     else:
         stats = lse
     inputs.update(o=out, dO=jnp.zeros_like(out) if grad_out is None else grad_out.astype(out.dtype),
@@ -243,8 +237,8 @@ def _backward_pass(cfg: AttentionConfig, named: dict, aux: dict, score_mod, out,
     got = _launch(cfg, "backward", inputs, results, score_mod)
     grads = {role: got["d" + role] for role in ("q", "k", "v")}
     if sequences is not None:  # rows outside every sequence, or without the other side: 0
-        grads["q"] = _clear_rows(grads["q"], sequences.rows("q", _rows_of(cfg, grads["q"], "q")), cfg)
-        kv_rows = sequences.rows("kv", _rows_of(cfg, grads["k"], "kv"))
+        grads["q"] = _clear_rows(grads["q"], sequences.rows("q", grads["q"]), cfg)
+        kv_rows = sequences.rows("kv", grads["k"])
         grads["k"], grads["v"] = (_clear_rows(grads[role], kv_rows, cfg) for role in ("k", "v"))
     if "dbias" in got:
         axes = tuple(i for i, (g, s) in enumerate(zip(spec.bias.dim, cfg.bias_shape)) if s == 1 and g != 1)
@@ -255,13 +249,6 @@ def _backward_pass(cfg: AttentionConfig, named: dict, aux: dict, score_mod, out,
     if "dsink" in got and cfg.softmax is SoftmaxType.LEARNABLE:
         grads["sink"] = got["dsink"].reshape(cfg.heads_q).astype(named["sink"].dtype)
     return {name: grads[name] for name in wanted if name in grads}
-
-
-def _rows_of(cfg: AttentionConfig, x, side: str) -> int:
-    """How many rows of a side a tensor has: THD tokens, else that side's sequence length."""
-    if cfg.layout.is_ragged:
-        return x.shape[0]
-    return cfg.seqlen_q if side == "q" else cfg.seqlen_kv
 
 
 # Bottom-right causal with Sq > Skv: the first Sq - Skv query rows see no key. cuDNN refuses the mask
@@ -330,9 +317,10 @@ def backward(cfg: AttentionConfig, score_mod, arrays, out, lse, grad_out, split:
     wanted = tuple(ARRAY_NAMES[i] for i in index if ARRAY_NAMES[i] in DIFFERENTIABLE)
     extra = [out, lse, jnp.zeros_like(out) if grad_out is None else grad_out]
 
+    positions = [index.index(ARRAY_NAMES.index(name)) for name in wanted]  # each wanted array's operand
+
     def gradient_shapes(_cfg, operands):  # each gradient has its array's shape and dtype
-        return tuple(jax.ShapeDtypeStruct(operands[index.index(ARRAY_NAMES.index(name))].shape,
-                                          operands[index.index(ARRAY_NAMES.index(name))].dtype) for name in wanted)
+        return tuple(jax.ShapeDtypeStruct(operands[i].shape, operands[i].dtype) for i in positions)
 
     def run(local_cfg, operands):
         named, local_aux = _named(index, operands, aux_names)
@@ -342,7 +330,7 @@ def backward(cfg: AttentionConfig, score_mod, arrays, out, lse, grad_out, split:
 
     operand_roles = roles(cfg, index)
     q_role = operand_roles[0]
-    out_roles = [operand_roles[index.index(ARRAY_NAMES.index(name))] for name in wanted]
+    out_roles = [operand_roles[i] for i in positions]
     summed = [name not in ("q", "k", "v") for name in wanted]
     grads = run_split(cfg, run, gradient_shapes, passed + aux + extra,
                       operand_roles + ["BHQK"] * len(aux) + [q_role, lse_role(cfg), q_role], out_roles, summed,

@@ -12,7 +12,7 @@ import contextlib
 import ctypes
 import threading
 
-__all__ = ["device_count", "on_device", "unavailable"]
+__all__ = ["on_device", "unavailable"]
 
 _lock = threading.Lock()
 _state: dict = {}  # "driver" (ctypes.CDLL) or "reason" (str), once decided; "contexts": {device: handle}
@@ -46,17 +46,6 @@ def unavailable() -> str | None:
     except RuntimeError as error:
         return str(error)
     return None
-
-
-def device_count() -> int:
-    """GPUs this process sees (CUDA_VISIBLE_DEVICES applies); 0 without a driver."""
-    try:
-        driver = _driver()
-    except RuntimeError:
-        return 0
-    count = ctypes.c_int()
-    _check(driver, driver.cuDeviceGetCount(ctypes.byref(count)), "cuDeviceGetCount")
-    return count.value
 
 
 def _primary_context(driver, device: int) -> ctypes.c_void_p:

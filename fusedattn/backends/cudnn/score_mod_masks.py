@@ -80,8 +80,12 @@ class Operands(NamedTuple):
 
     def values(self, bound: dict) -> tuple[list, list]:
         """(aux tensors, scalars) of one call from its bound values (score_mods.core.bind)."""
-        return ([bound[name] for name in self.aux],
-                [*(bound[name].value for name in self.scalars), *(value for _, value, _ in self.constants)])
+        return [bound[name] for name in self.aux], [value for _, value, _ in self.by_value(bound)]
+
+    def by_value(self, bound: dict) -> list[tuple[str, object, str]]:
+        """The pass-by-value inputs of one call in binding order: (graph name, value, dtype)."""
+        scalars = [(aux_name(name), bound[name].value, dtype) for name, dtype in zip(self.scalars, self.scalar_types)]
+        return [*scalars, *self.constants]
 
 
 def operands(cfg: AttentionConfig) -> Operands:

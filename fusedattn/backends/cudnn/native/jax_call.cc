@@ -2,8 +2,8 @@
 //
 // Python builds a graph, serializes it and puts the bytes, the uid each buffer binds to and
 // their digest into the call's attributes, with the graph's pass-by-value numbers (4-byte values,
-// bound after the buffers, by host pointers into the attribute). XLA then runs the call like any custom call: no Python,
-// no GIL, no torch at run time. The core keeps plans by digest in its bounded registry; a program
+// bound after the buffers, by host pointers into the attribute). XLA then runs the call like any
+// custom call: no Python, no GIL, no torch at run time. The core keeps plans by digest in its bounded registry; a program
 // whose plan it no longer holds (evicted, or compiled in another process) registers its own bytes
 // again, so no compiled program ever names a plan that cannot run. The workspace is one more result
 // buffer, sized when the call was traced (XLA's scratch allocator refused FFI calls on the GPU:
