@@ -168,3 +168,24 @@ def test_bottom_right_rows_without_keys_run_the_rows_that_have_keys(fake):
     assert np.isneginf(lse[:, :, :4]).all() and (lse[:, :, 4:] == 1).all()
     grads = cudnn_call.backward(cfg, None, arrays, jnp.asarray(out, jnp.bfloat16), jnp.asarray(lse), None)
     assert grads["q"].shape == (B, 12, H, D) and (np.asarray(grads["q"][:, :4], np.float32) == 0).all()
+
+
+def test_vmap_folds_into_the_batch_unless_a_shared_operand_is_vmapped(fake):
+    """A vmapped q with a shared (1, H, S, S) bias runs one pass of batch N * B; a vmapped bias has no
+    batch axis to fold into, so each item runs alone (its own pass, batch B)."""
+    cfg = _cfg(bias="post_scale", bias_shape=(1, H, S, S))
+    rng = np.random.default_rng(1)
+    bias = jnp.asarray(rng.standard_normal((1, H, S, S)), jnp.bfloat16)
+    arrays = list(_arrays(cfg, bias=np.asarray(bias, np.float32)))
+    stacked_q = jnp.stack([arrays[0]] * 3)
+
+    def forward(q, bias):
+        return cudnn_call.forward(cfg, None, (q, *arrays[1:3], bias, *arrays[4:]))[0]
+
+    out = jax.vmap(forward, in_axes=(0, None))(stacked_q, bias)
+    assert out.shape == (3, B, S, H, D)
+    assert {call[1].batch for call in fake.calls if call[0] == "forward"} >= {3 * B}
+    fake.calls.clear()
+    out = jax.vmap(forward)(stacked_q, jnp.stack([bias] * 3))
+    assert out.shape == (3, B, S, H, D)
+    assert {call[1].batch for call in fake.calls} == {B}, "a vmapped bias runs item by item"

@@ -19,14 +19,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fusedattn.backends.base import ARRAY_NAMES, DIFFERENTIABLE
 from fusedattn.backends.cudnn.score_mod_masks import aux_name, operands
 from fusedattn.backends.cudnn.sequence_layout import config_layout
 from fusedattn.backends.cudnn.spec import rows_with_keys_config, rows_without_keys, sdpa_spec
 from fusedattn.config import AttentionConfig, BiasType, Layout, SoftmaxType
 from fusedattn.jax import native
 from fusedattn.jax.partition import Split
-from fusedattn.jax.pass_calls import aux_arrays, lse_role, output_shapes, present, roles, run_split, unpacked
+from fusedattn.jax.pass_calls import backward_call, forward_call, output_shapes
 from fusedattn.score_mods.core import MASKED, MASKED_BELOW
 
 __all__ = ["unavailable", "forward", "backward"]
@@ -287,52 +286,16 @@ def _backward_rows_with_keys(cfg: AttentionConfig, named: dict, aux: dict, score
     return grads
 
 
-def _named(index, operands, aux_names) -> tuple[dict, dict]:
-    """({array name: operand}, {aux name: operand}) of a pass's operands."""
-    named = {ARRAY_NAMES[i]: x for i, x in zip(index, operands)}
-    return named, dict(zip(aux_names, operands[len(index):len(index) + len(aux_names)]))
-
-
 def forward(cfg: AttentionConfig, score_mod, arrays, split: Split | None = None) -> tuple:
     """(out, lse, max_logit) of the cuDNN forward, as JAX arrays."""
-    cfg = unpacked(cfg)
-    index, passed = present(arrays)
-    aux_names, aux = aux_arrays(score_mod)
-
-    def run(local_cfg, operands):
-        named, local_aux = _named(index, operands, aux_names)
-        return _forward_pass(local_cfg, named, local_aux, score_mod)
-
-    operand_roles = roles(cfg, index)
-    return run_split(cfg, run, lambda c, ops: output_shapes(c, ops[0]), passed + aux,
-                     operand_roles + ["BHQK"] * len(aux), (operand_roles[0], lse_role(cfg), "H"),
-                     (False, False, False), index, len(aux), split)
+    return forward_call(cfg, score_mod, arrays, split, lambda c, named, aux: _forward_pass(c, named, aux, score_mod))
 
 
-def backward(cfg: AttentionConfig, score_mod, arrays, out, lse, grad_out, split: Split | None = None) -> dict:
-    """{name: gradient} for the differentiable arrays the call passed; grad_out None means zero."""
-    cfg = unpacked(cfg)
-    index, passed = present(arrays)
-    aux_names, aux = aux_arrays(score_mod)
-    wanted = tuple(ARRAY_NAMES[i] for i in index if ARRAY_NAMES[i] in DIFFERENTIABLE)
-    extra = [out, lse, jnp.zeros_like(out) if grad_out is None else grad_out]
+def backward(cfg: AttentionConfig, score_mod, arrays, out, lse, grad_out, grad_lse=None,
+             split: Split | None = None) -> dict:
+    """{name: gradient} for the differentiable arrays the call passed; grad_out None means zero. cuDNN
+    has no LSE gradient: the frontend refuses one before this (grad_lse is never read)."""
+    def run_pass(c, named, aux, out, lse, grad_out, _grad_lse, wanted):
+        return _backward_pass(c, named, aux, score_mod, out, lse, grad_out, wanted)
 
-    positions = [index.index(ARRAY_NAMES.index(name)) for name in wanted]  # each wanted array's operand
-
-    def gradient_shapes(_cfg, operands):  # each gradient has its array's shape and dtype
-        return tuple(jax.ShapeDtypeStruct(operands[i].shape, operands[i].dtype) for i in positions)
-
-    def run(local_cfg, operands):
-        named, local_aux = _named(index, operands, aux_names)
-        local_out, local_lse, local_grad = operands[len(index) + len(aux):]
-        grads = _backward_pass(local_cfg, named, local_aux, score_mod, local_out, local_lse, local_grad, wanted)
-        return tuple(grads.get(name, jnp.zeros_like(named[name])) for name in wanted)
-
-    operand_roles = roles(cfg, index)
-    q_role = operand_roles[0]
-    out_roles = [operand_roles[i] for i in positions]
-    summed = [name not in ("q", "k", "v") for name in wanted]
-    grads = run_split(cfg, run, gradient_shapes, passed + aux + extra,
-                      operand_roles + ["BHQK"] * len(aux) + [q_role, lse_role(cfg), q_role], out_roles, summed,
-                      index, len(aux), split)
-    return dict(zip(wanted, grads))
+    return backward_call(cfg, score_mod, arrays, out, lse, grad_out, None, split, run_pass)

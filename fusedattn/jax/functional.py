@@ -21,7 +21,7 @@ from fusedattn.frontend_common import (
     prepare_call,
     slopes_are_standard,
 )
-from fusedattn.jax import cudnn_call, torch_bridge
+from fusedattn.jax import cudnn_call, small_seq_call, torch_bridge
 from fusedattn.jax.partition import find_split
 from fusedattn.jax.shard_guard import batched, check_shard_axes, guard_whole
 from fusedattn.layout import layout_spec
@@ -79,17 +79,23 @@ def _inputs(arrays, score_mod) -> AttentionInputs:
     return AttentionInputs(**dict(zip(ARRAY_NAMES, arrays)), score_mod=score_mod)
 
 
-def _native_cudnn(backend) -> bool:
-    """Whether this backend's passes run as native custom calls (cuDNN, where the library loads)."""
-    return backend.name == "cudnn" and cudnn_call.unavailable() is None
+def _native(cfg, backend):
+    """The module that runs this backend's passes inside the XLA program (cuDNN graphs as native custom
+    calls where the library loads; small_seq's Triton kernels through jax-triton on a GPU), or None."""
+    if backend.name == "cudnn" and cudnn_call.unavailable() is None:
+        return cudnn_call
+    if backend.name == "small_seq" and small_seq_call.runs(cfg):
+        return small_seq_call
+    return None
 
 
 def _run_forward(cfg, backend_name, score_mod, split, arrays):
-    """(outputs, saved): in jax.numpy, as native cuDNN calls, or through torch for backends whose
-    kernels are torch's."""
+    """(outputs, saved): in jax.numpy, as native calls, or through torch for backends whose kernels are
+    torch's where no native call runs them."""
     backend = get_backend(backend_name)
-    if _native_cudnn(backend):
-        return AttentionOutputs(*cudnn_call.forward(cfg, score_mod, arrays, split)), None
+    native = _native(cfg, backend)
+    if native is not None:
+        return AttentionOutputs(*native.forward(cfg, score_mod, arrays, split)), None
     if backend.array_framework == "torch":
         return AttentionOutputs(*torch_bridge.forward(cfg, backend, score_mod, arrays, split)), None
     return backend.forward(cfg, _inputs(arrays, score_mod))
@@ -129,8 +135,9 @@ def _attention_bwd(cfg, backend_name, score_mod, split, residuals, cotangents):
     backend = get_backend(backend_name)
     if grad_lse is not None and not backend.lse_gradient:
         raise no_lse_gradient(API, backend.name)
-    if _native_cudnn(backend):
-        grads = cudnn_call.backward(cfg, score_mod, arrays, out, lse, grad_out, split)
+    native = _native(cfg, backend)
+    if native is not None:
+        grads = native.backward(cfg, score_mod, arrays, out, lse, grad_out, grad_lse, split)
     elif backend.array_framework == "torch":
         grads = torch_bridge.backward(cfg, backend, score_mod, arrays, out, lse, grad_out, grad_lse, split)
     else:
@@ -273,6 +280,7 @@ def _from_segment_ids(ids_q, ids_kv, num_sequences, cu_q, cu_kv):
 def small_seq_attention(q, k=None, v=None, **kwargs):
     """`attention(...)` on the small_seq backend only (see fusedattn.torch.small_seq_attention).
 
-    The kernels run inside the JAX program through buffer callbacks (fusedattn/jax/torch_bridge.py).
+    On a GPU the Triton kernels run inside the JAX program through jax-triton (fusedattn/jax/small_seq_call.py);
+    without jax-triton, and in Triton's CPU interpreter, through torch (fusedattn/jax/torch_bridge.py).
     """
     return on_backend_only("small_seq_attention", attention, "small_seq", q, k, v, kwargs)

@@ -1,7 +1,7 @@
-"""Run as a script by test_jax_without_torch.py: JAX's cuDNN calls in a process where importing torch
-raises, each feature against JAX's own reference backend (float32 inputs: the exact answer; the I/O
-dtype: the reference's own rounding), forward, LSE and every gradient. Prints one line per case and
-exits 1 on the first failure."""
+"""Run as a script by test_jax_without_torch.py: JAX's cuDNN and small_seq calls (and vmap of them) in
+a process where importing torch raises, each feature against JAX's own reference backend (float32
+inputs: the exact answer; the I/O dtype: the reference's own rounding), forward, LSE and every gradient.
+Prints one line per case and exits 1 on the first failure."""
 
 from __future__ import annotations
 
@@ -49,11 +49,11 @@ def run(backend, arrays, options, dtype, cotangent, jit=False):
     return [np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in results]
 
 
-def check(name, arrays, options, dtype=jnp.bfloat16):
+def check(name, arrays, options, dtype=jnp.bfloat16, backend="cudnn"):
     probe = jax.eval_shape(lambda: fj.attention(**{n: jnp.asarray(x) for n, x in arrays.items()}, **options,
                                                 backend="reference"))
     cotangent = normal(99, probe.shape)
-    got = run("cudnn", arrays, options, dtype, cotangent, jit=True)
+    got = run(backend, arrays, options, dtype, cotangent, jit=True)
     same = run("reference", arrays, options, dtype, cotangent)
     exact = run("reference", arrays, options, jnp.float32, cotangent)
     labels = ["out", "lse", *("d" + n for n in arrays)]
@@ -66,8 +66,32 @@ def check(name, arrays, options, dtype=jnp.bfloat16):
         err, ref_err = np.abs(g - e)[finite].max(initial=0), np.abs(s - e)[finite].max(initial=0)
         reduction = label in ("dbias", "dsink")
         limit = FACTOR * ref_err + (1e-2 if reduction else ATOL) * max(np.abs(e).max(initial=0), 1.0)
-        assert err <= limit, f"{name} {label}: cuDNN error {err:.3e} > {limit:.3e} (reference's {ref_err:.3e})"
+        assert err <= limit, f"{name} {label}: {backend} error {err:.3e} > {limit:.3e} (reference's {ref_err:.3e})"
     print(f"ok {name}", flush=True)
+
+
+def check_vmap(backend, arrays, options, items=3):
+    """jax.vmap over every array (each item its own data) of the forward and its gradients, against the
+    same call item by item: equal up to the kernels' own run-to-run differences."""
+    rng = np.random.default_rng(len(arrays))
+    stacked = {n: jnp.asarray(x[None] + 0.1 * rng.standard_normal((items, *x.shape)), jnp.bfloat16)
+               for n, x in arrays.items()}
+
+    def step(*xs):
+        def attend(*xs):
+            return fj.attention(**dict(zip(stacked, xs)), **options, backend=backend).astype(jnp.float32)
+
+        out, pullback = jax.vjp(attend, *xs)
+        return (out, *pullback(jnp.cos(out)))
+
+    together = jax.jit(jax.vmap(step))(*stacked.values())
+    for i in range(items):
+        alone = jax.jit(step)(*(x[i] for x in stacked.values()))
+        for label, got, want in zip(["out", *("d" + n for n in stacked)], together, alone):
+            got, want = np.asarray(got[i], np.float32), np.asarray(want, np.float32)
+            limit = 2e-2 * max(np.abs(want).max(), 1.0)
+            assert np.abs(got - want).max() <= limit, f"vmap {backend} {label} item {i}"
+    print(f"ok vmap {backend} {'+'.join(stacked)}", flush=True)
 
 
 def qkv(seed, sq=S, skv=S, hkv=H):
@@ -104,6 +128,18 @@ def main():
     check("score_mod-padding", qkv(18), {"mask": "padding", "score_mod": sm.softcap(25.0),
                                          "cu_seqlens_q": cumulative(lengths[0]),
                                          "cu_seqlens_kv": cumulative(lengths[1])})
+    small = {"q": normal(20, (96, 1, H, D)), "k": normal(21, (96, 16, 1, D)), "v": normal(22, (96, 16, 1, D))}
+    check("small_seq-mqa", small, {}, backend="small_seq")
+    check("small_seq-padding", {**small, "k": small["k"].repeat(H, 2), "v": small["v"].repeat(H, 2)},
+          {"mask": "padding", "cu_seqlens_q": cumulative([1] * 96), "cu_seqlens_kv": cumulative(
+              np.arange(96) % 17)}, backend="small_seq")
+    lens_kv = [3, 0, 16, 9]
+    check("small_seq-thd", {"q": normal(23, (4, H, D)), "k": normal(24, (28, H, D)), "v": normal(25, (28, H, D))},
+          {"layout": "thd", "mask": "padding", "cu_seqlens_q": cumulative([1] * 4),
+           "cu_seqlens_kv": cumulative(lens_kv), "max_seqlen_q": 1, "max_seqlen_kv": 16}, backend="small_seq")
+    check_vmap("cudnn", qkv(26), {"mask": "causal"})
+    check_vmap("cudnn", {**qkv(27), "bias": normal(28, (1, H, S, S))}, {})
+    check_vmap("small_seq", {n: x[:32] for n, x in small.items()}, {})
     # max_logit (forward only) and dropout (its own mask: finite, reproducible, other seed other output)
     q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in qkv(19).values())
     result = jax.jit(lambda: fj.attention(q, k, v, mask="causal", return_max_logit=True, backend="cudnn"))()

@@ -125,8 +125,9 @@ def test_longer_keys_with_one_query_head_per_kv_head(head_dim, max_keys):
 
 
 def test_jax_calls_run_the_kernels_on_the_gpu_and_match_the_reference():
-    """small_seq from JAX on a GPU: the buffer callbacks run on XLA's stream (forward, every gradient,
-    the LSE), under jit, against the float32 reference computed by JAX."""
+    """small_seq from JAX on a GPU: the kernels run through jax-triton where it imports, else through
+    torch's buffer callbacks on XLA's stream (forward, every gradient, the LSE), under jit, against the
+    float32 reference computed by JAX."""
     jax = pytest.importorskip("jax")
     import numpy as np
 

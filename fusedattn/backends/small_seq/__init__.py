@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from fusedattn.backends.base import Backend, jax_needs_torch
+from fusedattn.backends.base import Backend, package_missing
 from fusedattn.config import UNBOUNDED, BiasType, SoftmaxType
 
 # The longest key sequence this backend takes: up to here it beat every other backend on
@@ -36,7 +36,7 @@ def max_seqlen_kv(cfg) -> int:
 
 class SmallSeqBackend(Backend):
     name = "small_seq"
-    frameworks = ("torch", "jax")  # JAX through buffer callbacks (fusedattn/jax/torch_bridge.py)
+    frameworks = ("torch", "jax")  # JAX through jax-triton (fusedattn/jax/small_seq_call.py), or else torch
     dtypes = ("float16", "bfloat16")
     max_head_dim = MAX_HEAD_DIM
     head_dim_multiple = 8
@@ -51,7 +51,10 @@ class SmallSeqBackend(Backend):
         return ("cuda", "cpu") if on_cpu else ("cuda",)
 
     def _reasons(self, cfg):
-        reasons = jax_needs_torch(self.name, "its Triton kernels") if cfg.framework == "jax" else []
+        reasons = []
+        if cfg.framework == "jax" and package_missing("jax_triton") and package_missing("torch"):
+            reasons.append("small_seq from JAX launches its Triton kernels through jax-triton, or else through torch, "
+                           "and neither is installed (pip install jax-triton)")
         if cfg.layout.value not in _LAYOUTS:
             reasons.append(f"layout {cfg.layout.value!r}: reads {', '.join(_LAYOUTS)}")
         if cfg.seqlen_q != 1:

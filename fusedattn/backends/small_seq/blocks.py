@@ -38,3 +38,37 @@ def plan(group: int, seqlen_kv: int, head_dim: int, backward: bool) -> Plan:
         meta = {"BLOCK_G": max(16, next_power_of_two(group)), "BLOCK_N": max(16, block_n), "BLOCK_D": block_d}
         return Plan("dot", warps, meta)
     return Plan("reduce", 1 if block_n <= 4 else 2, {"BLOCK_N": block_n, "BLOCK_D": block_d})
+
+
+def sees_first_key_only(cfg) -> bool:
+    """Top-left causal: each sequence's one query (position 0) sees key 0 and no other."""
+    return not cfg.diagonal_bottom_right and cfg.window[1] == 0
+
+
+def sequence_tables(cfg, cu_seqlens, arange, as_index) -> tuple:
+    """(starts_q, lens_q, starts_kv, lens_kv) of the kernels, (B,) in token units, for torch tensors
+    or JAX arrays alike.
+
+    cu_seqlens: {"q", "kv", "q_padded", "kv_padded"} (None where absent); arange(n): 0..n-1 as
+    indices; as_index(x): x in the index dtype. THD starts are the padded offsets where given; a
+    padded layout's sequence b starts at query row b and key row b * Skv.
+    """
+    def lengths(side):
+        cu = cu_seqlens[side]
+        return as_index(cu[1:] - cu[:-1])
+
+    if cfg.layout.is_ragged:
+        starts = {side: cu_seqlens[f"{side}_padded"] if cu_seqlens[f"{side}_padded"] is not None
+                  else cu_seqlens[side] for side in ("q", "kv")}
+        starts_q, starts_kv = as_index(starts["q"][:-1]), as_index(starts["kv"][:-1])
+        lens_q, lens_kv = lengths("q"), lengths("kv")
+    else:
+        rows = arange(cfg.batch)
+        starts_q, starts_kv = rows, rows * cfg.seqlen_kv
+        if cfg.mask.is_padding:
+            lens_q, lens_kv = lengths("q"), lengths("kv")
+        else:
+            lens_q, lens_kv = rows * 0 + 1, rows * 0 + cfg.seqlen_kv
+    if sees_first_key_only(cfg):
+        lens_kv = lens_kv.clip(max=1)
+    return starts_q, lens_q, starts_kv, lens_kv

@@ -7,7 +7,11 @@ atomics (and is deterministic). The arithmetic is a few dot products per key; me
 traffic is what counts, so everything is 1-D or 2-D over the loaded tiles (no 3-D
 broadcasts, whose layout changes go through shared memory).
 
-Positions are int64: a million sequences times heads times D overflows int32 offsets.
+Positions are int64: a million sequences times heads times D overflows int32 offsets (the
+sequence tables may come as int32, as JAX makes them).
+
+Outputs come after every input and number, before the meta-parameters: jax-triton appends the
+output buffers to the arguments it is given, and the torch launcher follows the same order.
 
 PADDED (a padded (B, 1, H, D) query and (B, Skv, H, D) keys) means every row exists in
 memory: the kernels also write the rows of empty sequences and of keys past a sequence's
@@ -26,15 +30,15 @@ def _sequence(pid, HKV, STARTS_Q, LENS_Q, STARTS_KV, LENS_KV):
     """(kv head, first query token, query count, first key token, key count) of a program."""
     seq = pid // HKV
     head_kv = pid % HKV
-    return (head_kv, tl.load(STARTS_Q + seq), tl.load(LENS_Q + seq), tl.load(STARTS_KV + seq),
-            tl.load(LENS_KV + seq))
+    return (head_kv, tl.load(STARTS_Q + seq).to(tl.int64), tl.load(LENS_Q + seq).to(tl.int64),
+            tl.load(STARTS_KV + seq).to(tl.int64), tl.load(LENS_KV + seq).to(tl.int64))
 
 
 @triton.jit
 def small_seq_forward(
-    Q, K, V, OUT, LSE, STARTS_Q, LENS_Q, STARTS_KV, LENS_KV,
+    Q, K, V, STARTS_Q, LENS_Q, STARTS_KV, LENS_KV,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    scale, HKV,
+    scale, HKV, OUT, LSE,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PADDED: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -67,10 +71,10 @@ def small_seq_forward(
 
 @triton.jit
 def small_seq_backward(
-    Q, K, V, DO, LSE, DLSE, DQ, DK, DV, STARTS_Q, LENS_Q, STARTS_KV, LENS_KV,
+    Q, K, V, DO, LSE, DLSE, STARTS_Q, LENS_Q, STARTS_KV, LENS_KV,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
-    scale, HKV, SKV,
+    scale, HKV, SKV, DQ, DK, DV,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PADDED: tl.constexpr, HAS_DLSE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -135,9 +139,9 @@ def zero_tail(X, END, TOKENS, ROW: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R:
 
 @triton.jit
 def small_seq_forward_dot(
-    Q, K, V, OUT, LSE, STARTS_Q, LENS_Q, STARTS_KV, LENS_KV,
+    Q, K, V, STARTS_Q, LENS_Q, STARTS_KV, LENS_KV,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    scale, HKV,
+    scale, HKV, OUT, LSE,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PADDED: tl.constexpr, INTERPRET: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -179,10 +183,10 @@ def small_seq_forward_dot(
 
 @triton.jit
 def small_seq_backward_dot(
-    Q, K, V, DO, LSE, DLSE, DQ, DK, DV, STARTS_Q, LENS_Q, STARTS_KV, LENS_KV,
+    Q, K, V, DO, LSE, DLSE, STARTS_Q, LENS_Q, STARTS_KV, LENS_KV,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
-    scale, HKV, SKV,
+    scale, HKV, SKV, DQ, DK, DV,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PADDED: tl.constexpr, HAS_DLSE: tl.constexpr,
     INTERPRET: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):

@@ -10,7 +10,7 @@ import torch
 import triton
 
 from fusedattn.backends.base import AttentionInputs, AttentionOutputs
-from fusedattn.backends.small_seq.blocks import next_power_of_two, plan
+from fusedattn.backends.small_seq.blocks import next_power_of_two, plan, sees_first_key_only, sequence_tables
 from fusedattn.backends.small_seq.kernels import (
     small_seq_backward,
     small_seq_backward_dot,
@@ -35,33 +35,12 @@ def _tokens(x: torch.Tensor, padded_rows: int | None) -> torch.Tensor:
     return x.as_strided((batch * seqlen, heads, dim), (x.stride(1), x.stride(2), 1))
 
 
-def _sees_first_key_only(cfg: AttentionConfig) -> bool:
-    """Top-left causal: each sequence's one query (position 0) sees key 0 and no other."""
-    return not cfg.diagonal_bottom_right and cfg.window[1] == 0
-
-
 def _tables(cfg: AttentionConfig, inputs: AttentionInputs, device) -> tuple[torch.Tensor, ...]:
     """(starts_q, lens_q, starts_kv, lens_kv) as int64 (B,) device tensors, in token units."""
-    def lengths(cu):
-        return (cu[1:] - cu[:-1]).to(torch.int64)
-
-    batch = cfg.batch
-    if cfg.layout.is_ragged:
-        starts_q = inputs.cu_seqlens_q_padded if inputs.cu_seqlens_q_padded is not None else inputs.cu_seqlens_q
-        starts_kv = inputs.cu_seqlens_kv_padded if inputs.cu_seqlens_kv_padded is not None else inputs.cu_seqlens_kv
-        starts_q, starts_kv = starts_q[:-1].to(torch.int64), starts_kv[:-1].to(torch.int64)
-        lens_q, lens_kv = lengths(inputs.cu_seqlens_q), lengths(inputs.cu_seqlens_kv)
-    else:
-        index = torch.arange(batch, device=device, dtype=torch.int64)
-        starts_q, starts_kv = index, index * cfg.seqlen_kv
-        if cfg.mask.is_padding:
-            lens_q, lens_kv = lengths(inputs.cu_seqlens_q), lengths(inputs.cu_seqlens_kv)
-        else:
-            lens_q = torch.ones(batch, device=device, dtype=torch.int64)
-            lens_kv = torch.full((batch,), cfg.seqlen_kv, device=device, dtype=torch.int64)
-    if _sees_first_key_only(cfg):
-        lens_kv = lens_kv.clamp(max=1)
-    return starts_q.contiguous(), lens_q.contiguous(), starts_kv.contiguous(), lens_kv.contiguous()
+    cu_seqlens = {side: getattr(inputs, f"cu_seqlens_{side}") for side in ("q", "kv", "q_padded", "kv_padded")}
+    tables = sequence_tables(cfg, cu_seqlens, lambda n: torch.arange(n, device=device, dtype=torch.int64),
+                             lambda x: x.to(torch.int64))
+    return tuple(x.contiguous() for x in tables)
 
 
 def _new(shape, dtype, device, cfg: AttentionConfig, end, fill=0.0) -> torch.Tensor:
@@ -105,9 +84,9 @@ def forward(cfg: AttentionConfig, inputs: AttentionInputs) -> AttentionOutputs:
     grid = (cfg.batch * cfg.heads_kv,)
     if grid[0]:
         kernel[grid](
-            q, k, v, out, lse, starts_q, lens_q, starts_kv, lens_kv,
+            q, k, v, starts_q, lens_q, starts_kv, lens_kv,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
-            out.stride(1), cfg.scale, cfg.heads_kv,
+            out.stride(1), cfg.scale, cfg.heads_kv, out, lse,
             GROUP=cfg.gqa_group, HEAD_DIM=cfg.head_dim_qk, PADDED=not cfg.layout.is_ragged,
             num_warps=chosen.num_warps, **meta)
     if not cfg.layout.is_ragged:
@@ -132,7 +111,7 @@ def backward(cfg: AttentionConfig, inputs: AttentionInputs, outputs: AttentionOu
     end_q = inputs.cu_seqlens_q[-1:] if ragged else None
     end_kv = inputs.cu_seqlens_kv[-1:] if ragged else None
     dq = _new(q.shape, q.dtype, device, cfg, end_q)
-    if _sees_first_key_only(cfg):  # the kernel writes key 0 of each sequence; the others get no gradient
+    if sees_first_key_only(cfg):  # the kernel writes key 0 of each sequence; the others get no gradient
         dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     else:
         dk = _new(k.shape, k.dtype, device, cfg, end_kv)
@@ -142,11 +121,11 @@ def backward(cfg: AttentionConfig, inputs: AttentionInputs, outputs: AttentionOu
     grid = (cfg.batch * cfg.heads_kv,)
     if grid[0]:
         kernel[grid](
-            q, k, v, do, lse.contiguous(), dlse if dlse is not None else lse, dq, dk, dv,
+            q, k, v, do, lse.contiguous(), dlse if dlse is not None else lse,
             starts_q, lens_q, starts_kv, lens_kv,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
             do.stride(1), dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-            cfg.scale, cfg.heads_kv, cfg.seqlen_kv,
+            cfg.scale, cfg.heads_kv, cfg.seqlen_kv, dq, dk, dv,
             GROUP=cfg.gqa_group, HEAD_DIM=cfg.head_dim_qk, PADDED=not ragged, HAS_DLSE=dlse is not None,
             num_warps=chosen.num_warps, **meta)
     if not ragged:
