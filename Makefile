@@ -1,9 +1,18 @@
-# `make demo` and `make test` each set up .venv on first use (CPU wheels), then run.
+# `make demo` and `make test` each set up .venv on first use (CPU wheels), then run; `make test` also
+# sets up .venv-notorch, the JAX side without torch.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # The CPU machine's pins: torch 2.13 (a CPU wheel), triton matching the GPU image, JAX 0.10 for Python 3.11.
-PINS := torch==2.13.0 triton==3.6.0 "jax[cpu]>=0.10,<0.11"
+JAX_PINS := triton==3.6.0 "jax[cpu]>=0.10,<0.11"
+PINS := torch==2.13.0 $(JAX_PINS)
+# The JAX suite once more where torch is not installed (tests that need torch skip, saying why).
+NOTORCH_VENV ?= .venv-notorch
+NOTORCH_PY := $(NOTORCH_VENV)/bin/python
+NOTORCH_TESTS := tests/test_jax_*.py tests/test_flax_modules.py tests/test_reference_jax.py tests/test_bench_jax.py \
+	tests/test_errors.py tests/test_first_hour.py tests/test_selection.py tests/test_layout.py tests/test_options.py \
+	tests/test_mask_rewrite.py tests/test_flex_score_mods.py tests/test_small_seq_interpreter.py tests/test_fuzz.py \
+	tests/test_cli.py
 
 .PHONY: demo test lint gpu-test clean
 
@@ -14,12 +23,26 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install --quiet -e ".[torch,jax,dev]"
 	touch $@
 
+# Without torch: the jax extra, pinned as above, and the test tools; checked to hold no torch.
+$(NOTORCH_VENV)/.installed: pyproject.toml Makefile .ci/check_no_torch.py
+	rm -rf $(NOTORCH_VENV)
+	$(PYTHON) -m venv $(NOTORCH_VENV)
+	$(NOTORCH_PY) -m pip install --quiet --upgrade pip
+	$(NOTORCH_PY) -m pip install --quiet $(JAX_PINS)
+	$(NOTORCH_PY) -m pip install --quiet -e ".[jax,dev]"
+	$(NOTORCH_PY) -m pip inspect > $(NOTORCH_VENV)/inspect.json
+	$(NOTORCH_PY) .ci/check_no_torch.py $(NOTORCH_VENV)/inspect.json $(NOTORCH_VENV)
+	touch $@
+
 demo: $(VENV)/.installed
 	$(PY) examples/demo.py
 
-test: $(VENV)/.installed
+test: $(VENV)/.installed $(NOTORCH_VENV)/.installed
 	$(PY) -m ruff check fusedattn tests examples bench
 	$(PY) -m pytest -q tests
+	$(PY) -m pip install --dry-run --ignore-installed -qq --report $(VENV)/jax-cudnn-report.json -e ".[jax,cudnn]"
+	$(PY) .ci/check_no_torch.py $(VENV)/jax-cudnn-report.json 'a fresh pip install -e ".[jax,cudnn]"'
+	$(NOTORCH_PY) -m pytest -q $(NOTORCH_TESTS)
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check fusedattn tests examples bench
@@ -29,4 +52,4 @@ gpu-test:
 	$(PYTHON) -m pytest -q -m gpu tests/gpu
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(NOTORCH_VENV) .pytest_cache

@@ -496,6 +496,15 @@ def naive_score_mod(case: Case, tensors: dict) -> Callable | None:
     return score_mod
 
 
+def _as_learned_bias(case: Case, part: tuple, values: torch.Tensor) -> torch.Tensor:
+    """values as the library adds them: a lone added term that learns runs as a post-scale bias, in the
+    call's dtype as every bias (frontend_common.prepare_call), so its values are rounded to that dtype
+    first (the gradient passes through the rounding). Composed, or beside a bias, it stays as it is."""
+    if not part[2] or len(case.score_mod_parts()) != 1 or case.bias is not None or case.alibi is not None:
+        return values
+    return values.to(TORCH_DTYPES[case.dtype]).to(values.dtype)
+
+
 def _twin(case: Case, i: int, part: tuple, tensors: dict) -> Callable:
     kind = part[0]
     if kind == "softcap":  # cap * tanh(s / cap)
@@ -522,10 +531,10 @@ def _twin(case: Case, i: int, part: tuple, tensors: dict) -> Callable:
         slopes = tensors[f"sm{i}_slopes"]
         return lambda s, b, h, qi, ki: s - (slopes[h] if slopes.dim() == 1 else slopes[b, h]) * (qi - ki).abs()
     if kind == "relative_position_bias":  # s + table[h, clip(kv - q, -M, M) + M]
-        table, reach = tensors[f"sm{i}_table"], part[1]
+        table, reach = _as_learned_bias(case, part, tensors[f"sm{i}_table"]), part[1]
         return lambda s, b, h, qi, ki: s + table[h][(ki - qi).clamp(-reach, reach) + reach]
     if kind == "additive_bias":  # s + bias broadcast to (B, Hq, Sq, Skv)
-        values = tensors[f"sm{i}_bias"]
+        values = _as_learned_bias(case, part, tensors[f"sm{i}_bias"])
         grid = (case.batch, case.heads_q, case.seqlen_q, case.seqlen_kv)
         return lambda s, b, h, qi, ki: s + values.expand(grid)[b, h][qi, ki]
     q_ids, kv_ids = tensors[f"sm{i}_q_ids"], tensors[f"sm{i}_kv_ids"]  # document_mask: same document only

@@ -13,6 +13,7 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
+from needs_torch import import_torch
 
 ROOT = Path(__file__).resolve().parents[1]
 BACKEND_NAMES = ("small_seq", "cudnn", "triton", "reference")
@@ -103,7 +104,7 @@ def test_info_lists_devices_without_a_gpu(runs):
     lines = ok(runs, "info")
     devices = lines[lines.index("devices:") + 1:lines.index("backends (in selection order):")]
     assert devices and all(line.startswith("  ") for line in devices)
-    torch = pytest.importorskip("torch")
+    torch = import_torch("checks torch's device line")
     if not torch.cuda.is_available():
         assert "  torch: no CUDA device" in devices
 
@@ -148,7 +149,7 @@ def test_explain_prints_selection_and_every_backend(runs, name):
 
 def test_explain_default_flags(runs):
     lines = ok(runs, "explain-default")
-    torch = pytest.importorskip("torch")
+    torch = import_torch("explain's default device is torch's")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     assert lines[0] == ("config: layout=bshd dtype=bfloat16 B=4 Sq=4096 Skv=4096 Hq=16 Hkv=16 D=128 Dv=128 "
                         f"mask=none scale=0.0883883 training=True device={device} framework=torch")
@@ -265,7 +266,7 @@ def test_info_into_a_reader_that_stops_early_ends_without_a_traceback():
 
 
 def test_info_does_not_call_a_gpu_only_backend_available_without_a_gpu(runs):
-    torch = pytest.importorskip("torch")
+    torch = import_torch("small_seq's reason names torch's CUDA devices")
     if torch.cuda.is_available():
         pytest.skip("this machine has a CUDA device")
     lines = ok(runs, "info")

@@ -12,12 +12,13 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import pytest
+from needs_torch import HAS_TORCH, requires_torch
 
 from fusedattn import AttentionConfig
 
-torch = pytest.importorskip("torch")
-
+torch_frontend = requires_torch("the torch frontend's errors")
 
 pytestmark = pytest.mark.usefixtures("fresh_selection")
 
@@ -42,15 +43,19 @@ def i32(values):
     return torch.tensor(values, dtype=torch.int32)
 
 
-def rand(*shape, dtype=torch.float32):
-    return torch.randn(*shape, dtype=dtype)
+def rand(*shape):
+    return torch.randn(*shape)
 
 
-# B=2, S=8, Hq=4, Hkv=2, D=16 (bshd); THD: 10 tokens in two sequences [0, 4, 10).
-Q, K, V = rand(2, 8, 4, 16), rand(2, 8, 2, 16), rand(2, 8, 2, 16)
-QT, KT, VT = rand(10, 4, 16), rand(10, 2, 16), rand(10, 2, 16)
-CU = i32([0, 4, 10])
-QKV = rand(2, 8, 3, 4, 16)
+# B=2, S=8, Hq=4, Hkv=2, D=16 (bshd); THD: 10 tokens in two sequences [0, 4, 10). Without torch
+# the torch cases skip and these are never used.
+if HAS_TORCH:
+    import torch
+
+    Q, K, V = rand(2, 8, 4, 16), rand(2, 8, 2, 16), rand(2, 8, 2, 16)
+    QT, KT, VT = rand(10, 4, 16), rand(10, 2, 16), rand(10, 2, 16)
+    CU = i32([0, 4, 10])
+    QKV = rand(2, 8, 3, 4, 16)
 
 
 def thd(A, **kw):
@@ -207,6 +212,7 @@ def _ids(cases):
     return [c.id for c in cases]
 
 
+@torch_frontend
 @pytest.mark.parametrize("case", TORCH_CASES, ids=_ids(TORCH_CASES))
 def test_torch_malformed_input_raises_value_error(case, monkeypatch):
     import fusedattn.torch as fat
@@ -217,6 +223,7 @@ def test_torch_malformed_input_raises_value_error(case, monkeypatch):
         case.call(fat.attention)
 
 
+@torch_frontend
 def test_torch_errors_name_the_function(monkeypatch):
     """STYLE rule 11: every message starts with the function that was called."""
     import fusedattn.torch as fat
@@ -237,6 +244,7 @@ def test_torch_errors_name_the_function(monkeypatch):
         f"  {k}: {v}" for k, v in missing.items())
 
 
+@torch_frontend
 def test_errors_are_raised_before_any_backend_runs(monkeypatch):
     """Validation comes first: a malformed call never reaches selection."""
     import fusedattn.selection as selection
@@ -250,6 +258,7 @@ def test_errors_are_raised_before_any_backend_runs(monkeypatch):
         fat.attention(Q, K, V, scale=-1.0)
 
 
+@torch_frontend
 def test_explicit_backend_wins_over_bad_environment(monkeypatch):
     import fusedattn.torch as fat
 
@@ -265,13 +274,18 @@ jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 
 
-def _jax(x):
-    return jnp.asarray(x.numpy()) if isinstance(x, torch.Tensor) else x
+_RNG = np.random.default_rng(0)
 
 
-JQ, JK, JV = _jax(Q), _jax(K), _jax(V)
-JQT, JKT, JVT = _jax(QT), _jax(KT), _jax(VT)
+def jrand(*shape):
+    return jnp.asarray(_RNG.standard_normal(shape, np.float32))
+
+
+# The torch inputs' shapes.
+JQ, JK, JV = jrand(2, 8, 4, 16), jrand(2, 8, 2, 16), jrand(2, 8, 2, 16)
+JQT, JKT, JVT = jrand(10, 4, 16), jrand(10, 2, 16), jrand(10, 2, 16)
 JCU = jnp.asarray([0, 4, 10], jnp.int32)
+JQKV = jrand(2, 8, 3, 4, 16)
 
 
 def jthd(A, **kw):
@@ -318,7 +332,7 @@ JAX_CASES = [
     Case("cu-seqlens-0d", lambda A: jthd(A, cu_seqlens_q=jnp.asarray(4, jnp.int32)), "cu_seqlens_q", "shape ()"),
     Case("max-seqlen-too-small", lambda A: jthd(A, max_seqlen_q=3, max_seqlen_kv=6),
          "cu_seqlens_q: a sequence of 6 tokens", "exceeds max_seqlen_q=3"),
-    Case("packed-given-k", lambda A: A(_jax(QKV), JK, layout="bs3hd"), "k: expected None for packed layout",
+    Case("packed-given-k", lambda A: A(JQKV, JK, layout="bs3hd"), "k: expected None for packed layout",
          "got a tensor"),
     Case("packed-axis-3", lambda A: A(jnp.zeros((2, 8, 2, 4, 16)), layout="bs3hd"),
          "qkv: expected size 3 at the packing axis", "got shape (2, 8, 2, 4, 16)"),

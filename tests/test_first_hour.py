@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from needs_torch import requires_torch
 
 import fusedattn
 from fusedattn.arguments import host_slopes
@@ -32,9 +33,14 @@ def test_host_slopes_become_float32_arrays(form):
     np.testing.assert_array_equal(values, np.float32(STANDARD))
 
 
-def test_host_slopes_leave_tensors_and_none_to_the_frontend():
+def test_host_slopes_leave_none_to_the_frontend():
     assert host_slopes("alibi_slopes", None) is None
-    torch = pytest.importorskip("torch")
+
+
+@requires_torch("gives host_slopes a torch tensor")
+def test_host_slopes_leave_tensors_to_the_frontend():
+    import torch
+
     assert host_slopes("alibi_slopes", torch.tensor(STANDARD)) is None
 
 
@@ -50,8 +56,12 @@ def test_bad_host_slopes_name_the_argument(value, match):
         host_slopes("DotProductAttention: alibi_slopes", value)
 
 
+torch_frontend = requires_torch("the torch frontend")
+
+
 def _torch_qkv():
-    torch = pytest.importorskip("torch")
+    import torch
+
     torch.manual_seed(0)
     return torch, torch.randn(2, 8, H, 16)
 
@@ -60,6 +70,7 @@ def _torch_expected(torch, q):
     return fusedattn.torch.attention(q, q, q, alibi_slopes=torch.tensor(STANDARD))
 
 
+@torch_frontend
 @pytest.mark.parametrize("form", HOST_FORMS)
 def test_torch_module_takes_standard_slopes(form):
     torch, q = _torch_qkv()
@@ -69,6 +80,7 @@ def test_torch_module_takes_standard_slopes(form):
     torch.testing.assert_close(out, _torch_expected(torch, q))
 
 
+@torch_frontend
 @pytest.mark.parametrize("form", HOST_FORMS)
 def test_torch_attention_takes_standard_slopes(form):
     torch, q = _torch_qkv()
@@ -76,6 +88,7 @@ def test_torch_attention_takes_standard_slopes(form):
                                _torch_expected(torch, q))
 
 
+@torch_frontend
 def test_torch_score_mod_alibi_takes_standard_slopes():
     torch, q = _torch_qkv()
     from fusedattn import score_mods
@@ -128,6 +141,7 @@ def test_jax_score_mod_alibi_takes_standard_slopes():
 
 # --------------------------------------------------------------------------- torch.nn module arguments
 
+@torch_frontend
 @pytest.mark.parametrize("kwargs, match", [
     ({"num_heads": 0}, "num_heads: expected an int >= 1 (or None), got 0"),
     ({"num_heads": -2}, "num_heads: expected an int >= 1 (or None), got -2"),
@@ -145,7 +159,6 @@ def test_jax_score_mod_alibi_takes_standard_slopes():
     ({"backend": "flash"}, "backend: expected None or one of small_seq, cudnn, triton, reference, got 'flash'"),
 ])
 def test_torch_module_refuses_bad_arguments_when_made(kwargs, match):
-    pytest.importorskip("torch")
     import fusedattn.torch as ft
 
     with pytest.raises(ValueError) as error:
@@ -154,8 +167,8 @@ def test_torch_module_refuses_bad_arguments_when_made(kwargs, match):
     assert match in str(error.value)
 
 
+@torch_frontend
 def test_torch_module_keeps_good_arguments():
-    pytest.importorskip("torch")
     import fusedattn.torch as ft
 
     module = ft.DotProductAttention(8, mask="causal", window=[64, 0], softmax_type="learnable", dropout_p=0.1)

@@ -15,8 +15,9 @@ import warnings
 from pathlib import Path
 
 import pytest
+from needs_torch import import_torch
 
-torch = pytest.importorskip("torch")
+torch = import_torch("the fuzz cases (tests/fuzz_cases.py) and their reference (tests/naive.py) are torch's")
 hypothesis = pytest.importorskip("hypothesis")
 
 import fuzz_cases as fc  # noqa: E402

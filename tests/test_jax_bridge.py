@@ -7,8 +7,10 @@ import numpy as np
 import pytest
 
 jax = pytest.importorskip("jax")
-pytest.importorskip("torch")
 import jax.numpy as jnp  # noqa: E402
+from needs_torch import import_torch  # noqa: E402
+
+import_torch("the bridge runs the reference backend through torch (buffer callbacks)")
 
 import fusedattn.jax as fj  # noqa: E402
 from fusedattn.backends import get_backend  # noqa: E402

@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from needs_torch import requires_torch
 
 pytest.importorskip("jax")
 
@@ -190,6 +191,7 @@ BRIDGE_SCRIPT = textwrap.dedent("""
 """)
 
 
+@requires_torch("the bridge runs the reference backend through torch (buffer callbacks)")
 def test_bridge_calls_run_per_shard_with_summed_broadcast_gradients_and_per_shard_dropout():
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"}

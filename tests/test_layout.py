@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from needs_torch import requires_torch
 
 from fusedattn import AttentionConfig, Layout, Mask
 from fusedattn.layout import (
@@ -23,21 +24,26 @@ from fusedattn.layout import (
     to_bhsd,
 )
 
-torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
+
+torch_tensors = requires_torch("checks the helpers on torch tensors")
 
 
 def to_framework(framework, array, dtype=None):
     array = np.asarray(array) if dtype is None else np.asarray(array, dtype=dtype)
-    return torch.from_numpy(array.copy()) if framework == "torch" else jnp.asarray(array)
+    if framework == "torch":
+        import torch
+
+        return torch.from_numpy(array.copy())
+    return jnp.asarray(array)
 
 
 def to_numpy(x):
-    return x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+    return x.detach().cpu().numpy() if hasattr(x, "detach") else np.asarray(x)  # torch tensors have .detach
 
 
-FRAMEWORKS = ["torch", "jax"]
+FRAMEWORKS = [pytest.param("torch", marks=torch_tensors), "jax"]
 
 # --------------------------------------------------------------------------- layout_spec
 
@@ -111,8 +117,11 @@ def test_split_packed_slices(framework, layout, shapes, axes):
         np.testing.assert_array_equal(to_numpy(g), e)
 
 
+@torch_tensors
 @pytest.mark.parametrize("layout, shapes, axes", PACKED, ids=[p[0] for p in PACKED])
 def test_split_packed_torch_returns_views(layout, shapes, axes):
+    import torch
+
     tensors = [torch.randn(shape) for shape in shapes]
     got = list(split_packed(layout, tensors))
     position = 0
@@ -134,7 +143,7 @@ def test_split_packed_torch_returns_views(layout, shapes, axes):
 
 @pytest.mark.parametrize("layout", ["bshd", "sbhd", "bhsd", "thd"])
 def test_split_unpacked_layouts_return_the_same_tensors(layout):
-    tensors = [torch.randn(2, 3, 4, 5) for _ in range(3)]
+    tensors = [jnp.zeros((2, 3, 4, 5)) for _ in range(3)]
     got = split_packed(layout, tensors)
     assert all(g is t for g, t in zip(got, tensors))
 
@@ -157,8 +166,11 @@ def test_to_bhsd_and_back(framework, base):
                                   array.transpose(np.argsort(PERMUTATIONS[base])))
 
 
+@torch_tensors
 @pytest.mark.parametrize("base", sorted(PERMUTATIONS))
 def test_to_bhsd_torch_is_a_view(base):
+    import torch
+
     x = torch.randn(2, 3, 4, 5)
     assert to_bhsd(x, base).data_ptr() == x.data_ptr()
     assert from_bhsd(to_bhsd(x, base), base).data_ptr() == x.data_ptr()
@@ -167,7 +179,7 @@ def test_to_bhsd_torch_is_a_view(base):
 @pytest.mark.parametrize("function", [to_bhsd, from_bhsd])
 def test_bhsd_rejects_thd(function):
     with pytest.raises(ValueError, match=r"expected layout bshd, sbhd or bhsd, got 'thd'"):
-        function(torch.zeros(2, 3, 4), "thd")
+        function(jnp.zeros((2, 3, 4)), "thd")
 
 
 # --------------------------------------------------------------------------- THD <-> padded
@@ -240,7 +252,10 @@ def test_thd_with_no_tokens(framework):
     assert tuple(padded_to_thd(y, cu, 0).shape) == (0, 2, 3)
 
 
+@torch_tensors
 def test_thd_conversions_torch_gradients():
+    import torch
+
     cu = torch.tensor([0, 3, 3, 8], dtype=torch.int32)
     padded = torch.tensor([0, 4, 6, 12], dtype=torch.int32)
     x = torch.randn(12, 2, requires_grad=True)
@@ -273,6 +288,7 @@ def test_thd_conversions_jax_gradients():
     np.testing.assert_allclose(np.asarray(grad), expected)
 
 
+@requires_torch("the property runs on torch tensors, eagerly (JAX would compile every example)")
 @settings(max_examples=40, deadline=None)
 @given(lengths=st.lists(st.integers(0, 5), min_size=1, max_size=5),
        gaps=st.lists(st.integers(0, 3), min_size=6, max_size=6),
@@ -284,6 +300,8 @@ def test_thd_round_trip_property(lengths, gaps, use_padded):
         total = int(padded[-1]) + gaps[-1]
     else:
         padded, total = None, int(cu[-1]) + gaps[-1]
+    import torch
+
     max_seqlen = max(lengths) + gaps[0] % 2
     x = np.arange(1, total * 2 + 1, dtype=np.float64).reshape(total, 2)
     t = lambda a: None if a is None else torch.from_numpy(np.asarray(a))  # noqa: E731
@@ -317,7 +335,7 @@ def test_segment_ids_round_trip(framework, ids, batch, cu):
 
 def test_segment_ids_large_padding_id():
     """Any id >= B marks padding, not only B itself."""
-    got = segment_ids_to_cu_seqlens(torch.tensor([0, 1, 1, 9, 9]), 2)
+    got = segment_ids_to_cu_seqlens(jnp.asarray([0, 1, 1, 9, 9]), 2)
     assert got.tolist() == [0, 1, 3]
 
 

@@ -13,19 +13,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from needs_torch import HAS_TORCH, requires_torch
 
 import fusedattn.jax as fj
-import fusedattn.torch as fat
 from fusedattn.score_mods import flex
 from fusedattn.score_mods.mask_forms import Band, Document, Length
 from fusedattn.score_mods.mask_rewrite import rewrite_mask
-from fusedattn.torch import documents as documents_thd
 
-LENGTHS = torch.tensor([5, 0, 40])  # one short, one empty, one past the end
+LENGTH_VALUES = [5, 0, 40]  # one short, one empty, one past the end
 WINDOW = 6
+
+torch_side = requires_torch("reads, rewrites and runs the mask_mods on torch tensors")
+if HAS_TORCH:
+    import torch
+
+    import fusedattn.torch as fat
+    from fusedattn.torch import documents as documents_thd
+
+    LENGTHS = torch.tensor(LENGTH_VALUES)
 
 
 def _masks(lengths):
@@ -104,7 +111,11 @@ def _check_native_is_exact(mask_mod, batch, seqlen_q, seqlen_kv):
     return options
 
 
-@pytest.mark.parametrize("name", list(_masks(LENGTHS)))
+MASK_NAMES = list(_masks(None))
+
+
+@torch_side
+@pytest.mark.parametrize("name", MASK_NAMES)
 def test_each_condition_is_read_as_its_native_form(name):
     mask_mod, expected, _ = _masks(LENGTHS)[name]
     forms = flex.trace_mask("torch", mask_mod, torch.device("cpu"))
@@ -113,13 +124,14 @@ def test_each_condition_is_read_as_its_native_form(name):
 
 @pytest.mark.parametrize("name", ["causal", "sliding", "two_sided", "key_padding", "both_padding", "prefix_lm"])
 def test_jax_reads_the_same_forms(name):
-    mask_mod, expected, _ = _masks(jnp.asarray(LENGTHS.numpy()))[name]
+    mask_mod, expected, _ = _masks(jnp.asarray(LENGTH_VALUES))[name]
     forms = flex.trace_mask("jax", mask_mod)
     assert [form for _, form in forms.conditions] == expected
 
 
+@torch_side
 @pytest.mark.parametrize("shape", [(3, 9, 9), (3, 4, 11), (3, 11, 4), (3, 1, 13), (3, 1, 1)])
-@pytest.mark.parametrize("name", list(_masks(LENGTHS)))
+@pytest.mark.parametrize("name", MASK_NAMES)
 def test_native_masks_hide_exactly_what_the_mask_mod_hides(name, shape):
     mask_mod, _, all_native = _masks(LENGTHS)[name]
     options = _check_native_is_exact(mask_mod, *shape)
@@ -147,6 +159,7 @@ def _band_condition(arrangement: int, op: str, c: int):
     return forms[arrangement]
 
 
+@torch_side
 @settings(max_examples=120, deadline=None)
 @given(conditions=st.lists(st.tuples(st.integers(0, 5), st.sampled_from(_OPS), st.integers(-6, 6)),
                            min_size=1, max_size=3),
@@ -202,6 +215,7 @@ def _shape(layout, batch, seqlen, heads, dim=8):
             "sbhd": (seqlen, batch, heads, dim)}[layout]
 
 
+@torch_side
 @pytest.mark.parametrize("call", CALLS, ids=[f"{c[0]}-{c[2]}x{c[3]}-{c[6]}" for c in CALLS])
 def test_a_torch_call_gives_what_the_select_gives(call):
     name, batch, seqlen_q, seqlen_kv, heads_q, heads_kv, layout = call
@@ -218,6 +232,7 @@ def test_a_torch_call_gives_what_the_select_gives(call):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
 
 
+@torch_side
 def test_a_softcap_with_a_causal_mask_mod_keeps_the_softcap():
     gen = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(2, 11, 2, 8, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3))
@@ -239,7 +254,7 @@ def test_a_softcap_with_a_causal_mask_mod_keeps_the_softcap():
 def test_a_jitted_jax_call_gives_what_the_select_gives(name):
     jax.config.update("jax_enable_x64", True)
     try:
-        mask_mod = _masks(jnp.asarray(LENGTHS.numpy()))[name][0]
+        mask_mod = _masks(jnp.asarray(LENGTH_VALUES))[name][0]
         keys = jax.random.split(jax.random.key(7), 3)
         q, k, v = (jax.random.normal(key, (3, 13, 2, 8), jnp.float64) for key in keys)
 
@@ -259,12 +274,14 @@ def test_a_jitted_jax_call_gives_what_the_select_gives(name):
         jax.config.update("jax_enable_x64", False)
 
 
+@torch_side
 def test_explain_shows_the_native_mask():
     q = torch.randn(1, 16, 2, 8)
     text = fat.explain(q, q, q, mask_mod=lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx <= 4))
     assert "mask=causal" in text and "window=(4, 0)" in text
 
 
+@torch_side
 def test_a_call_that_names_a_mask_keeps_its_mask_mod_in_the_graph():
     q = torch.zeros(1, 8, 2, 4)
     mask_mod = _masks(LENGTHS)["causal"][0]
@@ -272,6 +289,7 @@ def test_a_call_that_names_a_mask_keeps_its_mask_mod_in_the_graph():
     assert options["mask_mod"] is mask_mod and options["mask"] == "causal" and "window" not in options
 
 
+@torch_side
 def test_the_kept_part_is_one_object_per_shape():
     """The warm path's signature names the mask_mod by identity: the same call must pass the same object."""
     mask_mod = _masks(LENGTHS)["prefix_lm"][0]
@@ -288,6 +306,7 @@ def _document_ids(batch, seqlen, seed, sort=True):
     return torch.sort(ids, dim=1).values if sort else ids
 
 
+@torch_side
 @pytest.mark.parametrize("layout", ["bshd", "bhsd", "sbhd"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_a_document_mask_runs_as_thd_and_agrees(layout, causal, monkeypatch):
@@ -316,6 +335,7 @@ def test_a_document_mask_runs_as_thd_and_agrees(layout, causal, monkeypatch):
         torch.testing.assert_close(c, a, rtol=0, atol=0)
 
 
+@torch_side
 def test_one_dimensional_document_ids_and_a_changed_tensor():
     seqlen = 17
     ids = torch.tensor([0] * 5 + [1] * 9 + [2] * 3)
@@ -334,6 +354,7 @@ def test_one_dimensional_document_ids_and_a_changed_tensor():
     assert not torch.allclose(first[0], changed[0])
 
 
+@torch_side
 def test_unsorted_document_ids_run_in_the_graph_and_agree():
     batch, seqlen = 2, 15
     ids = _document_ids(batch, seqlen, 9, sort=False)

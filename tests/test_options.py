@@ -8,14 +8,20 @@ import inspect
 import re
 
 import pytest
+from needs_torch import HAS_TORCH, requires_torch
 
 from fusedattn import options
 from fusedattn.arguments import CallArguments
 from fusedattn.backends.base import ARRAY_NAMES
 from fusedattn.frontend_common import TENSOR_ARGUMENTS
 
-torch = pytest.importorskip("torch")
-import fusedattn.torch as fat  # noqa: E402
+torch_frontend = requires_torch("the torch frontend")
+if HAS_TORCH:
+    import torch
+
+    import fusedattn.torch as fat
+
+    Q = torch.randn(1, 8, 2, 4)
 
 
 def _jax():
@@ -29,7 +35,7 @@ def _keywords(function) -> list[str]:
     return [p.name for p in inspect.signature(function).parameters.values() if p.kind is p.KEYWORD_ONLY]
 
 
-@pytest.mark.parametrize("framework", ["torch", "jax"])
+@pytest.mark.parametrize("framework", [pytest.param("torch", marks=torch_frontend), "jax"])
 def test_signatures_and_docstrings_follow_the_table(framework):
     attention = fat.attention if framework == "torch" else _jax().attention
     table = [o.name for o in options.OPTIONS if framework in o.frameworks]
@@ -53,9 +59,7 @@ def test_the_config_arguments_hold_every_setting_and_tensor_option():
     assert set(options.TENSORS) <= fields
 
 
-Q = torch.randn(1, 8, 2, 4)
-
-
+@torch_frontend
 @pytest.mark.parametrize(("keyword", "hint"), [
     ("maks", "did you mean 'mask'?"),
     ("is_causal", "use mask='causal'"),
@@ -80,6 +84,7 @@ def test_an_unknown_jax_keyword_names_itself():
         fjax.attention(x, x, x, dropout_sed=1)
 
 
+@torch_frontend
 def test_the_torch_module_passes_every_other_keyword_through():
     module = fat.DotProductAttention(mask="causal")
     call_keywords = _keywords(module.forward)
@@ -93,6 +98,7 @@ def test_the_torch_module_passes_every_other_keyword_through():
     torch.testing.assert_close(module(Q, Q, Q, mask="none"), fat.attention(Q, Q, Q), rtol=0, atol=0)
 
 
+@torch_frontend
 @pytest.mark.parametrize(("keyword", "match"), [
     ("layout", "layout is the module's, set when it is constructed"),
     ("maks", "did you mean 'mask'"),

@@ -4,6 +4,7 @@ Every case checks the forward (out, lse, max_logit) and every gradient (q, k, v 
 packed tensors, bias, ALiBi slopes, sink) against `tests/naive.py` (float64 torch,
 gradients by torch autograd), on fresh random inputs from fixed jax.random keys.
 Every call is proven to run on the reference backend, forward and backward (STYLE 17).
+Without torch (`make test`'s .venv-notorch) the comparisons with the naive skip; the rest run.
 
 JAX runs op by op very slowly on CPU (each primitive compiles), so the comparisons run
 under `jax.jit` with the offsets closed over (concrete, so the frontend still checks
@@ -18,21 +19,28 @@ import numpy as np
 import pytest
 
 jax = pytest.importorskip("jax")
-torch = pytest.importorskip("torch")
 import jax.numpy as jnp  # noqa: E402
+from needs_torch import HAS_TORCH, requires_torch  # noqa: E402
 
 import fusedattn  # noqa: E402
 import fusedattn.jax as fj  # noqa: E402
-import fusedattn.torch as ft  # noqa: E402
 from fusedattn import score_mods  # noqa: E402
 from fusedattn.backends import BACKENDS  # noqa: E402
 from fusedattn.backends.reference.math import dropout_keep  # noqa: E402
 from fusedattn.xp.jax_ops import OPS as JAX_OPS  # noqa: E402
 
-try:
-    from naive import naive_attention
-except ImportError:  # tests/ collected as a package
-    from tests.naive import naive_attention
+if HAS_TORCH:  # the float64 naive and the torch frontend; the tests without them run torch-free
+    import torch
+
+    import fusedattn.torch as ft
+
+    try:
+        from naive import naive_attention
+    except ImportError:  # tests/ collected as a package
+        from tests.naive import naive_attention
+
+needs_naive = requires_torch("the reference is torch's (tests/naive.py: float64, gradients by torch autograd)")
+needs_torch_frontend = requires_torch("compares with the torch frontend")
 
 pytestmark = pytest.mark.usefixtures("fresh_selection")
 
@@ -248,6 +256,7 @@ def test_forced_reference_matches_default(ran):
 MASK_CASES = [(mask, sq, skv) for mask in MASKS for sq, skv in ((5, 9), (9, 5))]  # Sq == Skv: layouts
 
 
+@needs_naive
 @pytest.mark.parametrize("mask,sq,skv", MASK_CASES)
 def test_masks(ran, mask, sq, skv):
     seed = 1000 + 10 * MASK_CASES.index((mask, sq, skv))
@@ -267,6 +276,7 @@ WINDOW_CASES = [
 ]
 
 
+@needs_naive
 @pytest.mark.parametrize("mask,window,sq,skv", WINDOW_CASES)
 def test_windows(ran, mask, window, sq, skv):
     seed = 2000 + 10 * WINDOW_CASES.index((mask, window, sq, skv))
@@ -286,6 +296,7 @@ BIAS_CASES = [
 ]
 
 
+@needs_naive
 @pytest.mark.parametrize("bias_type,shape,mask", BIAS_CASES)
 def test_bias(ran, bias_type, shape, mask):
     seed = 3000 + 10 * BIAS_CASES.index((bias_type, shape, mask))
@@ -299,6 +310,7 @@ ALIBI_CASES = [("heads", "causal", 6, 9), ("batch_heads", "causal_bottom_right",
                ("heads", "none", 9, 6), ("batch_heads", "padding_causal_bottom_right", 6, 9)]
 
 
+@needs_naive
 @pytest.mark.parametrize("slopes,mask,sq,skv", ALIBI_CASES)
 def test_alibi(ran, slopes, mask, sq, skv):
     seed = 4000 + 10 * ALIBI_CASES.index((slopes, mask, sq, skv))
@@ -311,6 +323,7 @@ def test_alibi(ran, slopes, mask, sq, skv):
 HEAD_CASES = [(4, 4, 8, 8, None), (4, 2, 8, 16, None), (4, 1, 16, 4, None), (3, 1, 5, 7, 0.3)]
 
 
+@needs_naive
 @pytest.mark.parametrize("hq,hkv,d,dv,scale", HEAD_CASES)
 def test_gqa_mqa_and_head_dims(ran, hq, hkv, d, dv, scale):
     seed = 5000 + 10 * HEAD_CASES.index((hq, hkv, d, dv, scale))
@@ -323,6 +336,7 @@ SOFTMAX_CASES = [("off_by_one", "none", 6, 8), ("off_by_one", "causal_bottom_rig
                  ("learnable", "causal_bottom_right", 9, 5)]
 
 
+@needs_naive
 @pytest.mark.parametrize("softmax_type,mask,sq,skv", SOFTMAX_CASES)
 def test_softmax_types(ran, softmax_type, mask, sq, skv):
     seed = 6000 + 10 * SOFTMAX_CASES.index((softmax_type, mask, sq, skv))
@@ -353,6 +367,7 @@ LAYOUT_CASES = {
 }
 
 
+@needs_naive
 @pytest.mark.parametrize("layout", list(LAYOUT_CASES))
 def test_layouts(ran, layout):
     case = LAYOUT_CASES[layout]
@@ -380,6 +395,7 @@ THD_CASES = [
 ]
 
 
+@needs_naive
 @pytest.mark.parametrize("layout,mask,window,extra", THD_CASES, ids=[f"{c[0]}-{c[1]}-{i}" for i, c in
                                                                      enumerate(THD_CASES)])
 def test_thd_features(ran, layout, mask, window, extra):
@@ -447,6 +463,7 @@ SCORE_MOD_CASES = [("softcap", _softcap, _softcap_t, "causal"),
                    ("table", _table, _table_t, "causal_bottom_right")]
 
 
+@needs_naive
 @pytest.mark.parametrize("name,score_mod,score_mod_t,mask", SCORE_MOD_CASES, ids=[c[0] for c in SCORE_MOD_CASES])
 def test_score_mod(ran, name, score_mod, score_mod_t, mask):
     seed = 8000 + 10 * [c[0] for c in SCORE_MOD_CASES].index(name)
@@ -560,6 +577,7 @@ def plain_attention(q, k, v, *, mask="none", bias=None, sink=None, lens_q=None, 
 LOW_CASES = [("bfloat16", "causal_gqa"), ("bfloat16", "sink"), ("float16", "causal_gqa"), ("float16", "bias")]
 
 
+@needs_naive
 @pytest.mark.parametrize("dtype,feature", LOW_CASES)
 def test_low_precision_error_within_plain_same_dtype(ran, dtype, feature):
     """fusedattn's error vs float64 within 2x a plain same-dtype computation's error (+ one ulp)."""
@@ -669,7 +687,8 @@ def test_jit_thd_traced_offsets_need_static_max_seqlen(ran):
 VMAP_CASES = ("gqa_causal", "bias_sink", "padding_traced_offsets", "thd_traced_offsets")
 
 
-@pytest.mark.parametrize("case", VMAP_CASES)
+@pytest.mark.parametrize("case", [pytest.param(case, marks=needs_naive if case.endswith("traced_offsets") else ())
+                                  for case in VMAP_CASES])
 def test_vmap_matches_loop(ran, case):
     """jax.vmap over an extra leading axis equals a Python loop, forward and gradients."""
     n = 2
@@ -751,6 +770,7 @@ DROPOUT_CASES = [  # (layout, options, inputs); the seeds are the case's own
 ]
 
 
+@needs_naive
 @pytest.mark.parametrize("index", range(len(DROPOUT_CASES)), ids=["bshd", "thd", "bshd-bias-sink"])
 def test_dropout_forward_and_backward_share_the_mask(ran, index):
     """Gradients match the naive given the reference's keep mask: backward drops what forward did."""
@@ -824,21 +844,32 @@ def test_dropout_seed_and_offset(ran):
     assert_reference_ran(ran)
 
 
+BEYOND_INT32 = dict(dropout_p=0.3, dropout_seed=2**31 + 12345, dropout_offset=2**32 - 3)
+
+
+def _beyond_int32_as_uint32(arrays, options):
+    seed, offset = jnp.uint32(BEYOND_INT32["dropout_seed"]), jnp.uint32(BEYOND_INT32["dropout_offset"])
+    return jax.jit(lambda a: fj.attention(**a, **options, dropout_p=BEYOND_INT32["dropout_p"], dropout_seed=seed,
+                                          dropout_offset=offset))(arrays)
+
+
 def test_dropout_seed_and_offset_beyond_int32(ran):
-    """The mask hashes 32-bit unsigned (seed, offset): Python ints up to 2**32 - 1 are accepted, as by
-    the torch frontend, and mean the same as uint32 arrays of those values."""
+    """The mask hashes 32-bit unsigned (seed, offset): Python ints up to 2**32 - 1 are accepted and mean
+    the same as uint32 arrays of those values."""
     arrays, options = _feature_case(10250)
-    options = {**options, "dropout_p": 0.3}
-    seed, offset = 2**31 + 12345, 2**32 - 3
-    as_uint32 = jax.jit(lambda a: fj.attention(**a, **options, dropout_seed=jnp.uint32(seed),
-                                                dropout_offset=jnp.uint32(offset)))(arrays)
+    as_int = jax.jit(lambda a: fj.attention(**a, **options, **BEYOND_INT32))(arrays)
+    np.testing.assert_array_equal(np.asarray(as_int), np.asarray(_beyond_int32_as_uint32(arrays, options)))
+
+
+@needs_torch_frontend
+def test_dropout_seed_and_offset_beyond_int32_as_by_the_torch_frontend(ran):
+    arrays, options = _feature_case(10250)
     tensors = {n: torch.tensor(np.asarray(x)) for n, x in arrays.items()}
-    torch_out = ft.attention(**tensors, **options, dropout_seed=seed, dropout_offset=offset)
-    assert_close(torch_out.numpy(), as_uint32, "out (torch int seed vs jax uint32 seed)")
-    as_int = jax.jit(lambda a: fj.attention(**a, **options, dropout_seed=seed, dropout_offset=offset))(arrays)
-    np.testing.assert_array_equal(np.asarray(as_int), np.asarray(as_uint32))
+    torch_out = ft.attention(**tensors, **options, **BEYOND_INT32)
+    assert_close(torch_out.numpy(), _beyond_int32_as_uint32(arrays, options), "out (torch int seed vs jax uint32 seed)")
 
 
+@needs_naive
 def test_dropout_rng_mask_recovered_from_forward_drives_backward(ran):
     """Without the library's hash: with v square and invertible, out = P_dropped @ v reveals the
     kept weights; the naive given that mask must reproduce every gradient."""
@@ -890,6 +921,7 @@ AGREE_CASES = {
 }
 
 
+@needs_torch_frontend
 @pytest.mark.parametrize("case", list(AGREE_CASES))
 def test_torch_and_jax_agree(ran, case):
     layout, options, inputs = AGREE_CASES[case]

@@ -10,7 +10,9 @@ import textwrap
 import threading
 import warnings
 
+import numpy as np
 import pytest
+from needs_torch import requires_torch
 
 import fusedattn
 import fusedattn.backends
@@ -21,7 +23,7 @@ from fusedattn.backends import BACKENDS, Backend
 from fusedattn.backends.reference import ReferenceBackend
 from fusedattn.selection import clear_decisions
 
-torch = pytest.importorskip("torch")
+torch_frontend = requires_torch("the torch frontend")
 
 REFERENCE = next(b for b in BACKENDS if b.name == "reference")
 NAMES = ("small_seq", "cudnn", "triton", "reference")
@@ -41,11 +43,22 @@ def make_cfg(**changes) -> AttentionConfig:
 
 
 def qkv(requires_grad=False):
+    import torch
+
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(2, 8, 4, 16, generator=gen, requires_grad=requires_grad)
     k = torch.randn(2, 8, 2, 16, generator=gen, requires_grad=requires_grad)
     v = torch.randn(2, 8, 2, 16, generator=gen, requires_grad=requires_grad)
     return q, k, v
+
+
+def jax_qkv():
+    """qkv()'s shapes as JAX arrays."""
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(0)
+    return tuple(jnp.asarray(rng.standard_normal(shape, np.float32)) for shape in ((2, 8, 4, 16), (2, 8, 2, 16),
+                                                                                    (2, 8, 2, 16)))
 
 
 class SpyBackend(ReferenceBackend):
@@ -110,6 +123,7 @@ CUDNN_ON_CPU_FLOAT32 = """\
     - dtype float32 not supported (supports float16, bfloat16)"""
 
 
+@torch_frontend
 def test_forced_backend_error_has_the_fixed_shape():
     q, k, v = qkv()
     expected = "\n".join([
@@ -134,10 +148,10 @@ def test_forced_backend_error_has_the_fixed_shape():
 
 
 def test_forced_backend_error_from_jax_has_the_same_shape():
-    jnp = pytest.importorskip("jax.numpy")
+    pytest.importorskip("jax")
     import fusedattn.jax as fj
 
-    q, k, v = (jnp.asarray(x.numpy()) for x in qkv())
+    q, k, v = jax_qkv()
     device = ",".join(sorted(str(d) for d in q.devices()))
     expected = "\n".join([
         "fusedattn: backend 'cudnn' cannot run this call (forced by backend='cudnn')",
@@ -154,7 +168,10 @@ def test_forced_backend_error_from_jax_has_the_same_shape():
     assert str(info.value) == expected
 
 
+@torch_frontend
 def test_no_backend_at_all_lists_every_backend_with_its_reasons(monkeypatch):
+    import torch
+
     import fusedattn.torch as fat
 
     monkeypatch.setattr(REFERENCE, "_reasons", lambda cfg: ["disabled by the test"])
@@ -344,6 +361,7 @@ def test_environment_forces_a_backend(monkeypatch):
         select_backend(make_cfg())
 
 
+@torch_frontend
 def test_explicit_backend_wins_over_environment(monkeypatch):
     import fusedattn.torch as fat
 
@@ -381,6 +399,7 @@ def test_decisions_are_cached_per_config(monkeypatch):
     assert counts["small_seq"] == 3
 
 
+@torch_frontend
 def test_frontend_calls_with_the_same_shapes_probe_once(monkeypatch):
     import fusedattn.torch as fat
 
@@ -512,12 +531,14 @@ def test_forced_reference_on_gpu_does_not_warn(monkeypatch, how):
         assert not _recorded(lambda: select_backend(cfg, "reference"))
 
 
+@torch_frontend
 def test_cpu_call_on_reference_does_not_warn():
     import fusedattn.torch as fat
 
     assert not _recorded(lambda: fat.attention(*qkv()))
 
 
+@torch_frontend
 def test_gpu_fallback_warning_points_at_the_callers_line(monkeypatch):
     """The RuntimeWarning is attributed to the user's call, not to fusedattn's internals."""
     import fusedattn.torch.functional as functional
@@ -579,9 +600,12 @@ def test_shared_rules_give_value_and_limit():
     assert "head_dim_v=12 is not a multiple of 8" in reasons
 
 
+@torch_frontend
 # --------------------------------------------------------------------------- forward decides backward
 
 def test_torch_backward_runs_on_the_forward_backend(install, monkeypatch):
+    import torch
+
     import fusedattn.torch as fat
 
     spy = SpyBackend()
@@ -596,6 +620,7 @@ def test_torch_backward_runs_on_the_forward_backend(install, monkeypatch):
     assert torch.isfinite(q.grad).all()
 
 
+@torch_frontend
 def test_torch_backward_ignores_a_changed_selection(install, monkeypatch):
     """Between forward and backward the order changes so that a re-dispatch would pick another
     backend: backward still goes to the backend that ran the forward pass."""
@@ -626,7 +651,7 @@ def test_jax_grad_runs_forward_and_backward_on_the_forced_backend(install, monke
     spy = SpyBackend()
     install(*BACKENDS, spy)
     counts = count_probes(monkeypatch, (*BACKENDS, spy))
-    q, k, v = (jax.numpy.asarray(x.numpy()) for x in qkv())
+    q, k, v = jax_qkv()
     grad = jax.jit(jax.grad(lambda q: fj.attention(q, k, v, mask="causal", backend="spy").sum()))(q)
     assert grad.shape == q.shape
     assert spy.calls.count("forward") >= 1 and spy.calls.count("backward") == 1
@@ -639,7 +664,7 @@ def test_jax_pullback_does_not_consult_selection(install, monkeypatch):
 
     spy = SpyBackend()
     install(*BACKENDS, spy)
-    q, k, v = (jax.numpy.asarray(x.numpy()) for x in qkv())
+    q, k, v = jax_qkv()
     out, pullback = jax.vjp(jax.jit(lambda q, k, v: fj.attention(q, k, v, backend="spy")), q, k, v)
     assert "backward" not in spy.calls
     forbid_selection(monkeypatch)

@@ -27,6 +27,7 @@ from fusedattn.jax import native
 from fusedattn.jax.partition import Split
 from fusedattn.jax.pass_calls import backward_call, forward_call, output_shapes
 from fusedattn.score_mods.core import MASKED, MASKED_BELOW
+from fusedattn.xp.jax_ops import OPS
 
 __all__ = ["unavailable", "forward", "backward"]
 
@@ -72,7 +73,7 @@ class _Sequences:
             return inside, inside & (other[:, None] == 0)
         tokens = jnp.arange(x.shape[0], dtype=jnp.int32)
         starts = self.starts[side][:-1]
-        sequence = jnp.clip(jnp.searchsorted(starts, tokens, side="right") - 1, 0, self.cfg.batch - 1)
+        sequence = jnp.clip(OPS.searchsorted(starts, tokens, right=True) - 1, 0, self.cfg.batch - 1)
         position = tokens - starts[sequence]
         inside = (position >= 0) & (position < self.lengths[side][sequence])
         return inside, inside & (other[sequence] == 0)
