@@ -58,14 +58,12 @@ def _tables(cfg: AttentionConfig, named: dict) -> tuple:
 
 def _kernel(cfg: AttentionConfig, backward: bool):
     """(kernel, launch keywords) of the plan for this call."""
-    from fusedattn.backends.small_seq import kernels
+    from fusedattn.backends.small_seq.kernels import kernel_of
 
     chosen = plan(cfg.gqa_group, cfg.seqlen_kv, cfg.head_dim_qk, backward=backward)
-    names = ("small_seq_backward", "small_seq_forward")[not backward] + ("_dot" if chosen.kernel == "dot" else "")
-    meta = {**chosen.meta, "INTERPRET": False} if chosen.kernel == "dot" else chosen.meta
-    return getattr(kernels, names), {"num_warps": chosen.num_warps, "grid": (cfg.batch * cfg.heads_kv,),
-                                     "GROUP": cfg.gqa_group, "HEAD_DIM": cfg.head_dim_qk,
-                                     "PADDED": not cfg.layout.is_ragged, **meta}
+    kernel, meta = kernel_of(chosen, backward, interpret=False)
+    return kernel, {"num_warps": chosen.num_warps, "grid": (cfg.batch * cfg.heads_kv,), "GROUP": cfg.gqa_group,
+                    "HEAD_DIM": cfg.head_dim_qk, "PADDED": not cfg.layout.is_ragged, **meta}
 
 
 def _launch(kernel, launch: dict, arguments, results, zeroed) -> tuple:

@@ -16,13 +16,12 @@ import dataclasses
 import os
 
 import jax
-import jax.numpy as jnp
 from jax.experimental.buffer_callback import buffer_callback
 
-from fusedattn.backends.base import ARRAY_NAMES, DIFFERENTIABLE, AttentionInputs, AttentionOutputs
+from fusedattn.backends.base import ARRAY_NAMES, AttentionInputs, AttentionOutputs
 from fusedattn.config import AttentionConfig
 from fusedattn.jax.partition import Split
-from fusedattn.jax.pass_calls import aux_arrays, lse_role, output_shapes, present, roles, run_split, unpacked
+from fusedattn.jax.pass_calls import backward_call, forward_call, output_shapes
 
 __all__ = ["forward", "backward"]
 
@@ -71,10 +70,6 @@ def _inputs(index, tensors, score_mod, aux_names) -> AttentionInputs:
     return AttentionInputs(**values, score_mod=score_mod)
 
 
-def _forward_shapes(cfg: AttentionConfig, operands) -> tuple[jax.ShapeDtypeStruct, ...]:
-    return output_shapes(cfg, operands[0])
-
-
 def _lean(backend, cfg: AttentionConfig, index, aux, grad_lse=None):
     """The backend's raw-address runner when this call qualifies: q, k, v only (no other arrays, no
     aux, no lse gradient) and a config the backend runs as is. FUSEDATTN_JAX_LEAN=0 turns it off."""
@@ -102,64 +97,44 @@ def _lean_callback(lean, direction: str, outputs: int):
 
 def forward(cfg: AttentionConfig, backend, score_mod, arrays, split: Split | None = None) -> tuple:
     """(out, lse, max_logit) of backend's forward, as JAX arrays."""
-    cfg = unpacked(cfg)
-    index, passed = present(arrays)
-    aux_names, aux = aux_arrays(score_mod)
+    def run_pass(local_cfg, named, aux):
+        index = [ARRAY_NAMES.index(name) for name in named]
+        operands = (*named.values(), *aux.values())
 
-    def run(local_cfg, operands):
         def through_torch(ctx, outs, *buffers):
             with _torch_stream(ctx):
                 tensors, targets = _views(buffers), _views(outs)
-                inputs = _inputs(index, tensors, score_mod, aux_names)
+                inputs = _inputs(index, tensors, score_mod, list(aux))
                 _fill(targets, backend.forward_into(local_cfg, inputs, AttentionOutputs(*targets)))
 
         lean = _lean(backend, local_cfg, index, aux)
-        shapes = _forward_shapes(local_cfg, operands)
         callback = through_torch if lean is None else _lean_callback(lean, "forward", outputs=2)  # not max_logit
+        shapes = output_shapes(local_cfg, operands[0])
         return tuple(buffer_callback(callback, shapes, vmap_method="sequential")(*operands))
 
-    operand_roles = roles(cfg, index)
-    return run_split(cfg, run, _forward_shapes, passed + aux, operand_roles + ["BHQK"] * len(aux),
-                     (operand_roles[0], lse_role(cfg), "H"), (False, False, False), index, len(aux), split)
+    return forward_call(cfg, score_mod, arrays, split, run_pass)
 
 
 def backward(cfg: AttentionConfig, backend, score_mod, arrays, out, lse, grad_out, grad_lse,
              split: Split | None = None) -> dict:
     """{name: gradient} for the differentiable arrays; grad_out/grad_lse None mean zero."""
-    cfg = unpacked(cfg)
-    index, passed = present(arrays)
-    aux_names, aux = aux_arrays(score_mod)
-    wanted = [i for i in index if ARRAY_NAMES[i] in DIFFERENTIABLE]
-    extra = [out, lse, jnp.zeros_like(out) if grad_out is None else grad_out]
-    if grad_lse is not None:
-        extra.append(grad_lse)
+    def run_pass(local_cfg, named, aux, out, lse, grad_out, grad_lse, wanted):
+        index = [ARRAY_NAMES.index(name) for name in named]
+        operands = (*named.values(), *aux.values(), out, lse, grad_out, *(() if grad_lse is None else (grad_lse,)))
 
-    def gradient_shapes(_cfg, operands):  # each gradient has its array's shape and dtype
-        return tuple(jax.ShapeDtypeStruct(operands[index.index(i)].shape, operands[index.index(i)].dtype)
-                     for i in wanted)
-
-    def run(local_cfg, operands):
         def through_torch(ctx, outs, *buffers):
             with _torch_stream(ctx):
                 tensors, targets = _views(buffers), _views(outs)
-                count = len(index) + len(aux)
-                inputs = _inputs(index, tensors[:count], score_mod, aux_names)
+                count = len(named) + len(aux)
+                inputs = _inputs(index, tensors[:count], score_mod, list(aux))
                 out_t, lse_t, grad_out_t, *grad_lse_t = tensors[count:]
-                into = {ARRAY_NAMES[i]: t for i, t in zip(wanted, targets)}
                 grads = backend.backward_into(local_cfg, inputs, AttentionOutputs(out_t, lse_t), grad_out_t,
-                                              grad_lse_t[0] if grad_lse_t else None, into)
-                _fill(targets, [grads[ARRAY_NAMES[i]] for i in wanted])
+                                              grad_lse_t[0] if grad_lse_t else None, dict(zip(wanted, targets)))
+                _fill(targets, [grads[name] for name in wanted])
 
         lean = _lean(backend, local_cfg, index, aux, grad_lse)
-        shapes = gradient_shapes(local_cfg, operands)
         callback = through_torch if lean is None else _lean_callback(lean, "backward", outputs=3)
-        return tuple(buffer_callback(callback, shapes, vmap_method="sequential")(*operands))
+        shapes = tuple(jax.ShapeDtypeStruct(named[name].shape, named[name].dtype) for name in wanted)
+        return dict(zip(wanted, buffer_callback(callback, shapes, vmap_method="sequential")(*operands)))
 
-    operand_roles = roles(cfg, index)
-    q_role, lse_axes = operand_roles[0], lse_role(cfg)
-    extra_roles = [q_role, lse_axes, q_role, lse_axes][:len(extra)]
-    out_roles = [operand_roles[index.index(i)] for i in wanted]
-    summed = [ARRAY_NAMES[i] not in ("q", "k", "v") for i in wanted]
-    grads = run_split(cfg, run, gradient_shapes, passed + aux + extra,
-                      operand_roles + ["BHQK"] * len(aux) + extra_roles, out_roles, summed, index, len(aux), split)
-    return {ARRAY_NAMES[i]: g for i, g in zip(wanted, grads)}
+    return backward_call(cfg, score_mod, arrays, out, lse, grad_out, grad_lse, split, run_pass)

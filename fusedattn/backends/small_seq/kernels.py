@@ -230,3 +230,14 @@ def small_seq_backward_dot(
              dk.to(DK.dtype.element_ty), mask=store_ok)
     tl.store(DV + (kv_tok + n)[:, None] * stride_dvt + head_kv * stride_dvh + d[None, :],
              dv.to(DV.dtype.element_ty), mask=store_ok)
+
+
+_FORMS = {(False, "reduce"): small_seq_forward, (False, "dot"): small_seq_forward_dot,
+          (True, "reduce"): small_seq_backward, (True, "dot"): small_seq_backward_dot}
+
+
+def kernel_of(chosen, backward: bool, interpret: bool):
+    """(kernel, meta-parameters) of a plan (blocks.plan) for either launcher; the tensor-core form is told
+    when Triton's interpreter runs it."""
+    meta = {**chosen.meta, "INTERPRET": interpret} if chosen.kernel == "dot" else chosen.meta
+    return _FORMS[backward, chosen.kernel], meta

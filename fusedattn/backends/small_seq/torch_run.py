@@ -11,13 +11,7 @@ import triton
 
 from fusedattn.backends.base import AttentionInputs, AttentionOutputs
 from fusedattn.backends.small_seq.blocks import next_power_of_two, plan, sees_first_key_only, sequence_tables
-from fusedattn.backends.small_seq.kernels import (
-    small_seq_backward,
-    small_seq_backward_dot,
-    small_seq_forward,
-    small_seq_forward_dot,
-    zero_tail,
-)
+from fusedattn.backends.small_seq.kernels import kernel_of, zero_tail
 from fusedattn.config import AttentionConfig
 
 _TAIL_TOKENS = 64
@@ -57,13 +51,6 @@ def _new(shape, dtype, device, cfg: AttentionConfig, end, fill=0.0) -> torch.Ten
     return x
 
 
-def _kernel(chosen, reduce_kernel, dot_kernel, device):
-    """The kernel of a plan and its meta-parameters (the tensor-core form is told when it is interpreted)."""
-    if chosen.kernel == "dot":
-        return dot_kernel, {**chosen.meta, "INTERPRET": device.type == "cpu"}
-    return reduce_kernel, chosen.meta
-
-
 def _views(cfg: AttentionConfig, inputs: AttentionInputs):
     padded = None if cfg.layout.is_ragged else cfg.seqlen_kv
     q = inputs.q if cfg.layout.is_ragged else inputs.q[:, 0]
@@ -80,7 +67,7 @@ def forward(cfg: AttentionConfig, inputs: AttentionInputs) -> AttentionOutputs:
     out = _new(q.shape, q.dtype, device, cfg, end_q)
     lse = _new(q.shape[:2], torch.float32, device, cfg, end_q)
     chosen = plan(cfg.gqa_group, cfg.seqlen_kv, cfg.head_dim_qk, backward=False)
-    kernel, meta = _kernel(chosen, small_seq_forward, small_seq_forward_dot, device)
+    kernel, meta = kernel_of(chosen, backward=False, interpret=device.type == "cpu")
     grid = (cfg.batch * cfg.heads_kv,)
     if grid[0]:
         kernel[grid](
@@ -117,7 +104,7 @@ def backward(cfg: AttentionConfig, inputs: AttentionInputs, outputs: AttentionOu
         dk = _new(k.shape, k.dtype, device, cfg, end_kv)
         dv = _new(v.shape, v.dtype, device, cfg, end_kv)
     chosen = plan(cfg.gqa_group, cfg.seqlen_kv, cfg.head_dim_qk, backward=True)
-    kernel, meta = _kernel(chosen, small_seq_backward, small_seq_backward_dot, device)
+    kernel, meta = kernel_of(chosen, backward=True, interpret=device.type == "cpu")
     grid = (cfg.batch * cfg.heads_kv,)
     if grid[0]:
         kernel[grid](
