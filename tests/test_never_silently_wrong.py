@@ -150,6 +150,52 @@ def test_traced_offsets_that_keep_the_rules_give_the_exact_answer_in_jax():
     np.testing.assert_allclose(np.asarray(got), want.numpy(), rtol=1e-5, atol=1e-5)
 
 
+def _padded_call(q, k, v, bias, sink, cu):
+    return fja.attention(q, k, v, mask="padding", cu_seqlens_q=cu, cu_seqlens_kv=cu, bias=bias,
+                         softmax_type="learnable", sink=sink, return_lse=True)
+
+
+def _padded_operands():
+    keys = jax.random.split(jax.random.key(5), 5)
+    q, k, v = (jax.random.normal(key, (2, 6, 2, 8)) for key in keys[:3])
+    return q, k, v, jax.random.normal(keys[3], (1, 2, 6, 6)), jax.random.normal(keys[4], (2,))
+
+
+def _padded_loss(q, k, v, bias, sink, cu):
+    result = _padded_call(q, k, v, bias, sink, cu)
+    return jnp.nansum(result.out * result.out) + jnp.sum(jnp.where(jnp.isfinite(result.lse), result.lse, 0.0))
+
+
+@pytest.mark.parametrize("cu", [[0, 7, 9], [0, 5, 3], [2, 4, 6]], ids=["too-long", "negative", "not-from-zero"])
+def test_broken_traced_offsets_give_nan_in_every_jax_output_and_gradient(cu):
+    # The outputs are NaN by value; every differentiable input's gradient is NaN (offset_guard.py).
+    operands, cu = _padded_operands(), jnp.asarray(cu, jnp.int32)
+    result = jax.jit(_padded_call)(*operands, cu)
+    assert np.isnan(np.asarray(result.out)).all() and np.isnan(np.asarray(result.lse)).all()
+    grads = jax.jit(jax.grad(lambda *xs: _padded_call(*xs).out.sum(), argnums=(0, 1, 2, 3, 4)))(*operands, cu)
+    for name, grad in zip("q k v bias sink".split(), grads):
+        assert np.isnan(np.asarray(grad)).all(), name
+
+
+def test_good_traced_offsets_give_the_same_values_and_gradients_as_concrete_ones():
+    operands, cu = _padded_operands(), jnp.asarray([0, 4, 10], jnp.int32)
+    concrete = jax.value_and_grad(_padded_loss, argnums=(0, 1, 2, 3, 4))(*operands, cu)
+    traced = jax.jit(jax.value_and_grad(_padded_loss, argnums=(0, 1, 2, 3, 4)))(*operands, cu)
+    for got, want in zip(jax.tree.leaves(traced), jax.tree.leaves(concrete)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+def test_a_broken_item_under_vmap_leaves_the_other_items_alone():
+    q, k, v, bias, sink = _padded_operands()
+    cus = jnp.asarray([[0, 4, 10], [0, 7, 9]], jnp.int32)
+    stacked = [jnp.stack([x, x * 0.5]) for x in (q, k, v)]
+    step = jax.jit(jax.vmap(lambda q, k, v, cu: _padded_call(q, k, v, bias, sink, cu).out))
+    out = np.asarray(step(*stacked, cus))
+    assert np.isnan(out[1]).all()
+    want = _padded_call(q, k, v, bias, sink, cus[0]).out
+    np.testing.assert_allclose(out[0], np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
 def test_offsets_under_torch_compile_are_checked_on_the_device():
     # Compiled calls never read their offsets (trusted, as GPU offsets with both max lengths are).
     q = torch.randn(10, 2, 16, requires_grad=True)

@@ -26,7 +26,7 @@ from fusedattn.config import AttentionConfig, BiasType, Layout, SoftmaxType
 from fusedattn.jax import native
 from fusedattn.jax.partition import Split
 from fusedattn.jax.pass_calls import backward_call, forward_call, output_shapes
-from fusedattn.score_mods.core import MASKED, MASKED_BELOW
+from fusedattn.score_mods.core import MASKED, MASKED_BELOW, may_empty_rows
 from fusedattn.xp.jax_ops import OPS
 
 __all__ = ["unavailable", "forward", "backward"]
@@ -160,6 +160,12 @@ def _sequences(cfg: AttentionConfig, named: dict) -> _Sequences | None:
     return _Sequences(cfg, named) if cfg.has_sequence_lengths else None
 
 
+def _may_empty_rows(cfg: AttentionConfig, score_mod) -> bool:
+    """Whether the score_mod can leave a row without keys (score_mods.core.may_empty_rows): its numbers are
+    known when the call is traced, its float arrays are not (they may)."""
+    return may_empty_rows(cfg, score_mod, lambda x: jnp.issubdtype(x.dtype, jnp.floating), lambda arrays: True)
+
+
 def _forward_pass(cfg: AttentionConfig, named: dict, aux: dict, score_mod) -> tuple:
     """(out, lse, max_logit) of one unsharded forward."""
     if rows_without_keys(cfg):
@@ -188,7 +194,7 @@ def _forward_pass(cfg: AttentionConfig, named: dict, aux: dict, score_mod) -> tu
     else:
         lse = got["stats"]
     lse = lse.reshape(lse_shape.shape)
-    if spec.score_mod:  # rows the score_mod left without a visible key (NaN counts as one too)
+    if spec.score_mod and _may_empty_rows(cfg, score_mod):  # rows left without a visible key (or NaN)
         empty = ~(lse >= MASKED_BELOW)
         out = jnp.where(_lse_to_out(empty, cfg), jnp.zeros((), out.dtype), out)
         lse = jnp.where(empty, -jnp.inf, lse)

@@ -14,14 +14,13 @@ from fusedattn.backends.base import ARRAY_NAMES, DIFFERENTIABLE, AttentionInputs
 from fusedattn.frontend_common import (
     TENSOR_ARGUMENTS,
     check_unread_offsets,
-    guard_inputs,
     on_backend_only,
     pick_outputs,
-    poisoned,
     prepare_call,
     slopes_are_standard,
 )
 from fusedattn.jax import cudnn_call, small_seq_call, torch_bridge
+from fusedattn.jax.offset_guard import guard_inputs, poisoned
 from fusedattn.jax.partition import find_split
 from fusedattn.jax.shard_guard import batched, check_shard_axes, guard_whole
 from fusedattn.layout import layout_spec
@@ -227,7 +226,8 @@ def attention(q, k=None, v=None, **options):
     offsets = {name: tensors[name] for name in TENSOR_ARGUMENTS[6:]}
     check = None
     if segments_violated is not None or any(x is not None and not _is_concrete(x) for x in offsets.values()):
-        # Traced offsets or segment ids were never read: checked on the device, NaN results when broken.
+        # Traced offsets or segment ids were never read: checked on the device, NaN results when broken
+        # (outputs and gradients times a factor, fused with work XLA does anyway: offset_guard.py).
         passed = tuple(x for x in (q, k, v) if x is not None)
         check = check_unread_offsets(call.cfg, passed, offsets, segments_violated)
         call = call._replace(arrays=guard_inputs(call.cfg, passed, call.arrays, check))

@@ -25,7 +25,7 @@ import numpy as np
 from fusedattn.score_mods.key import describe_aux, structural_key
 
 __all__ = ["ScoreMod", "eager", "BoundScoreMod", "GraphRecipe", "RuntimeScalar", "as_score_mod", "bind",
-           "needs_gradient", "MASKED", "MASKED_BELOW", "EAGER_ONLY_KEY"]
+           "needs_gradient", "may_empty_rows", "MASKED", "MASKED_BELOW", "EAGER_ONLY_KEY"]
 
 # The score a mask writes. Finite on purpose: a tile whose every score is masked then
 # keeps a finite running max inside the kernel; rows with no visible key are found from
@@ -101,6 +101,28 @@ class RuntimeScalar:
 
     def __repr__(self) -> str:
         return f"RuntimeScalar({self.value!r}, {self.dtype})"
+
+
+def may_empty_rows(cfg, bound: BoundScoreMod, is_float_array: Callable, arrays_may_mask: Callable) -> bool:
+    """Whether a fused call must give the rows a score_mod left without keys output 0 and LSE -inf.
+
+    Yes when the mod selects the mask's score (ScoreMod.masks), is not known to, or computes with a
+    number of the mask's magnitude, or with float arrays that arrays_may_mask(list) says may hold one
+    (a framework that cannot read them says yes); also when the graph's own window can leave a query
+    past the keys (Sq > Skv). Otherwise the scores are the mod's arithmetic on finite values and every
+    row's softmax is what the float64 definition gives."""
+    from fusedattn.config import UNBOUNDED
+
+    if bound.mod.masks is not False or (cfg.seqlen_q > cfg.seqlen_kv and cfg.window != (UNBOUNDED, UNBOUNDED)):
+        return True
+    arrays = []
+    for value in bound.values.values():
+        if isinstance(value, RuntimeScalar):
+            if not abs(value.value) < -MASKED_BELOW:  # NaN too
+                return True
+        elif is_float_array(value):
+            arrays.append(value)
+    return bool(arrays) and arrays_may_mask(arrays)
 
 
 @dataclass(frozen=True, eq=False)

@@ -17,9 +17,9 @@ import torch
 
 from fusedattn.backends.cudnn.alignment import ALIGNMENT, aligned_copy
 from fusedattn.cache import LRUCache, register
-from fusedattn.config import UNBOUNDED
 from fusedattn.options import SCORE_MOD_NAMES
-from fusedattn.score_mods.core import MASKED_BELOW, BoundScoreMod, RuntimeScalar, ScoreMod, needs_gradient
+from fusedattn.score_mods.core import MASKED_BELOW, BoundScoreMod, ScoreMod, needs_gradient
+from fusedattn.score_mods.core import may_empty_rows as core_may_empty_rows
 from fusedattn.score_mods.flex import PartialMask, flat_reads
 
 __all__ = ["Binding", "recall", "remember", "may_empty_rows"]
@@ -86,28 +86,16 @@ def recall(signature, options: dict) -> Binding | None:
 
 
 def may_empty_rows(cfg, bound: BoundScoreMod) -> bool:
-    """Whether a row can lose every key to the mask's score, so the operator must give such rows output 0
-    and LSE -inf (five more small kernels a call, as much host time as the launch itself).
+    """Whether the operator must give rows that lost every key output 0 and LSE -inf (five more small
+    kernels a call, as much host time as the launch itself): score_mods.core.may_empty_rows, reading
+    each float aux tensor once when bound (never on a warm call; while a CUDA graph is captured, where it
+    cannot be read, the answer is yes)."""
+    def arrays_may_mask(arrays) -> bool:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return True
+        return any(bool((~(x.abs() < -MASKED_BELOW)).any()) for x in arrays)
 
-    Yes when the mod selects the mask's score (mods.masks), is not known, or computes with a number or
-    a float tensor of that magnitude (one host read of each float aux tensor, when bound: never on a
-    warm call, nor while a CUDA graph is captured, where the answer is yes); when the graph's own window
-    can leave a query past the keys (Sq > Skv). Otherwise the scores are the mod's arithmetic on finite
-    values, and the row's softmax is what the float64 definition gives."""
-    if bound.mod.masks is not False or (cfg.seqlen_q > cfg.seqlen_kv and cfg.window != (UNBOUNDED, UNBOUNDED)):
-        return True
-    arrays = []
-    for value in bound.values.values():
-        if isinstance(value, RuntimeScalar):
-            if not abs(value.value) < -MASKED_BELOW:  # NaN too
-                return True
-        elif value.is_floating_point():
-            arrays.append(value)
-    if not arrays:
-        return False
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        return True
-    return any(bool((~(x.abs() < -MASKED_BELOW)).any()) for x in arrays)
+    return core_may_empty_rows(cfg, bound, lambda x: x.is_floating_point(), arrays_may_mask)
 
 
 def remember(signature, options: dict, cfg, bound: BoundScoreMod, operands) -> Binding:

@@ -1,0 +1,69 @@
+"""NaN results for a JAX call whose traced offsets break the rules, at no cost to a good call.
+
+frontend_common.check_unread_offsets gives a 0-d factor (1, or NaN for broken offsets) and safe offsets.
+Multiplying q, k, v and the outputs by it, as the torch frontend does for its non-cuDNN backends, costs
+a pass over each of them on every call: four full passes in a forward and as many in a backward, more
+than the attention kernel at S=1024 and some 15% at S=4096. Here the factor touches only what XLA fuses
+with work it does anyway:
+  outputs: out * factor, fused with the row fix-ups after the kernel (the cotangent passes unchanged);
+  inputs: unchanged in the forward, their gradients times the factor (fused with the backward's fix-ups).
+Every output and every gradient of a broken call is still NaN.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from fusedattn.backends.base import ARRAY_NAMES, DIFFERENTIABLE
+from fusedattn.frontend_common import UnreadOffsetsCheck
+from fusedattn.layout import split_packed
+
+__all__ = ["guard_inputs", "poisoned"]
+
+
+def _scaled(x, factor):
+    return x * factor.astype(x.dtype)
+
+
+@jax.custom_vjp
+def _value_times(x, factor):
+    return _scaled(x, factor)
+
+
+_value_times.defvjp(lambda x, factor: (_scaled(x, factor), factor),
+                    lambda factor, g: (g, jnp.zeros_like(factor)))
+
+
+@jax.custom_vjp
+def _gradient_times(x, factor):
+    return x
+
+
+_gradient_times.defvjp(lambda x, factor: (x, factor),
+                       lambda factor, g: (_scaled(g, factor), jnp.zeros_like(factor)))
+
+
+def _is_float(x) -> bool:
+    return x is not None and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def poisoned(check: UnreadOffsetsCheck | None, x):
+    """An output times the check's factor (x bit for bit, or NaN); its cotangent passes unchanged."""
+    return x if check is None or not _is_float(x) else _value_times(x, check.factor)
+
+
+def guard_inputs(cfg, passed: tuple, arrays: tuple, check: UnreadOffsetsCheck | None) -> tuple:
+    """arrays (ARRAY_NAMES order up to the offsets, q/k/v unpacked from `passed`) with the offsets made
+    safe, and the gradients of q, k, v and every other differentiable array times the check's factor."""
+    if check is None:
+        return arrays
+    guard = lambda x: _gradient_times(x, check.factor) if _is_float(x) else x  # noqa: E731
+    unpacked = split_packed(cfg.layout, [guard(x) for x in passed])
+    guarded = []
+    for name, x in zip(ARRAY_NAMES[3:], arrays[3:]):
+        if name in check.safe_offsets:
+            guarded.append(check.safe_offsets[name] if x is not None else None)
+        else:
+            guarded.append(guard(x) if name in DIFFERENTIABLE else x)
+    return (*unpacked, *guarded)
