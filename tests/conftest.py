@@ -9,9 +9,20 @@ import pytest
 def _has_cuda() -> bool:
     try:
         import torch
+    except ImportError:  # not installed, or blocked (tests/gpu/block_torch.py): ask JAX
+        return _jax_has_gpu()
+    return torch.cuda.is_available()
+
+
+def _jax_has_gpu() -> bool:
+    try:
+        import jax
     except ImportError:
         return False
-    return torch.cuda.is_available()
+    try:
+        return jax.default_backend() == "gpu"
+    except RuntimeError:
+        return False
 
 
 # JAX and torch share the GPU in one process (tests/gpu/test_jax.py): XLA allocates as it goes,
@@ -26,7 +37,7 @@ if not _has_cuda():
 def pytest_collection_modifyitems(config, items):
     if _has_cuda():
         return
-    skip = pytest.mark.skip(reason="needs an NVIDIA GPU (torch.cuda.is_available() is False)")
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU (neither torch nor JAX sees one)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

@@ -7,7 +7,15 @@ import importlib.util
 
 import pytest
 
-HAS_TORCH = importlib.util.find_spec("torch") is not None
+
+def _torch_importable() -> bool:
+    try:
+        return importlib.util.find_spec("torch") is not None
+    except ImportError:  # blocked in this process (tests/gpu/block_torch.py)
+        return False
+
+
+HAS_TORCH = _torch_importable()
 
 
 def requires_torch(why: str) -> pytest.MarkDecorator:

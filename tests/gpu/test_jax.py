@@ -2,9 +2,11 @@
 the native library is off), on a GPU.
 
 Every feature is checked forward and through every gradient against the float64 reference,
-by STYLE rule 15 (gpu_checks.assert_close_to_exact: cuDNN's error within a small multiple of
-the same-dtype reference's own). The same-dtype and float64 references run in torch on the
-same values (the CPU suite pins the torch and JAX references to each other).
+by STYLE rule 15 (exact_rule.assert_close_to_exact: cuDNN's error within a small multiple of
+the same-dtype reference's own). Both references are JAX's own reference backend, the float64 one
+under jax.enable_x64 (the CPU suite pins it to the naive float64 attention), so the module runs
+where torch cannot be imported (test_jax_without_torch.py runs it so); the tests that compare
+with the torch path, or run the callback path through torch, skip there saying so.
 
 Which backend ran is part of every test (STYLE 17): `cudnn_calls` records each run of the
 cuDNN runner (backends/cudnn/torch_run.forward/backward) with its config, and the tests ask
@@ -12,8 +14,7 @@ for runs whose config says framework="jax". Every call forces backend="cudnn", w
 NoBackendError rather than falling back; a call cuDNN also declines from torch is skipped
 with cuDNN's reasons, one that only the JAX path declines fails.
 
-Skipped without a CUDA device for torch (conftest), without a GPU backend for JAX, or
-without nvidia-cudnn-frontend.
+Skipped without a GPU (conftest), without a GPU backend for JAX, or without nvidia-cudnn-frontend.
 """
 
 from __future__ import annotations
@@ -21,30 +22,33 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
+from exact_rule import assert_close_to_exact  # noqa: E402
 from flex_corpus import CORPUS as FLEX_CORPUS  # noqa: E402
-from flex_corpus import jax_array, torch_array  # noqa: E402
-from gpu_checks import assert_close_to_exact  # noqa: E402
+from flex_corpus import jax_array  # noqa: E402
+from needs_torch import HAS_TORCH, requires_torch  # noqa: E402
 
 import fusedattn  # noqa: E402
 import fusedattn.jax as fj  # noqa: E402
-import fusedattn.torch as ft  # noqa: E402
 from fusedattn import score_mods as sm  # noqa: E402
 from fusedattn.backends.base import package_missing  # noqa: E402
 from fusedattn.jax import native  # noqa: E402
 from fusedattn.selection import clear_decisions  # noqa: E402
 
-try:
-    from naive import naive_attention
-except ImportError:  # tests/ collected as a package
-    from tests.naive import naive_attention
+if HAS_TORCH:
+    import torch
+
+    import fusedattn.torch as ft
+
+    try:
+        from naive import naive_attention
+    except ImportError:  # tests/ collected as a package
+        from tests.naive import naive_attention
 
 pytestmark = pytest.mark.gpu
 
 BF16, FP16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
-TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 FLOATING = ("bfloat16", "float16", "float32", "float64")
 B, S, H, D = 2, 128, 4, 64  # the small shape most tests use
 
@@ -76,9 +80,25 @@ class _Calls(list):
 @pytest.fixture
 def cudnn_calls(monkeypatch):
     """(phase, cfg) of every run of the cuDNN runner, whichever path reached it (torch or JAX)."""
+    calls = _Calls()
+    from fusedattn.jax import cudnn_call
+
+    def native_spy(cfg, direction, *args, _original=cudnn_call._launch):  # traced once per pass
+        got = _original(cfg, direction, *args)
+        calls.append((direction, cfg))
+        calls.native.append(direction)
+        return got
+
+    monkeypatch.setattr(cudnn_call, "_launch", native_spy)
+    if HAS_TORCH:
+        _spy_on_torch_runners(monkeypatch, calls)
+    return calls
+
+
+def _spy_on_torch_runners(monkeypatch, calls: _Calls) -> None:
+    """The runners torch reaches cuDNN through (and JAX's callback path, with the native call off)."""
     from fusedattn.backends.cudnn import pointer_run, torch_run
 
-    calls = _Calls()
     for phase in ("forward", "backward"):
         original = getattr(torch_run, phase)
 
@@ -96,16 +116,6 @@ def cudnn_calls(monkeypatch):
 
     monkeypatch.setattr(pointer_run.AddressRunner, "__call__", lean_spy)
 
-    from fusedattn.jax import cudnn_call
-
-    def native_spy(cfg, direction, *args, _original=cudnn_call._launch):  # traced once per pass
-        got = _original(cfg, direction, *args)
-        calls.append((direction, cfg))
-        calls.native.append(direction)
-        return got
-
-    monkeypatch.setattr(cudnn_call, "_launch", native_spy)
-
     from fusedattn.torch import functional  # torch calls on the native operator skip torch_run
 
     def torch_native_spy(plan, signature, planned, *args, _original=functional._native_call, **kwargs):
@@ -113,7 +123,6 @@ def cudnn_calls(monkeypatch):
         return _original(plan, signature, planned, *args, **kwargs)
 
     monkeypatch.setattr(functional, "_native_call", torch_native_spy)
-    return calls
 
 
 def assert_cudnn_ran(calls, phases=("forward", "backward")):
@@ -134,29 +143,19 @@ def cumulative(lengths, gaps: int = 0) -> np.ndarray:
 
 
 def to_torch(x):
-    """A JAX array as a torch CUDA tensor with the same values and dtype."""
+    """A JAX array as a torch CUDA tensor with the same values and dtype (tests that compare with torch)."""
+    dtypes = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
     name = str(x.dtype)
     values = np.asarray(x)
     if name in FLOATING:
-        return torch.from_numpy(values.astype(np.float32)).to(TORCH_DTYPES.get(name, torch.float64)).cuda()
+        return torch.from_numpy(values.astype(np.float32)).to(dtypes.get(name, torch.float64)).cuda()
     return torch.from_numpy(np.array(values)).cuda()
 
 
-def as_torch_tensor(x):
-    """x as a torch float32 CUDA tensor (for comparisons), from a JAX array."""
-    return torch.from_numpy(np.asarray(x).astype(np.float32)).cuda()
-
-
-def torch_options(options: dict) -> dict:
-    """The call's keywords with JAX arrays (also inside score_mod_tensors) as torch tensors."""
-    def convert(value):
-        if isinstance(value, jax.Array):
-            return to_torch(value)
-        if isinstance(value, dict):
-            return {k: convert(v) for k, v in value.items()}
-        return value
-
-    return {name: convert(value) for name, value in options.items()}
+def as_numpy(x) -> np.ndarray:
+    """A JAX array (or NumPy) as float64 NumPy, for comparisons."""
+    return np.asarray(jnp.asarray(x, F32) if str(getattr(x, "dtype", "")) in ("bfloat16", "float16") else x,
+                      np.float64)
 
 
 def jax_inputs(arrays: dict, options: dict, dtype) -> tuple[dict, dict]:
@@ -187,60 +186,91 @@ def jax_cudnn(arrays: dict, options: dict, g, *, jit: bool = True):
     return out, lse, dict(zip(names, grads))
 
 
-def torch_reference(tensors: dict, options: dict, g, *, wide: bool = False):
-    """(out, lse, grads) of the torch reference backend; wide=True computes in float64."""
-    def widen(t):
-        return t.double() if wide and torch.is_tensor(t) and t.is_floating_point() else t
-
-    leaves = {n: widen(t).detach().clone().requires_grad_(True) for n, t in tensors.items()}
-    opts = {n: widen(v) for n, v in options.items()}
-    result = ft.attention(**leaves, **opts, backend="reference", return_lse=True)
-    grads = torch.autograd.grad(result.out, list(leaves.values()), widen(g).to(result.out.dtype))
-    return result.out.detach(), result.lse.detach(), dict(zip(leaves, grads))
+def _widened(value):
+    """A float array (or a dict of them, as score_mod_tensors) in float64: call inside jax.enable_x64."""
+    if isinstance(value, dict):
+        return {n: _widened(v) for n, v in value.items()}
+    if isinstance(value, (jax.Array, np.ndarray)) and jnp.issubdtype(value.dtype, jnp.floating):
+        return jnp.asarray(np.asarray(jnp.asarray(value, F32) if value.dtype != np.float64 else value), jnp.float64)
+    return value
 
 
-def declined(error, tensors: dict, options: dict):
+def jax_reference(arrays: dict, options: dict, g, *, wide: bool = False):
+    """(out, lse, {name: gradient}) of JAX's reference backend, pulled back from g; wide=True computes
+    in float64 (jax.enable_x64), else in the arrays' own dtypes. Compare them through as_numpy."""
+    def run(arrays, options, g):
+        names = tuple(arrays)
+
+        def attend(*xs):
+            result = fj.attention(**dict(zip(names, xs)), **options, backend="reference", return_lse=True)
+            return result.out, result.lse
+
+        out, pullback, lse = jax.vjp(attend, *arrays.values(), has_aux=True)
+        return out, lse, dict(zip(names, pullback(jnp.asarray(g, out.dtype))))
+
+    if not wide:  # jitted, the options closed over (concrete offsets stay concrete): one compile, not one per op
+        return jax.jit(lambda arrays, g: run(arrays, options, g))(arrays, g)
+    with jax.enable_x64(True):
+        wide_options = _widened(options)
+        return jax.jit(lambda arrays, g: run(arrays, wide_options, g))(_widened(arrays), _widened(g))
+
+
+def declined(error, arrays: dict, options: dict):
     """JAX's call on cudnn raised NoBackendError: skip with cuDNN's reasons when the same call from
-    torch is declined too (a cuDNN limit, which the torch tests skip as well); otherwise fail."""
+    torch is declined too (a cuDNN limit, which the torch tests skip as well); otherwise fail. Where
+    torch cannot be imported the cross-check cannot run: skip, saying so (the full run makes it)."""
+    reason = str(error).splitlines()[-1].strip()
+    if not HAS_TORCH:
+        pytest.skip(f"cudnn declines this call from JAX ({reason}); needs torch to check it declines it from torch too")
+    tensors = {n: to_torch(x) for n, x in arrays.items()}
     leaves = {n: t.detach().clone().requires_grad_(True) for n, t in tensors.items()}
     try:
-        ft.attention(**leaves, **options, backend="cudnn")
+        ft.attention(**leaves, **_torch_options(options), backend="cudnn")
     except fusedattn.NoBackendError as torch_error:
         pytest.skip("cudnn declines this call from torch too: " + str(torch_error).splitlines()[-1].strip())
     pytest.fail(f"cudnn runs this call from torch but declined it from JAX:\n{error}")
 
 
+def _torch_options(options: dict) -> dict:
+    """The call's keywords with JAX arrays (also inside score_mod_tensors) as torch tensors."""
+    def convert(value):
+        if isinstance(value, jax.Array):
+            return to_torch(value)
+        if isinstance(value, dict):
+            return {k: convert(v) for k, v in value.items()}
+        return value
+
+    return {name: convert(value) for name, value in options.items()}
+
+
 def compare(got, same, exact, names):
     """The JAX cuDNN results (out, lse, grads) against the same-dtype and float64 references."""
     out, lse, grads = got
-    out_t = as_torch_tensor(out)
-    assert torch.isfinite(out_t).all(), "non-finite values in out"
-    assert_close_to_exact("out", out_t, same[0], exact[0])
-    lse_t = as_torch_tensor(lse)
-    finite = torch.isfinite(exact[1])
-    assert lse_t.shape == exact[1].shape, (lse_t.shape, exact[1].shape)
-    torch.testing.assert_close(lse_t[finite], exact[1][finite].float(), atol=2e-2, rtol=2e-3)
+    out = as_numpy(out)
+    assert np.isfinite(out).all(), "non-finite values in out"
+    assert_close_to_exact("out", out, same[0], exact[0])
+    lse, exact_lse = as_numpy(lse), as_numpy(exact[1])
+    finite = np.isfinite(exact_lse)
+    assert lse.shape == exact_lse.shape, (lse.shape, exact_lse.shape)
+    np.testing.assert_allclose(lse[finite], exact_lse[finite], atol=2e-2, rtol=2e-3)
     for name in names:
         grad = grads[name]
         assert grad is not None and tuple(grad.shape) == tuple(exact[2][name].shape), name
-        assert_close_to_exact(f"d{name}", as_torch_tensor(grad), same[2][name], exact[2][name],
+        assert_close_to_exact(f"d{name}", as_numpy(grad), same[2][name], exact[2][name],
                               reduction=name in ("bias", "sink"))
 
 
 def check(calls, arrays: dict, options: dict, dtype=BF16, *, jit: bool = True, seed: int = 0):
     """Forward, lse and every gradient of the JAX cuDNN call against the references; cuDNN ran."""
     jarrays, joptions = jax_inputs(arrays, options, dtype)
-    tensors = {n: to_torch(x) for n, x in jarrays.items()}
-    topts = torch_options(joptions)
     probe = jax.eval_shape(lambda: fj.attention(**jarrays, **joptions, backend="reference"))
     g = jnp.asarray(normal(seed + 101, probe.shape), dtype=probe.dtype)
-    g_t = to_torch(g)
-    same = torch_reference(tensors, topts, g_t)
-    exact = torch_reference(tensors, topts, g_t, wide=True)
+    same = jax_reference(jarrays, joptions, g)
+    exact = jax_reference(jarrays, joptions, g, wide=True)
     try:
         got = jax_cudnn(jarrays, joptions, g, jit=jit)
     except fusedattn.NoBackendError as error:
-        declined(error, tensors, topts)
+        declined(error, jarrays, joptions)
     assert got[0].dtype == probe.dtype and got[1].dtype == F32, (got[0].dtype, got[1].dtype)
     assert all(got[2][n].dtype == x.dtype for n, x in jarrays.items()), {n: g.dtype for n, g in got[2].items()}
     compare(got, same, exact, list(jarrays))
@@ -487,6 +517,7 @@ def test_dropout_same_key_same_results_other_key_other_output(cudnn_calls):
     assert any(cfg.dropout_p == 0.2 for _, cfg in cudnn_calls if cfg.framework == "jax")
 
 
+@requires_torch("compares JAX's dropout with torch's")
 @pytest.mark.parametrize("seed,offset", [(1234, 0), (77, 4096)])
 def test_dropout_torch_and_jax_agree(cudnn_calls, seed, offset):
     """Same cuDNN graph, same (seed, offset): the same mask, so the same output and gradients."""
@@ -497,15 +528,16 @@ def test_dropout_torch_and_jax_agree(cudnn_calls, seed, offset):
     out_t = ft.attention(*leaves, mask="causal", dropout_p=0.2, dropout_seed=seed, dropout_offset=offset,
                          backend="cudnn")
     grads_t = torch.autograd.grad(out_t, leaves, to_torch(g))
-    assert torch.equal(as_torch_tensor(out_j), out_t.detach().float()), "out differs between torch and JAX"
+    assert torch.equal(to_torch(out_j).float(), out_t.detach().float()), "out differs between torch and JAX"
     shifted, _ = _dropout_run({"mask": "causal"})(q, k, v, g, dropout_seed=seed, dropout_offset=offset + 1)
-    assert not torch.equal(as_torch_tensor(shifted), out_t.detach().float()), "the offset does not reach cuDNN"
+    assert not torch.equal(to_torch(shifted).float(), out_t.detach().float()), "the offset does not reach cuDNN"
     for name, a, b in zip(("dq", "dk", "dv"), grads_j, grads_t):
         assert_near(a, b.float().cpu().numpy(), f"{name} (JAX vs torch)")
     assert_cudnn_ran(cudnn_calls)
     assert {c.framework for _, c in cudnn_calls} == {"jax", "torch"}
 
 
+@requires_torch("reads cuDNN's dropout mask through the torch runner's debug output")
 def test_dropout_gradients_match_the_reference_under_cudnns_own_mask(cudnn_calls):
     """cuDNN's Philox mask, read back through its debug output, drives the float64 naive attention."""
     from fusedattn.backends.base import AttentionInputs
@@ -528,9 +560,9 @@ def test_dropout_gradients_match_the_reference_under_cudnns_own_mask(cudnn_calls
     leaves = [x.double().requires_grad_(True) for x in (tq, tk, tv)]
     exact, _, _ = naive_attention(*leaves, mask="causal", dropout_keep=keep, dropout_p=p)
     exact_grads = torch.autograd.grad(exact, leaves, to_torch(g).double())
-    assert_close_to_exact("out", as_torch_tensor(out), exact.to(torch.bfloat16), exact)
+    assert_close_to_exact("out", as_numpy(out), exact.to(torch.bfloat16), exact)
     for name, got, e in zip(("dq", "dk", "dv"), grads, exact_grads):
-        assert_close_to_exact(name, as_torch_tensor(got), e.to(torch.bfloat16), e)
+        assert_close_to_exact(name, as_numpy(got), e.to(torch.bfloat16), e)
 
 
 # ----------------------------------------------------------------------------- score_mod
@@ -596,18 +628,18 @@ def test_score_mod_aux_arrays_are_traced_arguments_read_at_run_time(cudnn_calls)
         out, pullback = jax.vjp(lambda q, k, v: fj.attention(q, k, v, **options, backend="cudnn"), q, k, v)
         return out, pullback(g)
 
-    tensors = {"q": to_torch(q), "k": to_torch(k), "v": to_torch(v)}
+    arrays = {"q": q, "k": k, "v": v}
     outs = []
     for seed in (94, 96):
         aux = {n: jnp.asarray(x) for n, x in _aux(seed).items()}
         out, grads = run(q, k, v, aux["factor"], aux["key_bias"])
         options = {"mask": "causal", "score_mod": scaled_with_key_bias, "score_mod_bprop": scaled_with_key_bias_bprop,
-                   "score_mod_tensors": {n: to_torch(x) for n, x in aux.items()}}
-        same = torch_reference(tensors, options, to_torch(g))
-        exact = torch_reference(tensors, options, to_torch(g), wide=True)
-        assert_close_to_exact("out", as_torch_tensor(out), same[0], exact[0])
+                   "score_mod_tensors": aux}
+        same = jax_reference(arrays, options, g)
+        exact = jax_reference(arrays, options, g, wide=True)
+        assert_close_to_exact("out", as_numpy(out), same[0], exact[0])
         for name, grad in zip("qkv", grads):
-            assert_close_to_exact(f"d{name}", as_torch_tensor(grad), same[2][name], exact[2][name])
+            assert_close_to_exact(f"d{name}", as_numpy(grad), same[2][name], exact[2][name])
         outs.append(np.asarray(out))
     assert not np.array_equal(outs[0], outs[1]), "the second aux values changed nothing: baked in at trace time?"
     assert_cudnn_ran(cudnn_calls)
@@ -618,17 +650,16 @@ def test_score_mod_aux_arrays_are_traced_arguments_read_at_run_time(cudnn_calls)
 @pytest.mark.parametrize("name", sorted(FLEX_CORPUS))
 def test_flex_corpus_entry(cudnn_calls, name):
     """Every corpus callback, written once and traced by make_jaxpr, on cuDNN under jit: out, lse
-    and dq/dk/dv against the torch references of the same callback (traced by make_fx)."""
+    and dq/dk/dv against the references of the same callback (the float64 one's arrays made under x64)."""
     q, k, v = _bf16(*qkv(97, hkv=2, scale_q=2.0))
     jarrays = {"q": q, "k": k, "v": v}
-    tensors = {n: to_torch(x) for n, x in jarrays.items()}
     names = ("score_mod", "mask_mod")
     joptions = {n: f for n, f in zip(names, FLEX_CORPUS[name](jax_array, B, H, S)) if f is not None}
-    topts = {n: f for n, f in zip(names, FLEX_CORPUS[name](lambda x: torch_array(x, "cuda"), B, H, S))
-             if f is not None}
     g = jnp.asarray(normal(98, q.shape), BF16)
-    same = torch_reference(tensors, topts, to_torch(g))
-    exact = torch_reference(tensors, topts, to_torch(g), wide=True)
+    same = jax_reference(jarrays, joptions, g)
+    with jax.enable_x64(True):  # the callback's captured arrays in float64 too
+        wide_options = {n: f for n, f in zip(names, FLEX_CORPUS[name](jax_array, B, H, S)) if f is not None}
+    exact = jax_reference(jarrays, wide_options, g, wide=True)
     try:
         got = jax_cudnn(jarrays, joptions, g)
     except fusedattn.NoBackendError as error:
@@ -799,6 +830,7 @@ def test_sequence_sharding_raises_a_clear_error():
     assert message in str(error.value), error.value
 
 
+@requires_torch("runs the callback path, which goes through torch")
 def test_plain_calls_run_from_raw_addresses_and_match_the_torch_path(cudnn_calls, monkeypatch):
     """q, k, v-only calls skip torch (pointer_run); FUSEDATTN_JAX_LEAN=0 takes the torch path: same bits.
     (The callback paths, so with the native custom call off.)"""
@@ -840,16 +872,15 @@ def test_forward_without_gradient_runs_an_inference_graph(cudnn_calls, mask):
         options.update(cu_seqlens_q=lengths, cu_seqlens_kv=lengths)
     arrays, joptions = jax_inputs({"q": q, "k": k, "v": v}, options, BF16)
     out = jax.jit(lambda q, k, v: fj.attention(q, k, v, **joptions, backend="cudnn"))(*arrays.values())
-    tensors = {n: to_torch(x) for n, x in arrays.items()}
-    g = torch.ones(out.shape, dtype=torch.bfloat16, device="cuda")
-    same = torch_reference(tensors, torch_options(joptions), g)[0]
-    exact = torch_reference(tensors, torch_options(joptions), g, wide=True)[0]
-    assert_close_to_exact("out", as_torch_tensor(out), same, exact)
+    g = jnp.ones(out.shape, BF16)
+    same = jax_reference(arrays, joptions, g)[0]
+    exact = jax_reference(arrays, joptions, g, wide=True)[0]
+    assert_close_to_exact("out", as_numpy(out), same, exact)
     assert [(phase, cfg.is_training) for phase, cfg in cudnn_calls] == [("forward", False)], cudnn_calls
     trained, _ = jax.jit(lambda *x: jax.vjp(lambda *y: fj.attention(*y, **joptions, backend="cudnn"), *x))(
         *arrays.values())
     assert ("forward", True) in [(phase, cfg.is_training) for phase, cfg in cudnn_calls], cudnn_calls
-    assert_close_to_exact("out (training graph)", as_torch_tensor(trained), same, exact)
+    assert_close_to_exact("out (training graph)", as_numpy(trained), same, exact)
 
 
 def _plain_step(mask: str = "causal"):
@@ -865,6 +896,7 @@ def test_native_library_builds_here():
     assert native.unavailable() is None, native.unavailable()
 
 
+@requires_torch("compares with the callback path, which goes through torch")
 @pytest.mark.parametrize("mask,heads_kv,d", [("causal", 4, 64), ("none", 1, 128), ("causal_bottom_right", 2, 128)])
 def test_native_custom_call_gives_the_callback_paths_bits(cudnn_calls, monkeypatch, mask, heads_kv, d):
     """Plain calls compile to fusedattn's native custom call, forward and backward, with no Python
@@ -916,17 +948,16 @@ def test_native_custom_call_matches_the_reference_under_vmap_and_inference():
     outs = jax.jit(jax.vmap(_plain_step("causal")))(*stacked)
     inference = jax.jit(lambda *x: fj.attention(*x, mask="causal", backend="cudnn"))(*arrays.values())
     for member in range(2):
-        tensors = {n: to_torch(x[member]) for n, x in zip(arrays, stacked)}
-        g = torch.cos(as_torch_tensor(outs[0][member])).to(torch.bfloat16)
-        out, _, grads = torch_reference(tensors, {"mask": "causal"}, g)
-        out64, _, grads64 = torch_reference(tensors, {"mask": "causal"}, g, wide=True)
-        assert_close_to_exact(f"out[{member}]", as_torch_tensor(outs[0][member]), out, out64)
+        members = {n: x[member] for n, x in zip(arrays, stacked)}
+        g = jnp.cos(outs[0][member])
+        out, _, grads = jax_reference(members, {"mask": "causal"}, g)
+        out64, _, grads64 = jax_reference(members, {"mask": "causal"}, g, wide=True)
+        assert_close_to_exact(f"out[{member}]", as_numpy(outs[0][member]), out, out64)
         for i, name in enumerate(("q", "k", "v"), start=1):
-            assert_close_to_exact(f"d{name}[{member}]", as_torch_tensor(outs[i][member]), grads[name], grads64[name])
-    tensors = {n: to_torch(x) for n, x in arrays.items()}
-    g = torch.ones_like(tensors["q"])
-    same, exact = (torch_reference(tensors, {"mask": "causal"}, g, wide=wide)[0] for wide in (False, True))
-    assert_close_to_exact("inference out", as_torch_tensor(inference), same, exact)
+            assert_close_to_exact(f"d{name}[{member}]", as_numpy(outs[i][member]), grads[name], grads64[name])
+    g = jnp.ones_like(arrays["q"])
+    same, exact = (jax_reference(arrays, {"mask": "causal"}, g, wide=wide)[0] for wide in (False, True))
+    assert_close_to_exact("inference out", as_numpy(inference), same, exact)
 
 
 def test_a_call_whose_buffers_do_not_match_its_plan_is_refused():
