@@ -124,11 +124,11 @@ def test_comparison_catches_a_slightly_wrong_backend(monkeypatch, dtype, rows, f
 
 
 def test_error_rule_matches_the_gpu_checks():
-    """CPU and GPU fuzz runs and tests/gpu share one rule: the same FACTOR and ATOL as gpu_checks.py."""
-    path = Path(__file__).parent / "gpu" / "gpu_checks.py"
-    spec = importlib.util.spec_from_file_location("gpu_checks_for_fuzz", path)
-    gpu_checks = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_checks)
-    assert fc.FACTOR == gpu_checks.FACTOR
-    for dtype, atol in gpu_checks.ATOL.items():
-        assert fc.ATOL[str(dtype).removeprefix("torch.")] == atol
+    """CPU and GPU fuzz runs and tests/gpu share one rule: the same FACTOR and ATOL as exact_rule.py."""
+    path = Path(__file__).parent / "gpu" / "exact_rule.py"
+    spec = importlib.util.spec_from_file_location("exact_rule_for_fuzz", path)
+    exact_rule = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(exact_rule)
+    assert fc.FACTOR == exact_rule.FACTOR
+    for dtype, atol in exact_rule.ATOL.items():
+        assert fc.ATOL[dtype] == atol
