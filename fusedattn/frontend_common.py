@@ -181,11 +181,13 @@ def poisoned(check: UnreadOffsetsCheck | None, x):
     return x * ops.astype(check.factor, ops.dtype_name(x))
 
 
-def guard_inputs(cfg, passed: tuple, arrays: tuple, check: UnreadOffsetsCheck | None) -> tuple:
-    """arrays (TENSOR_ARGUMENTS order, q/k/v unpacked) with q, k, v multiplied by the check's factor
-    before they are split (packed layouts keep their strides) and the offsets made safe."""
+def guard_inputs(cfg, passed: tuple, arrays: tuple, check: UnreadOffsetsCheck | None, poison=None) -> tuple:
+    """arrays (TENSOR_ARGUMENTS order, q/k/v unpacked) with q, k, v given the check's factor before they
+    are split (packed layouts keep their strides) and the offsets made safe. poison(check, x): how an
+    input takes the factor (default `poisoned`, a product)."""
     if check is None:
         return arrays
-    unpacked = split_packed(cfg.layout, [poisoned(check, x) for x in passed])
+    poison = poisoned if poison is None else poison
+    unpacked = split_packed(cfg.layout, [poison(check, x) for x in passed])
     offsets = tuple(check.safe_offsets.get(name, x) for name, x in zip(TENSOR_ARGUMENTS[6:], arrays[6:10]))
     return (*unpacked, *arrays[3:6], *offsets, *arrays[10:])

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from fusedattn.backends.base import ARRAY_NAMES, DIFFERENTIABLE
 from fusedattn.frontend_common import UnreadOffsetsCheck
-from fusedattn.layout import split_packed
+from fusedattn.frontend_common import guard_inputs as guard_with
 
 __all__ = ["guard_inputs", "poisoned"]
 
@@ -53,17 +53,16 @@ def poisoned(check: UnreadOffsetsCheck | None, x):
     return x if check is None or not _is_float(x) else _value_times(x, check.factor)
 
 
+def _gradient_poisoned(check: UnreadOffsetsCheck, x):
+    return _gradient_times(x, check.factor) if _is_float(x) else x
+
+
 def guard_inputs(cfg, passed: tuple, arrays: tuple, check: UnreadOffsetsCheck | None) -> tuple:
-    """arrays (ARRAY_NAMES order up to the offsets, q/k/v unpacked from `passed`) with the offsets made
-    safe, and the gradients of q, k, v and every other differentiable array times the check's factor."""
+    """frontend_common.guard_inputs (offsets made safe, q/k/v unpacked from `passed`) with the gradients
+    of q, k, v and of every other differentiable array times the check's factor: their cotangents reach
+    them unpoisoned, since `poisoned` leaves the outputs' cotangents alone."""
     if check is None:
         return arrays
-    guard = lambda x: _gradient_times(x, check.factor) if _is_float(x) else x  # noqa: E731
-    unpacked = split_packed(cfg.layout, [guard(x) for x in passed])
-    guarded = []
-    for name, x in zip(ARRAY_NAMES[3:], arrays[3:]):
-        if name in check.safe_offsets:
-            guarded.append(check.safe_offsets[name] if x is not None else None)
-        else:
-            guarded.append(guard(x) if name in DIFFERENTIABLE else x)
-    return (*unpacked, *guarded)
+    arrays = guard_with(cfg, passed, arrays, check, poison=_gradient_poisoned)
+    return tuple(_gradient_poisoned(check, x) if i >= 3 and name in DIFFERENTIABLE else x
+                 for i, (name, x) in enumerate(zip(ARRAY_NAMES, arrays)))

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from fusedattn.config import UNBOUNDED
 from fusedattn.score_mods.key import describe_aux, structural_key
 
 __all__ = ["ScoreMod", "eager", "BoundScoreMod", "GraphRecipe", "RuntimeScalar", "as_score_mod", "bind",
@@ -111,8 +112,6 @@ def may_empty_rows(cfg, bound: BoundScoreMod, is_float_array: Callable, arrays_m
     (a framework that cannot read them says yes); also when the graph's own window can leave a query
     past the keys (Sq > Skv). Otherwise the scores are the mod's arithmetic on finite values and every
     row's softmax is what the float64 definition gives."""
-    from fusedattn.config import UNBOUNDED
-
     if bound.mod.masks is not False or (cfg.seqlen_q > cfg.seqlen_kv and cfg.window != (UNBOUNDED, UNBOUNDED)):
         return True
     arrays = []

@@ -27,4 +27,4 @@ def assert_close_to_exact(name, got, same_dtype, exact, reduction=False):
     ref_err = float(np.abs(same_dtype - exact).max(initial=0.0))
     scale = float(np.abs(exact).max(initial=0.0))
     limit = FACTOR * ref_err + (REDUCTION_ATOL if reduction else ATOL["bfloat16"]) * max(scale, 1.0)
-    assert err <= limit, f"{name}: cuDNN error {err:.3e} > {limit:.3e} (reference's own error {ref_err:.3e})"
+    assert err <= limit, f"{name}: error {err:.3e} > {limit:.3e} (the same-dtype reference's own {ref_err:.3e})"

@@ -11,7 +11,7 @@ import block_torch  # noqa: F401 (first: torch cannot be imported after it)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from exact_rule import ATOL, FACTOR, REDUCTION_ATOL  # noqa: E402
+from exact_rule import assert_close_to_exact  # noqa: E402
 
 import fusedattn.jax as fj  # noqa: E402
 from fusedattn import score_mods as sm  # noqa: E402
@@ -54,11 +54,8 @@ def check(name, arrays, options, dtype=jnp.bfloat16, backend="cudnn"):
         if label == "lse":
             np.testing.assert_allclose(g[finite], e[finite], atol=2e-2, rtol=2e-3, err_msg=f"{name} lse")
             continue
-        err, ref_err = np.abs(g - e)[finite].max(initial=0), np.abs(s - e)[finite].max(initial=0)
-        reduction = label in ("dbias", "dsink")
-        floor = REDUCTION_ATOL if reduction else ATOL["bfloat16"]
-        limit = FACTOR * ref_err + floor * max(np.abs(e).max(initial=0), 1.0)
-        assert err <= limit, f"{name} {label}: {backend} error {err:.3e} > {limit:.3e} (reference's {ref_err:.3e})"
+        assert_close_to_exact(f"{name} {label} ({backend})", g[finite], s[finite], e[finite],
+                              reduction=label in ("dbias", "dsink"))
     print(f"ok {name}", flush=True)
 
 

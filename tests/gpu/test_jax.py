@@ -24,7 +24,7 @@ import pytest
 
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
-from exact_rule import assert_close_to_exact  # noqa: E402
+from exact_rule import as_float64, assert_close_to_exact  # noqa: E402
 from flex_corpus import CORPUS as FLEX_CORPUS  # noqa: E402
 from flex_corpus import jax_array  # noqa: E402
 from needs_torch import HAS_TORCH, requires_torch  # noqa: E402
@@ -152,12 +152,6 @@ def to_torch(x):
     return torch.from_numpy(np.array(values)).cuda()
 
 
-def as_numpy(x) -> np.ndarray:
-    """A JAX array (or NumPy) as float64 NumPy, for comparisons."""
-    return np.asarray(jnp.asarray(x, F32) if str(getattr(x, "dtype", "")) in ("bfloat16", "float16") else x,
-                      np.float64)
-
-
 def jax_inputs(arrays: dict, options: dict, dtype) -> tuple[dict, dict]:
     """NumPy float32 inputs as JAX arrays of the I/O dtype (the sink stays float32), offsets as int32."""
     jarrays = {n: jnp.asarray(x, dtype=F32 if n == "sink" else dtype) for n, x in arrays.items()}
@@ -191,13 +185,13 @@ def _widened(value):
     if isinstance(value, dict):
         return {n: _widened(v) for n, v in value.items()}
     if isinstance(value, (jax.Array, np.ndarray)) and jnp.issubdtype(value.dtype, jnp.floating):
-        return jnp.asarray(np.asarray(jnp.asarray(value, F32) if value.dtype != np.float64 else value), jnp.float64)
+        return jnp.asarray(as_float64(value))
     return value
 
 
 def jax_reference(arrays: dict, options: dict, g, *, wide: bool = False):
     """(out, lse, {name: gradient}) of JAX's reference backend, pulled back from g; wide=True computes
-    in float64 (jax.enable_x64), else in the arrays' own dtypes. Compare them through as_numpy."""
+    in float64 (jax.enable_x64), else in the arrays' own dtypes. Compare them through as_float64."""
     def run(arrays, options, g):
         names = tuple(arrays)
 
@@ -246,17 +240,17 @@ def _torch_options(options: dict) -> dict:
 def compare(got, same, exact, names):
     """The JAX cuDNN results (out, lse, grads) against the same-dtype and float64 references."""
     out, lse, grads = got
-    out = as_numpy(out)
+    out = as_float64(out)
     assert np.isfinite(out).all(), "non-finite values in out"
     assert_close_to_exact("out", out, same[0], exact[0])
-    lse, exact_lse = as_numpy(lse), as_numpy(exact[1])
+    lse, exact_lse = as_float64(lse), as_float64(exact[1])
     finite = np.isfinite(exact_lse)
     assert lse.shape == exact_lse.shape, (lse.shape, exact_lse.shape)
     np.testing.assert_allclose(lse[finite], exact_lse[finite], atol=2e-2, rtol=2e-3)
     for name in names:
         grad = grads[name]
         assert grad is not None and tuple(grad.shape) == tuple(exact[2][name].shape), name
-        assert_close_to_exact(f"d{name}", as_numpy(grad), same[2][name], exact[2][name],
+        assert_close_to_exact(f"d{name}", as_float64(grad), same[2][name], exact[2][name],
                               reduction=name in ("bias", "sink"))
 
 
@@ -560,9 +554,9 @@ def test_dropout_gradients_match_the_reference_under_cudnns_own_mask(cudnn_calls
     leaves = [x.double().requires_grad_(True) for x in (tq, tk, tv)]
     exact, _, _ = naive_attention(*leaves, mask="causal", dropout_keep=keep, dropout_p=p)
     exact_grads = torch.autograd.grad(exact, leaves, to_torch(g).double())
-    assert_close_to_exact("out", as_numpy(out), exact.to(torch.bfloat16), exact)
+    assert_close_to_exact("out", as_float64(out), exact.to(torch.bfloat16), exact)
     for name, got, e in zip(("dq", "dk", "dv"), grads, exact_grads):
-        assert_close_to_exact(name, as_numpy(got), e.to(torch.bfloat16), e)
+        assert_close_to_exact(name, as_float64(got), e.to(torch.bfloat16), e)
 
 
 # ----------------------------------------------------------------------------- score_mod
@@ -637,9 +631,9 @@ def test_score_mod_aux_arrays_are_traced_arguments_read_at_run_time(cudnn_calls)
                    "score_mod_tensors": aux}
         same = jax_reference(arrays, options, g)
         exact = jax_reference(arrays, options, g, wide=True)
-        assert_close_to_exact("out", as_numpy(out), same[0], exact[0])
+        assert_close_to_exact("out", as_float64(out), same[0], exact[0])
         for name, grad in zip("qkv", grads):
-            assert_close_to_exact(f"d{name}", as_numpy(grad), same[2][name], exact[2][name])
+            assert_close_to_exact(f"d{name}", as_float64(grad), same[2][name], exact[2][name])
         outs.append(np.asarray(out))
     assert not np.array_equal(outs[0], outs[1]), "the second aux values changed nothing: baked in at trace time?"
     assert_cudnn_ran(cudnn_calls)
@@ -875,12 +869,12 @@ def test_forward_without_gradient_runs_an_inference_graph(cudnn_calls, mask):
     g = jnp.ones(out.shape, BF16)
     same = jax_reference(arrays, joptions, g)[0]
     exact = jax_reference(arrays, joptions, g, wide=True)[0]
-    assert_close_to_exact("out", as_numpy(out), same, exact)
+    assert_close_to_exact("out", as_float64(out), same, exact)
     assert [(phase, cfg.is_training) for phase, cfg in cudnn_calls] == [("forward", False)], cudnn_calls
     trained, _ = jax.jit(lambda *x: jax.vjp(lambda *y: fj.attention(*y, **joptions, backend="cudnn"), *x))(
         *arrays.values())
     assert ("forward", True) in [(phase, cfg.is_training) for phase, cfg in cudnn_calls], cudnn_calls
-    assert_close_to_exact("out (training graph)", as_numpy(trained), same, exact)
+    assert_close_to_exact("out (training graph)", as_float64(trained), same, exact)
 
 
 def _plain_step(mask: str = "causal"):
@@ -952,12 +946,12 @@ def test_native_custom_call_matches_the_reference_under_vmap_and_inference():
         g = jnp.cos(outs[0][member])
         out, _, grads = jax_reference(members, {"mask": "causal"}, g)
         out64, _, grads64 = jax_reference(members, {"mask": "causal"}, g, wide=True)
-        assert_close_to_exact(f"out[{member}]", as_numpy(outs[0][member]), out, out64)
+        assert_close_to_exact(f"out[{member}]", as_float64(outs[0][member]), out, out64)
         for i, name in enumerate(("q", "k", "v"), start=1):
-            assert_close_to_exact(f"d{name}[{member}]", as_numpy(outs[i][member]), grads[name], grads64[name])
+            assert_close_to_exact(f"d{name}[{member}]", as_float64(outs[i][member]), grads[name], grads64[name])
     g = jnp.ones_like(arrays["q"])
     same, exact = (jax_reference(arrays, {"mask": "causal"}, g, wide=wide)[0] for wide in (False, True))
-    assert_close_to_exact("inference out", as_numpy(inference), same, exact)
+    assert_close_to_exact("inference out", as_float64(inference), same, exact)
 
 
 def test_a_call_whose_buffers_do_not_match_its_plan_is_refused():
