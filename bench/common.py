@@ -186,6 +186,33 @@ def measure(impl: Impl, *, mode: str, warmup: int, repeats: int, device: torch.d
     return {"ms": statistics.median(times)}, outputs
 
 
+# Rows whose calls take less than this run their contestants again in interleaved rounds: there the host's
+# time per call decides, and a slow spell of the host (other processes, clocks) lasts longer than one entry.
+ROUNDS_BELOW_MS = 2.0
+
+
+def interleaved_ms(impls: dict, *, mode: str, rounds: int, warmup: int, repeats: int, device: torch.device
+                   ) -> dict[str, float]:
+    """Each implementation's median over `rounds` rounds of its median call time (time_ms). The
+    implementations take turns within a round, in reversed order every other round, so a slow spell of
+    the host touches all of them alike. A failure drops that implementation (it was measured before)."""
+    medians: dict[str, list[float]] = {name: [] for name in impls}
+    names = list(impls)
+    for index in range(rounds):
+        for name in names if index % 2 == 0 else names[::-1]:
+            if name not in medians:
+                continue
+            impl = impls[name]
+            try:
+                with impl.context():
+                    times = time_ms(impl.step(mode), warmup=warmup, repeats=repeats, device=device)
+            except Exception:  # noqa: BLE001 - measured once already; keep that entry
+                del medians[name]
+                continue
+            medians[name].append(statistics.median(times))
+    return {name: statistics.median(values) for name, values in medians.items() if values}
+
+
 def max_abs_diff(ours: Sequence[torch.Tensor], reference: Sequence[torch.Tensor]) -> float:
     """Largest |ours - reference| over paired tensors (float32 arithmetic)."""
     worst = 0.0

@@ -14,7 +14,7 @@ import textwrap
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Option", "OPTIONS", "TENSORS", "SETTINGS", "SCORE_MOD_NAMES", "names", "settings",
+__all__ = ["Option", "OPTIONS", "TENSORS", "SETTINGS", "SCORE_MOD_NAMES", "DROPOUT_NAMES", "names", "settings",
            "check_keywords", "signature", "document", "describe_arguments"]
 
 # Groups: what a frontend does with an option.
@@ -128,6 +128,7 @@ def _of(group: str) -> tuple[str, ...]:
 TENSORS = _of(TENSOR)  # in the order backends receive them (AttentionInputs)
 SETTINGS = _of(SETTING)
 SCORE_MOD_NAMES = _of(SCORE_MOD)
+DROPOUT_NAMES = _of(DROPOUT)
 _NAMES = {framework: frozenset(o.name for o in OPTIONS if framework in o.frameworks) for framework in BOTH}
 _SETTING_DEFAULTS = {name: _BY_NAME[name].default for name in SETTINGS}
 

@@ -194,9 +194,22 @@ def test_the_cache_key_follows_the_source_and_the_versions(monkeypatch, tmp_path
     assert str(build.library_path("torch")) == "/prebuilt/lib.so"
 
 
-def test_validation_is_never_skipped_by_the_plan_cache():
-    import fusedattn.torch as fat
+@pytest.fixture(params=["python", "native"])
+def signature_key(request, monkeypatch):
+    """The plan-cache signature's tensor part as each process computes it: in Python, or through the
+    library's tensor_key where the library is loaded with its Python entry."""
+    if request.param == "native":
+        monkeypatch.setattr(torch_plans, "tensor_key", request.getfixturevalue("tensor_key"))
+    else:
+        monkeypatch.setattr(torch_plans, "tensor_key", None)
+    return request.param
 
+
+def test_validation_is_never_skipped_by_the_plan_cache(signature_key):
+    import fusedattn.torch as fat
+    from fusedattn.selection import clear_decisions
+
+    clear_decisions()  # the other parametrization's plans
     q = torch.randn(1, 8, 2, 16)
     fat.attention(q, q, q, window=(2, 0))
     with pytest.raises(ValueError, match=r"window: expected \(left, right\), two integers"):
@@ -206,6 +219,47 @@ def test_validation_is_never_skipped_by_the_plan_cache():
         fat.attention(q, q, q, deterministic=1)
     fat.attention(q, q, q, scale=0.5)
     fat.attention(q, q, q, scale=1)  # an int scale is valid, and its own plan
+    fat.attention(q, q, q, return_lse=False)
+    with pytest.raises(ValueError, match="return_lse: expected a bool, got 0"):
+        fat.attention(q, q, q, return_lse=0)
+
+
+def test_a_call_that_loads_the_library_keeps_its_plan_under_the_librarys_key(tensor_key, monkeypatch):
+    """The first call of a process loads the library while it runs (it selects, then registers): its plan
+    is kept under the signature the next call computes, with the library's tensor_key, so the second
+    call is already warm."""
+    import fusedattn.torch as fat
+    from fusedattn.selection import clear_decisions, recall_call
+    from fusedattn.torch import functional
+
+    clear_decisions()
+    monkeypatch.setattr(torch_plans, "tensor_key", None)
+    plan_on = functional._native_plan_on
+
+    def loading(*args):  # what registering the first plan does to the module
+        monkeypatch.setattr(torch_plans, "tensor_key", tensor_key)
+        return plan_on(*args)
+
+    monkeypatch.setattr(functional, "_native_plan_on", loading)
+    q = torch.randn(1, 8, 2, 16)
+    fat.attention(q, q, q, mask="causal")
+    assert torch_plans.tensor_key is tensor_key
+    assert recall_call(functional._signature(q, q, q, None, None, (), {"mask": "causal"}, None)) is not None
+
+
+def test_the_tensor_key_tells_apart_what_a_plan_depends_on(tensor_key):
+    """The library's tensor_key: equal bytes for tensors alike in shape, strides, dtype, device and
+    requires_grad (whatever their values), different bytes when any of those differs; None for an
+    argument that is no strided tensor (the full path explains it)."""
+    x = torch.randn(2, 3, 4)
+    key = tensor_key(x, None, x)
+    assert isinstance(key, bytes) and key == tensor_key(torch.randn(2, 3, 4), None, torch.zeros(2, 3, 4))
+    others = [(x.reshape(3, 2, 4), None, x), (x.transpose(0, 1).contiguous().transpose(0, 1), None, x),
+              (x.double(), None, x), (x.to("meta"), None, x), (x.clone().requires_grad_(True), None, x),
+              (x, x, None), (x, None, x, None), (x, None), (x[:, :, :2], None, x)]
+    keys = [tensor_key(*args) for args in others]
+    assert key not in keys and len(set(keys)) == len(keys)
+    assert tensor_key(x, "x") is None and tensor_key(x.to_sparse()) is None and tensor_key() == b""
 
 
 @pytest.fixture(scope="module")
@@ -213,9 +267,14 @@ def entry(operator):
     """The library's Python entry (built where Python's headers are, as here)."""
     if build.python_headers() is None:
         pytest.skip("this interpreter has no C headers: the library is built without its Python entry")
-    found = torch_plans.python_entry(operator._name)
+    found = torch_plans.python_module(operator._name)
     assert found is not None, "built with Python's headers, yet the library has no Python entry"
-    return found
+    return found.attention
+
+
+@pytest.fixture(scope="module")
+def tensor_key(operator, entry):
+    return torch_plans.python_module(operator._name).tensor_key
 
 
 def test_the_python_entry_calls_the_operator_with_its_autograd(operator, entry):
@@ -246,6 +305,28 @@ def test_the_python_entry_raises_what_torch_ops_raises(operator, entry):
             call(123456789, q, k, v, None, None, None)
         with pytest.raises(NotImplementedError, match="fusedattn_native::forward"):  # no CPU kernel
             call(plan, *(torch.empty(x.shape, dtype=x.dtype) for x in (q, k, v)), None, None, None)
+
+
+def test_the_python_entry_names_a_bad_argument(operator, entry):
+    """The entry reads its arguments from CPython itself: a wrong one is a TypeError naming it, and every
+    trailing operand may be left out or given (as torch.ops takes them)."""
+    cfg = _cfg()
+    plan = _register(operator, cfg)
+    q, k, v = (_meta(cfg, role) for role in ("q", "k", "v"))
+    bad = {"plan": ("7", q, k, v, None, None, None), "k": (plan, q, "k", v, None, None, None),
+           "sink": (plan, q, k, v, 1.0, None, None), "aux": (plan, q, k, v, None, None, None, None, q),
+           "scalars": (plan, q, k, v, None, None, None, None, [], ["x"]),
+           "empty_rows": (plan, q, k, v, None, None, None, None, [], [], 1),
+           "offsets": (plan, q, k, v, None, None, None, None, [], [], False, [None])}
+    for name, args in bad.items():
+        with pytest.raises(TypeError, match=f"fusedattn_native.attention: {name}: expected"):
+            entry(*args)
+    for args in ((plan, q, k, v, None, None), (plan, q, k, v, None, None, None, *PLAIN, None)):
+        with pytest.raises(TypeError, match=f"expected 7 to 12 positional arguments, got {len(args)}"):
+            entry(*args)
+    shapes = {entry(plan, q, k, v, None, None, None, *PLAIN[:n])[0].shape for n in range(len(PLAIN) + 1)}
+    assert shapes == {(2, 48, 4, 32)}
+    assert entry(plan, q, k, v, None, None, None, None, (), (), False, ())[0].shape == (2, 48, 4, 32)
 
 
 def test_tensors_that_override_torch_functions_take_torch_ops(operator, monkeypatch):

@@ -37,16 +37,15 @@ def sdpa_default(q, k, v):
 def main():
     q, k, v = (torch.randn(1, 128, 8, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     options = {"mask": "causal"}  # the keywords of the call timed below
-    tensors = (q, k, v, None, None)
     with torch.no_grad():
         fat.attention(q, k, v, **options)
-        signature = functional._signature(tensors, options, None)
+        signature = functional._signature(q, k, v, None, None, (), options, None)
         planned = recall_call(signature)
         print("planned:", None if planned is None else (planned[1].name, planned[2]), flush=True)
         plan = planned[2]
         op = torch.ops.fusedattn_native.attention.default
         def lean():  # the warm path's steps without the rest of attention's body
-            signature = functional._signature(tensors, options, None)
+            signature = functional._signature(q, k, v, None, None, (), options, None)
             return functional._native_call(plan, signature, recall_call(signature), q, k, v, None, None, None,
                                            options)
 
@@ -64,7 +63,7 @@ def main():
                 "_native_call": lambda: functional._native_call(plan, signature, planned, q, k, v, None, None, None,
                                                                 options),
                 "sdpa (default)": lambda: sdpa_default(q, k, v),
-                "_signature": lambda: functional._signature(tensors, options, None),
+                "_signature": lambda: functional._signature(q, k, v, None, None, (), options, None),
                 "recall_call": lambda: recall_call(signature),
                 "is_compiling": torch.compiler.is_compiling,
                 "is_grad_enabled": torch.is_grad_enabled,

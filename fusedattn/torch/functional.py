@@ -25,7 +25,15 @@ from fusedattn.frontend_common import (
     slopes_are_standard,
 )
 from fusedattn.layout import split_packed
-from fusedattn.options import SCORE_MOD_NAMES, SETTINGS, TENSORS, check_keywords, describe_arguments, names
+from fusedattn.options import (
+    DROPOUT_NAMES,
+    SCORE_MOD_NAMES,
+    SETTINGS,
+    TENSORS,
+    check_keywords,
+    describe_arguments,
+    names,
+)
 from fusedattn.options import settings as settings_of
 from fusedattn.score_mods.core import as_score_mod, bind, needs_gradient
 from fusedattn.score_mods.mask_rewrite import rewrite_mask
@@ -42,6 +50,8 @@ API = "fusedattn.torch.attention"
 _KEYWORDS = names("torch")
 _SCORE_MOD_KEYWORDS = frozenset(SCORE_MOD_NAMES)
 _SIGNED = frozenset((*SETTINGS, "backend"))  # what a call's plan-cache signature holds besides tensors
+# A call whose keywords are all among these looks its plan up first (attention's warm path).
+_PLAIN_KEYWORDS = _SIGNED | (_KEYWORDS & frozenset(DROPOUT_NAMES))
 
 
 def _meta(x, name: str) -> TensorMeta | None:
@@ -100,6 +110,13 @@ def attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | 
         >>> q = k = v = torch.randn(2, 128, 8, 64)
         >>> out = attention(q, k, v, mask="causal")
     """
+    # A call with settings only (no tensor options, no score_mod) looks its plan up before anything
+    # else is read: the warm path of most calls. Any other call, and any miss, goes on below.
+    plain = _PLAIN_KEYWORDS.issuperset(options) and not torch.compiler.is_compiling() and not _explaining.get()
+    if plain:
+        signature, planned = _recalled(_signature(q, k, v, None, None, (), options, None))
+        if planned is not None and planned[2] is not None:
+            return _native_call(planned[2], signature, planned, q, k, v, None, None, None, options)
     if not _KEYWORDS.issuperset(options):
         check_keywords(API, options, "torch")
     get = options.get
@@ -129,18 +146,13 @@ def attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | 
     given = not (offsets[0] is None and offsets[1] is None and offsets[2] is None and offsets[3] is None)
     trusted = given and (get("max_seqlen_q") is not None and get("max_seqlen_kv") is not None
                          and all(x is None or (isinstance(x, torch.Tensor) and x.is_cuda) for x in offsets))
-    # ALiBi slopes decide the config (cuDNN's built-in ALiBi has the paper's slopes only), so
-    # calls with slopes read their values every time and take the full path; so do offsets whose
-    # values are checked.
-    signature = None if alibi_slopes is not None or (given and not trusted) else _signature(
-        (q, k, v, bias, sink, *offsets) if trusted else (q, k, v, bias, sink), options,
-        _score_mod_names(options) if has_mod else None)
-    planned = None
-    if signature is not None and not _explaining.get():
-        try:
-            planned = recall_call(signature)
-        except TypeError:  # unhashable options: the full path explains them
-            signature = None
+    signed = (q, k, v, bias, sink, offsets if trusted else (), options, _score_mod_names(options) if has_mod else None)
+    if not plain:
+        # ALiBi slopes decide the config (cuDNN's built-in ALiBi has the paper's slopes only), so
+        # calls with slopes read their values every time and take the full path; so do offsets whose
+        # values are checked.
+        signature, planned = _recalled(
+            None if alibi_slopes is not None or (given and not trusted) else _signature(*signed))
     if planned is not None and planned[2] is not None:  # the warm path: one operator call, autograd in C++
         binding = score_mod_bindings.recall(signature, options) if has_mod else None
         if binding is not None or not has_mod:
@@ -186,6 +198,8 @@ def attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | 
             return _Configured(cfg)
         native = _native_plan(cfg, selection, q)
         if signature is not None:
+            if type(signature[0]) is not bytes and torch_plans.tensor_key is not None:
+                signature = _signature(*signed)  # the library loaded in this call: key it as the next call will
             remember_call(signature, (cfg, selection, native))
         if native is not None:
             binding = None if bound is None else score_mod_bindings.remember(signature, options, cfg, bound,
@@ -330,21 +344,47 @@ def _offsets(cfg: AttentionConfig, get) -> list:
     return [get(name) for name in names]
 
 
-def _signature(tensors: tuple, options: dict, score_mod):
+def _signature(q, k, v, bias, sink, offsets: tuple, options: dict, score_mod):
     """A summary of a call that fixes its config and selection (hashable when its options are), or
     None when arguments are not what they should be (the full path explains those). Settings count
     with their types (and a window's items with theirs), so window=(2.0, 0) never shares the plan
-    of (2, 0): one is valid, the other is not. score_mod: the callbacks' identities and aux names;
-    a caller using the summary checks their structural key. Flat, as a repeat call builds it every
-    time."""
+    of (2, 0): one is valid, the other is not. offsets: the trusted sequence offsets, or (). score_mod:
+    the callbacks' identities and aux names; a caller using the summary checks their structural key."""
+    key = torch_plans.tensor_key or _tensor_key
+    tensors = key(q, k, v, bias, sink, *offsets)
+    if tensors is None:
+        return None
     try:
-        window = options.get("window")
-        return (*[None if x is None else (x.shape, x.stride(), x.dtype, x.device, x.requires_grad) for x in tensors],
-                *[(name, value, type(value)) for name, value in options.items() if name in _SIGNED],
+        signed = options if _SIGNED.issuperset(options) else {
+            name: value for name, value in options.items() if name in _SIGNED}
+        window = signed.get("window")
+        return (tensors, tuple(signed.items()), tuple(map(type, signed.values())),
                 None if window is None else tuple(map(type, window)),
                 score_mod, torch.is_grad_enabled(), settings.value(ENV_BACKEND), settings.value(ENV_THD_BUCKET))
-    except (TypeError, AttributeError):  # not tensors, or a window that is no sequence: the full path explains
+    except TypeError:  # a window that is no sequence: the full path explains
         return None
+
+
+def _tensor_key(*tensors) -> tuple | None:
+    """Each tensor's shape, strides, dtype, device and requires_grad (None for a missing one), or None
+    where one is no strided tensor: what the native library's tensor_key gives, where it is not loaded."""
+    try:
+        return tuple([None if x is None else (x.shape, x.stride(), x.dtype, x.device, x.requires_grad)
+                      for x in tensors])
+    except (TypeError, AttributeError, RuntimeError):  # not tensors, or sparse ones (no strides)
+        return None
+
+
+def _recalled(signature) -> tuple:
+    """(signature, what was remembered for it or None: always None while explain() runs, which goes the
+    full way). The signature becomes None where it cannot be a key (unhashable options: the full path
+    explains them)."""
+    if signature is None or _explaining.get():
+        return signature, None
+    try:
+        return signature, recall_call(signature)
+    except TypeError:
+        return None, None
 
 
 def _score_mod_names(options: dict) -> tuple:

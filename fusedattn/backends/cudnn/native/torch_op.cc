@@ -914,32 +914,67 @@ TORCH_LIBRARY_IMPL(fusedattn_native, Meta, m) {
 
 #ifdef FUSEDATTN_PYTHON_ENTRY
 // A Python function calling the operator through the dispatcher, typed: the warm path's way in when the
-// library is built with Python's headers. It costs less than torch.ops' boxed call, which converts
-// each argument through the schema; autograd, capture and every dispatch key still apply.
-#include <torch/csrc/utils/pybind.h>
+// library is built with Python's headers. It reads its arguments straight from CPython (no binding
+// layer, no schema conversion as torch.ops' boxed call does); autograd, capture and every dispatch key
+// still apply, as the call goes through the dispatcher.
+#include <torch/csrc/autograd/python_variable.h>
 
 namespace {
 
-std::vector<Tensor> call_attention(int64_t plan, const Tensor &q, const Tensor &k, const Tensor &v,
-                                          const optional<Tensor> &sink, const optional<Tensor> &seed,
-                                          const optional<Tensor> &offset, const optional<Tensor> &bias,
-                                          const std::vector<Tensor> &aux, const std::vector<double> &scalars,
-                                          bool empty_rows, const std::vector<Tensor> &offsets) {
-    static auto op = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow("fusedattn_native::attention", "")
-                         .typed<decltype(attention_autograd)>();
-    return op.call(plan, q, k, v, sink, seed, offset, bias, aux, scalars, empty_rows, offsets);
+// The operator's arguments after the plan, as Python passes them: positionally, the trailing ones optional.
+constexpr const char *kEntryArguments[] = {"plan", "q", "k", "v", "sink", "seed", "offset", "bias", "aux",
+                                           "scalars", "empty_rows", "offsets"};
+constexpr Py_ssize_t kEntryRequired = 7, kEntryMost = 12;
+
+struct BadArgument {
+    std::string message;
+};
+
+BadArgument bad(Py_ssize_t index, const char *expected, PyObject *given) {
+    return {std::string("fusedattn_native.attention: ") + kEntryArguments[index] + ": expected " + expected +
+            ", got " + Py_TYPE(given)->tp_name};
 }
 
-}  // namespace
+const Tensor &tensor_argument(PyObject *const *args, Py_ssize_t index) {
+    if (!THPVariable_Check(args[index])) throw bad(index, "a torch.Tensor", args[index]);
+    return THPVariable_Unpack(args[index]);
+}
+
+optional<Tensor> optional_argument(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t index) {
+    if (index >= nargs || args[index] == Py_None) return c10::nullopt;
+    return tensor_argument(args, index);
+}
+
+// A list or tuple of `read(item)`, empty where the argument is left out.
+template <class T, class Read>
+std::vector<T> list_argument(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t index, const char *expected,
+                             Read read) {
+    std::vector<T> values;
+    if (index >= nargs) return values;
+    PyObject *given = args[index];
+    if (!PyList_Check(given) && !PyTuple_Check(given)) throw bad(index, expected, given);
+    Py_ssize_t size = PySequence_Fast_GET_SIZE(given);
+    PyObject **items = PySequence_Fast_ITEMS(given);
+    values.reserve(size);
+    for (Py_ssize_t i = 0; i < size; ++i) {
+        if (!read(items[i], values)) throw bad(index, expected, items[i]);
+    }
+    return values;
+}
 
 // torch's errors as torch.ops raises them: its Python types, without the C++ backtrace.
-void translate_error(std::exception_ptr error) {
+void raise_error(const std::exception_ptr &error) {
     auto raise = [](PyObject *type, const c10::Error &e) { PyErr_SetString(type, e.what_without_backtrace()); };
     try {
-        if (error) std::rethrow_exception(error);
+        std::rethrow_exception(error);
+    } catch (const BadArgument &e) {
+        PyErr_SetString(PyExc_TypeError, e.message.c_str());
     } catch (const c10::OutOfMemoryError &e) {
-        raise(pybind11::module_::import("torch").attr("OutOfMemoryError").ptr(), e);
+        PyObject *torch = PyImport_ImportModule("torch");
+        PyObject *type = torch == nullptr ? nullptr : PyObject_GetAttrString(torch, "OutOfMemoryError");
+        Py_XDECREF(torch);
+        if (type != nullptr) raise(type, e);
+        Py_XDECREF(type);
     } catch (const c10::NotImplementedError &e) {
         raise(PyExc_NotImplementedError, e);
     } catch (const c10::ValueError &e) {
@@ -950,19 +985,110 @@ void translate_error(std::exception_ptr error) {
         raise(PyExc_IndexError, e);
     } catch (const c10::Error &e) {
         raise(PyExc_RuntimeError, e);
+    } catch (const std::exception &e) {
+        PyErr_SetString(PyExc_RuntimeError, e.what());
     }
 }
 
-PYBIND11_MODULE(libfusedattn_torch, m) {
-    pybind11::register_local_exception_translator(&translate_error);
-    namespace py = pybind11;
-    // The trailing operands have the schema's defaults, so plain calls pass seven arguments.
-    m.def("attention", &call_attention, py::arg("plan"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("sink"),
-          py::arg("seed"), py::arg("offset"), py::arg("bias") = py::none(), py::arg("aux") = std::vector<Tensor>(),
-          py::arg("scalars") = std::vector<double>(), py::arg("empty_rows") = false,
-          py::arg("offsets") = std::vector<Tensor>(),
-          py::call_guard<py::gil_scoped_release>());
+PyObject *python_attention(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("fusedattn_native::attention", "")
+                         .typed<decltype(attention_autograd)>();
+    try {
+        if (nargs < kEntryRequired || nargs > kEntryMost) {
+            throw BadArgument{"fusedattn_native.attention: expected 7 to 12 positional arguments, got " +
+                              std::to_string(nargs)};
+        }
+        if (!PyLong_Check(args[0])) throw bad(0, "an int", args[0]);
+        int64_t plan = PyLong_AsLongLong(args[0]);
+        if (plan == -1 && PyErr_Occurred()) return nullptr;
+        const Tensor &q = tensor_argument(args, 1), &k = tensor_argument(args, 2), &v = tensor_argument(args, 3);
+        auto read_tensor = [](PyObject *item, std::vector<Tensor> &out) {
+            if (!THPVariable_Check(item)) return false;
+            out.push_back(THPVariable_Unpack(item));
+            return true;
+        };
+        auto read_number = [](PyObject *item, std::vector<double> &out) {
+            if (!PyFloat_Check(item) && !PyLong_Check(item)) return false;
+            out.push_back(PyFloat_AsDouble(item));
+            return true;
+        };
+        optional<Tensor> sink = optional_argument(args, nargs, 4), seed = optional_argument(args, nargs, 5),
+                         offset = optional_argument(args, nargs, 6), bias = optional_argument(args, nargs, 7);
+        auto aux = list_argument<Tensor>(args, nargs, 8, "a list of torch.Tensor", read_tensor);
+        auto scalars = list_argument<double>(args, nargs, 9, "a list of numbers", read_number);
+        bool empty_rows = false;
+        if (nargs > 10) {
+            if (!PyBool_Check(args[10])) throw bad(10, "a bool", args[10]);
+            empty_rows = args[10] == Py_True;
+        }
+        auto offsets = list_argument<Tensor>(args, nargs, 11, "a list of torch.Tensor", read_tensor);
+        std::vector<Tensor> outputs;
+        {
+            PyThreadState *released = PyEval_SaveThread();
+            try {
+                outputs = op.call(plan, q, k, v, sink, seed, offset, bias, aux, scalars, empty_rows, offsets);
+            } catch (...) {
+                PyEval_RestoreThread(released);
+                throw;
+            }
+            PyEval_RestoreThread(released);
+        }
+        PyObject *result = PyTuple_New(static_cast<Py_ssize_t>(outputs.size()));
+        if (result == nullptr) return nullptr;
+        for (size_t i = 0; i < outputs.size(); ++i) {
+            PyObject *item = THPVariable_Wrap(std::move(outputs[i]));
+            if (item == nullptr) {
+                Py_DECREF(result);
+                return nullptr;
+            }
+            PyTuple_SET_ITEM(result, static_cast<Py_ssize_t>(i), item);
+        }
+        return result;
+    } catch (...) {
+        raise_error(std::current_exception());
+        return nullptr;
+    }
 }
+
+// tensor_key(*tensors): bytes that name each tensor's shape, strides, dtype, device and requires_grad
+// (a missing one: None), equal exactly when those agree; None where an argument is no strided tensor.
+// The plan-cache signature of a repeat call (fusedattn/torch/functional.py) reads it in one call.
+PyObject *python_tensor_key(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    std::vector<int64_t> words;
+    words.reserve(static_cast<size_t>(nargs) * 16);
+    for (Py_ssize_t i = 0; i < nargs; ++i) {
+        if (args[i] == Py_None) {
+            words.push_back(-1);
+            continue;
+        }
+        if (!THPVariable_Check(args[i])) Py_RETURN_NONE;
+        const Tensor &x = THPVariable_Unpack(args[i]);
+        if (x.layout() != c10::kStrided) Py_RETURN_NONE;
+        words.push_back(x.dim());
+        words.insert(words.end(), x.sizes().begin(), x.sizes().end());
+        words.insert(words.end(), x.strides().begin(), x.strides().end());
+        words.push_back(static_cast<int64_t>(x.scalar_type()));
+        words.push_back(static_cast<int64_t>(x.device().type()));
+        words.push_back(x.device().index());
+        words.push_back(x.requires_grad());
+    }
+    return PyBytes_FromStringAndSize(reinterpret_cast<const char *>(words.data()),
+                                     static_cast<Py_ssize_t>(words.size() * sizeof(int64_t)));
+}
+
+PyMethodDef entry_methods[] = {
+    {"tensor_key", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&python_tensor_key)), METH_FASTCALL,
+     "tensor_key(*tensors) -> bytes naming their shapes, strides, dtypes, devices and requires_grad"},
+    {"attention", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&python_attention)), METH_FASTCALL,
+     "fusedattn_native.attention(plan, q, k, v, sink, seed, offset[, bias, aux, scalars, empty_rows, offsets])"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef entry_module = {PyModuleDef_HEAD_INIT, "libfusedattn_torch", nullptr, -1, entry_methods};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit_libfusedattn_torch() { return PyModule_Create(&entry_module); }
 #endif
 
 // The library's exports besides the operator registration (built with hidden visibility).

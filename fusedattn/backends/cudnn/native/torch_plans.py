@@ -44,6 +44,9 @@ NAME = build.NAMES["torch"].removesuffix(".so")  # the library's Python module n
 # The operator's Python entry, fusedattn_native.attention's arguments and outputs as a tuple, once loaded
 # from a library built with it; None: torch.ops.fusedattn_native.attention.default is the way in.
 entry = None
+# The same module's tensor_key(*tensors): bytes naming their shapes, strides, dtypes, devices and
+# requires_grad (a repeat call's plan-cache signature reads it); None where there is no entry.
+tensor_key = None
 
 _lock = threading.Lock()
 _state: dict = {}  # "library" (the operator, ctypes) or "reason" (str), once decided
@@ -90,14 +93,16 @@ def _load() -> ctypes.CDLL:
     if operator.fusedattn_torch_init(str(core.path()).encode()) != 0:
         raise RuntimeError(operator.fusedattn_torch_last_error().decode())
     operator.fusedattn_torch_bounds(PLAN_CAPACITY)
-    global entry
-    entry = python_entry(path)
+    global entry, tensor_key
+    module = python_module(path)
+    if module is not None:
+        entry, tensor_key = module.attention, module.tensor_key
     return operator
 
 
-def python_entry(path):
-    """The library's Python function calling the operator (torch_op.cc), or None where it was built
-    without Python's headers."""
+def python_module(path):
+    """The library as a Python module (torch_op.cc: `attention`, the operator's entry, and `tensor_key`),
+    or None where it was built without Python's headers."""
     import importlib.machinery
     import importlib.util
 
@@ -107,7 +112,7 @@ def python_entry(path):
         loader.exec_module(module)
     except ImportError:  # no PyInit_ function: torch.ops calls the operator
         return None
-    return module.attention
+    return module
 
 
 def load_operator(path) -> ctypes.CDLL:
