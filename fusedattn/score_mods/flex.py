@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import types
 from dataclasses import dataclass
 
 from fusedattn.cache import LRUCache, register
@@ -157,8 +158,13 @@ def _all(builder: Builder, expr: Expr, conditions: list[int]) -> int:
     return functools.reduce(lambda a, b: builder.op("and", a, b), copies)
 
 
+_PLAIN_VALUES = frozenset((int, float, bool, str, type(None)))  # read as themselves: no items, no reads
+
+
 def _value_snapshot(value, depth: int):
     """What of a value the trace depends on: helper functions' own reads, containers' items."""
+    if type(value) in _PLAIN_VALUES:
+        return value
     if callable(value) and hasattr(value, "__code__") and depth > 0 and not _library(value):
         return ("function", value, snapshot(value, depth - 1))
     if isinstance(value, dict) and len(value) <= 64:
@@ -168,16 +174,28 @@ def _value_snapshot(value, depth: int):
     return value
 
 
+_LIBRARIES = frozenset(("fusedattn", "torch", "jax", "numpy"))
+_LIBRARY_MODULES: dict = {}  # module name -> whether it is one of _LIBRARIES' (a repeat call asks again)
+
+
 def _library(fn) -> bool:
     """Whether fn is a function of this library or of a framework (score_mods.tanh, torch.where): its reads
     are its own business, never a user's state, so snapshots stop at it (a repeat call compares less)."""
     module = getattr(fn, "__module__", None) or ""
-    return module.partition(".")[0] in ("fusedattn", "torch", "jax", "numpy")
+    found = _LIBRARY_MODULES.get(module)
+    if found is None:
+        found = _LIBRARY_MODULES[module] = module.partition(".")[0] in _LIBRARIES
+    return found
 
 
 def snapshot(fn, depth: int = 2) -> tuple | None:
     """The objects fn reads besides its arguments, compared by identity (helper functions it calls
     and items of dicts and lists it reads, two levels deep); None if fn is not a plain function."""
+    if type(fn) is types.FunctionType:  # the common case first: a repeat score_mod call reads this
+        closure = fn.__closure__
+        read = fn.__globals__.get
+        return (() if closure is None else tuple([_value_snapshot(c.cell_contents, depth) for c in closure]),
+                fn.__defaults__, tuple([_value_snapshot(read(n), depth) for n in fn.__code__.co_names]))
     if fn is None:
         return ()
     if isinstance(fn, functools.partial):
@@ -200,14 +218,17 @@ def flat_reads(fn) -> tuple | None:
     taken = snapshot(fn)
     if taken is None:
         return None
-    found, pending = [], [taken]
-    while pending:
-        item = pending.pop()
-        if type(item) is tuple:
-            pending.extend(item)
-        else:
-            found.append(item)
+    found: list = []
+    _flatten(taken, found)
     return tuple(found)
+
+
+def _flatten(item, found: list) -> None:
+    for x in item:
+        if type(x) is tuple:
+            _flatten(x, found)
+        else:
+            found.append(x)
 
 
 def _identity(fn) -> tuple:

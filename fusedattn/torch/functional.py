@@ -50,8 +50,9 @@ API = "fusedattn.torch.attention"
 _KEYWORDS = names("torch")
 _SCORE_MOD_KEYWORDS = frozenset(SCORE_MOD_NAMES)
 _SIGNED = frozenset((*SETTINGS, "backend"))  # what a call's plan-cache signature holds besides tensors
-# A call whose keywords are all among these looks its plan up first (attention's warm path).
-_PLAIN_KEYWORDS = _SIGNED | (_KEYWORDS & frozenset(DROPOUT_NAMES))
+# A call whose keywords are all among these looks its plan up first (attention's warm path): settings,
+# dropout state and score_mods (a mask_mod is rewritten on every call, so it goes the full way).
+_WARM_KEYWORDS = _SIGNED | (_KEYWORDS & frozenset(DROPOUT_NAMES)) | (_SCORE_MOD_KEYWORDS - {"mask_mod"})
 
 
 def _meta(x, name: str) -> TensorMeta | None:
@@ -110,13 +111,17 @@ def attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | 
         >>> q = k = v = torch.randn(2, 128, 8, 64)
         >>> out = attention(q, k, v, mask="causal")
     """
-    # A call with settings only (no tensor options, no score_mod) looks its plan up before anything
+    # A call without tensor options (settings and maybe a score_mod) looks its plan up before anything
     # else is read: the warm path of most calls. Any other call, and any miss, goes on below.
-    plain = _PLAIN_KEYWORDS.issuperset(options) and not torch.compiler.is_compiling() and not _explaining.get()
-    if plain:
-        signature, planned = _recalled(_signature(q, k, v, None, None, (), options, None))
+    warm = _WARM_KEYWORDS.issuperset(options) and not torch.compiler.is_compiling() and not _explaining.get()
+    if warm:
+        has_mod = _has_mod(options)
+        signature, planned = _recalled(_signature(q, k, v, None, None, (), options,
+                                                  _score_mod_names(options) if has_mod else None))
         if planned is not None and planned[2] is not None:
-            return _native_call(planned[2], signature, planned, q, k, v, None, None, None, options)
+            binding = score_mod_bindings.recall(signature, options) if has_mod else None
+            if binding is not None or not has_mod:
+                return _native_call(planned[2], signature, planned, q, k, v, None, None, binding, options)
     if not _KEYWORDS.issuperset(options):
         check_keywords(API, options, "torch")
     get = options.get
@@ -134,7 +139,7 @@ def attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | 
             if result is not None:
                 return result
             options["mask_mod"] = documents.fallback  # ids not sorted: the mask runs in the graph
-    has_mod = not _SCORE_MOD_KEYWORDS.isdisjoint(options) and any(get(name) is not None for name in SCORE_MOD_NAMES)
+    has_mod = _has_mod(options)
     if compiling:
         if has_mod:
             return _compiled_score_mod_attention(q, k, v, options)
@@ -147,7 +152,7 @@ def attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | 
     trusted = given and (get("max_seqlen_q") is not None and get("max_seqlen_kv") is not None
                          and all(x is None or (isinstance(x, torch.Tensor) and x.is_cuda) for x in offsets))
     signed = (q, k, v, bias, sink, offsets if trusted else (), options, _score_mod_names(options) if has_mod else None)
-    if not plain:
+    if not warm:
         # ALiBi slopes decide the config (cuDNN's built-in ALiBi has the paper's slopes only), so
         # calls with slopes read their values every time and take the full path; so do offsets whose
         # values are checked.
@@ -385,6 +390,14 @@ def _recalled(signature) -> tuple:
         return signature, recall_call(signature)
     except TypeError:
         return None, None
+
+
+def _has_mod(options: dict) -> bool:
+    """Whether a call has score_mod callbacks or tensors (a keyword given as None does not count)."""
+    if _SCORE_MOD_KEYWORDS.isdisjoint(options):
+        return False
+    get = options.get
+    return any(get(name) is not None for name in SCORE_MOD_NAMES)
 
 
 def _score_mod_names(options: dict) -> tuple:

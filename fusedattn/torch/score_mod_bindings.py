@@ -42,7 +42,7 @@ _BINDINGS: LRUCache = register("torch.score_mod.bindings", LRUCache(CAPACITY))
 
 
 def _given(options: dict) -> tuple:
-    return tuple(options.get(name) for name in SCORE_MOD_NAMES)
+    return tuple(map(options.get, SCORE_MOD_NAMES))
 
 
 def _reads(value) -> tuple | None:
@@ -70,7 +70,7 @@ def _watched(mod: ScoreMod) -> tuple:
 
 def recall(signature, options: dict) -> Binding | None:
     """The binding kept for this signature, if the callbacks and their tensors are unchanged."""
-    kept = _BINDINGS.get(signature)
+    kept = _BINDINGS.peek(signature)  # no lock on the hot path: remember() puts a binding again when made
     if kept is None:
         return None
     given = _given(options)
