@@ -6,7 +6,8 @@ strides of the call's tensors. After that a call is `torch.ops.fusedattn_native.
 k, v, sink, seed, offset, bias, aux, scalars, empty_rows)`: the operator allocates, launches and
 records its C++ autograd node. A score_mod's aux tensors and numbers travel as `aux` and `scalars`
 in the order `operands(cfg)` gives. Where Python's headers exist, the library is also a Python
-module whose `attention` calls the same operator more cheaply (`entry`).
+module whose `attention` calls the same operator more cheaply (`entry`) and whose `tensor_key`
+names a call's tensors for its plan-cache signature in one C call (`tensor_key`).
 Configs it does not run (a score_mod or max_logit with sequence lengths, rows without keys) keep the
 Python path;
 `unavailable()` says why the library cannot be used at all on this machine.
