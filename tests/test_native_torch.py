@@ -260,6 +260,27 @@ def test_the_tensor_key_tells_apart_what_a_plan_depends_on(tensor_key):
     keys = [tensor_key(*args) for args in others]
     assert key not in keys and len(set(keys)) == len(keys)
     assert tensor_key(x, "x") is None and tensor_key(x.to_sparse()) is None and tensor_key() == b""
+    with pytest.warns(UserWarning, match="nested tensors is in prototype stage"):
+        nested = torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(4, 3)])
+    assert tensor_key(x, nested) is None  # its sizes raise in C++: no key, never a crash
+
+
+@pytest.mark.parametrize("odd", ["nested", "sparse"])
+def test_nested_and_sparse_tensors_are_refused_by_name(signature_key, odd):
+    import warnings
+
+    import fusedattn.torch as fat
+
+    x = torch.randn(1, 4, 2, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        bad = (torch.nested.nested_tensor([torch.randn(4, 2, 8), torch.randn(3, 2, 8)]) if odd == "nested"
+               else x.to_sparse())
+    expected = "a nested tensor" if odd == "nested" else "a sparse_coo tensor"
+    with pytest.raises(ValueError, match=f"q: expected a dense \\(strided\\) torch.Tensor, got {expected}"):
+        fat.attention(bad, x, x)
+    with pytest.raises(ValueError, match=f"bias: expected a dense \\(strided\\) torch.Tensor, got {expected}"):
+        fat.attention(x, x, x, bias=bad)
 
 
 @pytest.fixture(scope="module")

@@ -63,6 +63,16 @@ def _meta(x, name: str) -> TensorMeta | None:
     return TensorMeta(tuple(x.shape), OPS.dtype_name(x), str(x.device), x.device.type)
 
 
+def _check_dense(tensors: dict) -> None:
+    """ValueError for a nested or sparse tensor argument: every backend reads dense strided memory."""
+    for name, x in tensors.items():
+        if isinstance(x, torch.Tensor) and (x.is_nested or x.layout != torch.strided):
+            got = (f"a {str(x.layout).removeprefix('torch.')} tensor" if not x.is_nested else
+                   "a nested tensor (sequences of different lengths go as layout='thd' with cu_seqlens_q/kv, "
+                   "or padded with a padding mask)")
+            raise ValueError(f"{API}: {name}: expected a dense (strided) torch.Tensor, got {got}")
+
+
 def _unaligned(**tensors) -> tuple[str, ...]:
     """Names of the GPU tensors whose address is not a multiple of ALIGNMENT bytes (cuDNN copies those)."""
     return tuple(name for name, x in tensors.items()
@@ -186,6 +196,7 @@ def attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | 
                   *offsets)
     else:
         tensors = {"q": q, "k": k, "v": v, **{name: get(name) for name in TENSORS}}
+        _check_dense(tensors)
         differentiable = [x for x in (q, k, v, bias, alibi_slopes, sink) if isinstance(x, torch.Tensor)]
         # One host read of the offsets checks their values and fills missing max lengths.
         call = prepare_call(

@@ -1052,9 +1052,10 @@ PyObject *python_attention(PyObject *, PyObject *const *args, Py_ssize_t nargs) 
 }
 
 // tensor_key(*tensors): bytes that name each tensor's shape, strides, dtype, device and requires_grad
-// (a missing one: None), equal exactly when those agree; None where an argument is no strided tensor.
+// (a missing one: None), equal exactly when those agree; None where an argument is no dense strided
+// tensor with concrete sizes (nested, sparse or symbolic ones: the full path explains them).
 // The plan-cache signature of a repeat call (fusedattn/torch/functional.py) reads it in one call.
-PyObject *python_tensor_key(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+PyObject *python_tensor_key(PyObject *, PyObject *const *args, Py_ssize_t nargs) try {
     std::vector<int64_t> words;
     words.reserve(static_cast<size_t>(nargs) * 16);
     for (Py_ssize_t i = 0; i < nargs; ++i) {
@@ -1064,7 +1065,10 @@ PyObject *python_tensor_key(PyObject *, PyObject *const *args, Py_ssize_t nargs)
         }
         if (!THPVariable_Check(args[i])) Py_RETURN_NONE;
         const Tensor &x = THPVariable_Unpack(args[i]);
-        if (x.layout() != c10::kStrided) Py_RETURN_NONE;
+        if (x.layout() != c10::kStrided || x.is_nested() ||
+            x.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {
+            Py_RETURN_NONE;
+        }
         words.push_back(x.dim());
         words.insert(words.end(), x.sizes().begin(), x.sizes().end());
         words.insert(words.end(), x.strides().begin(), x.strides().end());
@@ -1075,6 +1079,8 @@ PyObject *python_tensor_key(PyObject *, PyObject *const *args, Py_ssize_t nargs)
     }
     return PyBytes_FromStringAndSize(reinterpret_cast<const char *>(words.data()),
                                      static_cast<Py_ssize_t>(words.size() * sizeof(int64_t)));
+} catch (...) {  // a tensor that cannot say its sizes or strides: no key, as for any other odd argument
+    Py_RETURN_NONE;
 }
 
 PyMethodDef entry_methods[] = {
