@@ -990,14 +990,23 @@ void raise_error(const std::exception_ptr &error) {
     }
 }
 
+// The GIL released for a scope (the operator's launch), taken back however the scope ends.
+struct WithoutGil {
+    PyThreadState *state = PyEval_SaveThread();
+    WithoutGil() = default;
+    WithoutGil(const WithoutGil &) = delete;
+    WithoutGil &operator=(const WithoutGil &) = delete;
+    ~WithoutGil() { PyEval_RestoreThread(state); }
+};
+
 PyObject *python_attention(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("fusedattn_native::attention", "")
                          .typed<decltype(attention_autograd)>();
     try {
         if (nargs < kEntryRequired || nargs > kEntryMost) {
-            throw BadArgument{"fusedattn_native.attention: expected 7 to 12 positional arguments, got " +
-                              std::to_string(nargs)};
+            throw BadArgument{"fusedattn_native.attention: expected " + std::to_string(kEntryRequired) + " to " +
+                              std::to_string(kEntryMost) + " positional arguments, got " + std::to_string(nargs)};
         }
         if (!PyLong_Check(args[0])) throw bad(0, "an int", args[0]);
         int64_t plan = PyLong_AsLongLong(args[0]);
@@ -1025,14 +1034,8 @@ PyObject *python_attention(PyObject *, PyObject *const *args, Py_ssize_t nargs) 
         auto offsets = list_argument<Tensor>(args, nargs, 11, "a list of torch.Tensor", read_tensor);
         std::vector<Tensor> outputs;
         {
-            PyThreadState *released = PyEval_SaveThread();
-            try {
-                outputs = op.call(plan, q, k, v, sink, seed, offset, bias, aux, scalars, empty_rows, offsets);
-            } catch (...) {
-                PyEval_RestoreThread(released);
-                throw;
-            }
-            PyEval_RestoreThread(released);
+            WithoutGil released;
+            outputs = op.call(plan, q, k, v, sink, seed, offset, bias, aux, scalars, empty_rows, offsets);
         }
         PyObject *result = PyTuple_New(static_cast<Py_ssize_t>(outputs.size()));
         if (result == nullptr) return nullptr;
