@@ -421,6 +421,7 @@ def test_score_mod_operands_follow_the_graphs_names_and_the_masks_inputs():
     operands = torch_plans.operands(cfg)
     names = operands.graph_names()
     assert names[:1] == ("mod:f.a0",) and names[-3:] == ("sm_masked", "sm_col_shift", "sm_right")  # causal
+    assert operands.value_names() == names[1:]  # the rest pass by value: their slots register as value slots
     aux, scalars = operands.values(bound.values)
     assert [tuple(a.shape) for a in aux] == [(1, 4, 1, 1)]
     assert 30.0 in scalars and scalars[-3:] == [MASKED, 0, 0]

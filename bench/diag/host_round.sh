@@ -13,6 +13,8 @@ grad = torch.randn_like(q)
 for _ in range(500):
     torch.autograd.grad(fat.attention(q, k, v, mask="causal"), (q, k, v), grad)
 torch.cuda.synchronize()
+from fusedattn.backends.cudnn.native import core
+print("fusedattn native profile: launches by route", core.replay_counts())
 PY
 grep "profile" $OUT/native-profile.txt
 timeout ${CUDNN_SECONDS:-200} python3 bench/bench_cudnn.py --seqlens ${SEQLENS:-1024} --out $OUT/cudnn.json \

@@ -73,7 +73,7 @@ def plan(cfg, direction: str, device: int, buffers: tuple[str, ...], scalars: tu
         if unbound:  # a bug of ours: the launch would fail on every call
             raise RuntimeError(f"fusedattn.jax: the {direction} graph binds {unbound}, which the call does not pass")
         uids = (*(uid_of.get(n, core.UNBOUND) for n in buffers), core.WORKSPACE,
-                *(uid_of.get(n, core.UNBOUND) for n in scalars))
+                *(core.value_slot(uid_of[n]) if n in uid_of else core.UNBOUND for n in scalars))
         registered = core.register(blob, uids, device)
         if isinstance(registered, str):
             _warn(f"cuDNN could not rebuild the {direction} graph from its bytes ({registered})")

@@ -73,7 +73,11 @@ class Operands(NamedTuple):
     constants: tuple = ()
 
     def graph_names(self) -> tuple:
-        return (*map(aux_name, self.aux), *map(aux_name, self.scalars), *(name for name, _, _ in self.constants))
+        return (*map(aux_name, self.aux), *self.value_names())
+
+    def value_names(self) -> tuple:
+        """The graph names passed by value (the scalars', then the constants'): 4 bytes each."""
+        return (*map(aux_name, self.scalars), *(name for name, _, _ in self.constants))
 
     def types(self) -> list[int]:
         return [_SCALAR_KINDS[t] for t in (*self.scalar_types, *(dtype for _, _, dtype in self.constants))]

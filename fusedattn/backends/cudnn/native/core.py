@@ -3,7 +3,9 @@ JAX custom call (both find its functions by the path this module loaded).
 
 A plan is a serialized graph plus the uid each of the call's slots binds to (UNBOUND for a slot the
 graph skips, WORKSPACE for JAX's workspace result); its id is the digest of both, so registering the
-same graph from either framework finds one plan. The registry is bounded (PLAN_CAPACITY).
+same graph from either framework finds one plan. The registry is bounded (PLAN_CAPACITY). A launch
+whose pointers (and pass-by-value scalars) came before replays a CUDA graph captured from it instead
+of running cuDNN's execute again (replay.h; REPLAY_SWITCH=0 turns that off).
 """
 
 from __future__ import annotations
@@ -16,11 +18,14 @@ from pathlib import Path
 from fusedattn.backends.cudnn.native import build
 
 __all__ = ["UNBOUND", "WORKSPACE", "NOT_REGISTERED", "PLAN_CAPACITY", "library", "unavailable", "path", "digest",
-           "register", "bounds"]
+           "register", "bounds", "replay_counts", "REPLAY_SWITCH", "value_slot"]
 
 UNBOUND, WORKSPACE = -1, -2  # core_api.h's kUnbound and kWorkspace
 NOT_REGISTERED = -2  # core_api.h's kNotRegistered: fusedattn_core_execute's status for a plan it does not hold
 PLAN_CAPACITY = 4096  # plans the core keeps (least recently used go first)
+REPLAY_SWITCH = "FUSEDATTN_NATIVE_REPLAY"  # read by the core (replay.h)
+VALUE_SLOT = 1 << 40  # core_api.h's kValueSlot
+REPLAY_ROUTES = ("executed", "captured", "replayed", "failed")  # fusedattn_core_replay_counts's order
 
 _lock = threading.Lock()
 _loaded: dict = {}  # "library" (ctypes.CDLL) and "path", once loaded; "reason" once it could not be
@@ -41,6 +46,7 @@ def library() -> ctypes.CDLL:
             core.fusedattn_core_init.argtypes = [ctypes.c_char_p]
             core.fusedattn_core_bounds.restype = ctypes.c_int64
             core.fusedattn_core_bounds.argtypes = [ctypes.c_int64]
+            core.fusedattn_core_replay_counts.argtypes = [ctypes.c_void_p]
             core.fusedattn_core_execute.restype = ctypes.c_int
             core.fusedattn_core_execute.argtypes = [ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p,
                                                     ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
@@ -69,6 +75,13 @@ def path() -> Path:
     return _loaded["path"]
 
 
+def value_slot(uid: int, nbytes: int = 4) -> int:
+    """The registered uid of a slot that passes a pass-by-value scalar (a host pointer to `nbytes`
+    bytes, which both frameworks keep 4 wide): a replayed launch is keyed by its value. A scalar slot
+    left unmarked keeps its plan from replaying (the core cannot tell its pointer from a buffer's)."""
+    return uid + VALUE_SLOT * nbytes
+
+
 def digest(blob: bytes, uids: tuple[int, ...]) -> int:
     """A plan's id: 63 bits of the SHA-256 of its bytes and uids (non-negative, as the core requires)."""
     return int.from_bytes(hashlib.sha256(blob + repr(tuple(uids)).encode()).digest()[:8], "little") >> 1
@@ -91,3 +104,11 @@ def register(blob: bytes, uids: tuple[int, ...], device: int) -> tuple[int, int]
 def bounds(capacity: int = 0) -> int:
     """Sets the registry's bound (when capacity > 0); the number of plans held."""
     return library().fusedattn_core_bounds(capacity)
+
+
+def replay_counts() -> dict[str, int]:
+    """Launches so far by route (REPLAY_ROUTES): through cuDNN's execute, captured into a CUDA graph,
+    replayed from one, and captures that failed."""
+    counts = (ctypes.c_int64 * len(REPLAY_ROUTES))()
+    library().fusedattn_core_replay_counts(counts)
+    return dict(zip(REPLAY_ROUTES, counts))

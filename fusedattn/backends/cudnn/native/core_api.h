@@ -14,6 +14,10 @@ namespace fusedattn_native {
 constexpr int64_t kUnbound = -1;    // a slot the graph does not read or write
 constexpr int64_t kWorkspace = -2;  // the slot that serves as cuDNN's workspace (JAX: a result buffer)
 constexpr int kNotRegistered = -2;  // fusedattn_core_execute's status for a plan it does not hold
+// A slot that passes a pass-by-value scalar (a host pointer to its bytes) registers its uid plus
+// kValueSlot times those bytes, so a replayed launch (replay.h) is keyed by the scalar's value, not by
+// where the caller keeps it this time.
+constexpr int64_t kValueSlot = int64_t(1) << 40;
 
 struct CoreApi {
     const char *(*last_error)() = nullptr;

@@ -8,7 +8,8 @@
 // (deserialized on first use there), map slot pointers to uids, execute on the caller's stream.
 // Once a device's handle and a plan's graph there exist, a launch finds them without a lock.
 // The registry is bounded (Bounded, bounded.h): the least recently registered-or-used plan goes first;
-// callers that keep a plan alive hold a shared_ptr to it.
+// callers that keep a plan alive hold a shared_ptr to it. A launch whose pointers came before replays
+// a CUDA graph of it instead of running cuDNN's execute again (replay.h).
 
 #include <dlfcn.h>
 
@@ -29,6 +30,7 @@
 
 #include "bounded.h"
 #include "core_api.h"
+#include "replay.h"
 
 namespace cudnn_frontend {
 // The frontend's dynamic-loading shim calls cuDNN through this handle; fusedattn_core_init sets it to
@@ -49,6 +51,7 @@ inline bool indexed(int32_t ordinal) { return ordinal >= 0 && ordinal < kMaxDevi
 struct Plan {
     std::vector<uint8_t> blob;
     std::vector<int64_t> uids;  // one per slot, or kUnbound / kWorkspace
+    std::vector<int8_t> slot_values;  // per slot: the bytes of the scalar it passes by value, else 0
     std::mutex mutex;           // guards graphs and workspace
     std::unordered_map<int32_t, std::unique_ptr<fe::graph::Graph>> graphs;  // by device
     std::unordered_map<int32_t, int64_t> workspace;                         // bytes, by device
@@ -62,12 +65,20 @@ struct Plan {
     // every device (one blob); written with the first graph, before it is published.
     std::vector<int32_t> order;
     std::vector<int64_t> order_uids;
+    // Per pointer in that order: the bytes of the pass-by-value scalar it points to (0: a device
+    // buffer). `replayable` is false when the graph's tensors could not be read to know that.
+    std::vector<int8_t> value_bytes;
+    bool replayable = false;
 #endif
+    // Replays by device (PlanReplays, below), used under that device's launch lock.
+    std::unique_ptr<struct PlanReplays> replays[kMaxDevices];
+    ~Plan();  // waits for a device's queued replays before their kernels' code goes
 };
 
 struct Device {
     cudnnHandle_t handle = nullptr;
-    std::mutex mutex;  // a cuDNN handle serves one launch at a time
+    std::mutex mutex;                 // a cuDNN handle serves one launch at a time
+    cudaStream_t capture = nullptr;   // where launches are captured for replays, made on first use
 };
 
 // FUSEDATTN_NATIVE_DEBUG=1: each step on stderr (what a crash report lacks).
@@ -83,7 +94,7 @@ inline void trace(const std::string &step) {
 class Registry {
    public:
     static Registry &get() {
-        static Registry registry;
+        static Registry &registry = *new Registry;  // never destroyed: no plan teardown while CUDA exits
         return registry;
     }
 
@@ -196,6 +207,55 @@ class Stopwatch {
     std::chrono::steady_clock::time_point last_;
 };
 
+#if CUDNN_FRONTEND_VERSION >= 13200
+// The bytes a launch's key copies from a pass-by-value scalar of `type`; 0 for a type it does not know.
+inline int8_t value_size(fe::DataType_t type) {
+    switch (type) {
+        case fe::DataType_t::FLOAT:
+        case fe::DataType_t::INT32:
+            return 4;
+        case fe::DataType_t::HALF:
+        case fe::DataType_t::BFLOAT16:
+            return 2;
+        case fe::DataType_t::DOUBLE:
+        case fe::DataType_t::INT64:
+            return 8;
+        default:
+            return 0;
+    }
+}
+
+// The bytes of the pass-by-value scalar behind each of `uids` (0: a device buffer): `declared` by the
+// caller (a value slot), else read from the tensors the serialized graph lists (it omits a score_mod's
+// own tensors). "" on success, else why some cannot be known: its launches then never replay.
+inline std::string value_sizes(const std::vector<uint8_t> &blob, const std::vector<int64_t> &uids,
+                               const std::vector<int8_t> &declared, std::vector<int8_t> *sizes) {
+    *sizes = declared;
+    std::vector<bool> known(uids.size());
+    for (size_t j = 0; j < uids.size(); ++j) known[j] = declared[j] > 0;
+    try {
+        auto graph = json::from_ubjson(blob);
+        if (graph.contains("tensors")) {
+            for (auto const &tensor : graph["tensors"]) {
+                auto found = std::find(uids.begin(), uids.end(), tensor.at("uid").get<int64_t>());
+                if (found == uids.end() || known[found - uids.begin()]) continue;
+                known[found - uids.begin()] = true;
+                if (!tensor.at("is_pass_by_value").get<bool>()) continue;
+                int8_t bytes = value_size(tensor.at("data_type").get<fe::DataType_t>());
+                if (bytes == 0) return "a pass-by-value tensor of data type " + tensor.at("data_type").dump();
+                (*sizes)[found - uids.begin()] = bytes;
+            }
+        }
+    } catch (const std::exception &error) {
+        return std::string("reading the serialized graph: ") + error.what();
+    }
+    for (size_t j = 0; j < uids.size(); ++j) {
+        if (!known[j]) return "uid " + std::to_string(uids[j]) + " is neither a listed tensor nor a value slot";
+    }
+    return "";
+}
+#endif
+
 // The plan's graph on `ordinal`, deserialized on first use there; its workspace bytes in *workspace.
 inline std::string graph_on(Plan *plan, int32_t ordinal, Device *device, fe::graph::Graph **out,
                             int64_t *workspace) {
@@ -228,6 +288,14 @@ inline std::string graph_on(Plan *plan, int32_t ordinal, Device *device, fe::gra
                 plan->order.push_back(found == plan->uids.end() ? -1
                                                                 : static_cast<int32_t>(found - plan->uids.begin()));
             }
+            std::vector<int8_t> declared;
+            for (int32_t slot : plan->order) declared.push_back(slot < 0 ? 0 : plan->slot_values[slot]);
+            std::string unknown = value_sizes(plan->blob, plan->order_uids, declared, &plan->value_bytes);
+            plan->replayable = unknown.empty();
+            int values = static_cast<int>(std::count_if(plan->value_bytes.begin(), plan->value_bytes.end(),
+                                                        [](int8_t bytes) { return bytes > 0; }));
+            trace(plan->replayable ? "launches replay (" + std::to_string(values) + " pass-by-value scalars)"
+                                   : "launches do not replay: " + unknown);
         }
 #endif
         slot = std::move(graph);
@@ -250,6 +318,186 @@ inline int64_t prepare(Plan *plan, int32_t ordinal, std::string *error) {
     if (error->empty()) *error = graph_on(plan, ordinal, device, &graph, &workspace);
     return error->empty() ? workspace : -1;
 }
+
+// The CUDA runtime's graph entry points (replay.h), found once in the runtime the process loaded.
+inline const GraphApi &graph_api() {
+    static const GraphApi api = [] {
+        GraphApi found;
+        try {
+            auto find = [](const char *name) {
+                return fe::detail::get_cuda_symbol(fe::detail::CudaLibrary::CUDART, name);
+            };
+            found.is_capturing = reinterpret_cast<decltype(found.is_capturing)>(find("cudaStreamIsCapturing"));
+            found.create_stream = reinterpret_cast<decltype(found.create_stream)>(find("cudaStreamCreateWithFlags"));
+            found.begin_capture = reinterpret_cast<decltype(found.begin_capture)>(find("cudaStreamBeginCapture"));
+            found.end_capture = reinterpret_cast<decltype(found.end_capture)>(find("cudaStreamEndCapture"));
+            found.instantiate = reinterpret_cast<decltype(found.instantiate)>(find("cudaGraphInstantiateWithFlags"));
+            found.launch = reinterpret_cast<decltype(found.launch)>(find("cudaGraphLaunch"));
+            found.destroy_exec = reinterpret_cast<decltype(found.destroy_exec)>(find("cudaGraphExecDestroy"));
+            found.destroy_graph = reinterpret_cast<decltype(found.destroy_graph)>(find("cudaGraphDestroy"));
+            found.last_error = reinterpret_cast<decltype(found.last_error)>(find("cudaGetLastError"));
+            found.synchronize = reinterpret_cast<decltype(found.synchronize)>(find("cudaDeviceSynchronize"));
+            found.ok = true;
+        } catch (const std::exception &error) {
+            trace(std::string("no replays: ") + error.what());
+        }
+        return found;
+    }();
+    return api;
+}
+
+// Launches by route, for tests and benchmarks (fusedattn_core_replay_counts).
+struct ReplayCounts {
+    std::atomic<int64_t> executed{0};  // through cuDNN's execute
+    std::atomic<int64_t> captured{0};  // captured into a graph (then replayed)
+    std::atomic<int64_t> replayed{0};  // from a graph captured before
+    std::atomic<int64_t> failed{0};    // captures that failed (their plan executes from then on)
+};
+
+inline ReplayCounts &replay_counts() {
+    static ReplayCounts counts;
+    return counts;
+}
+
+#if CUDNN_FRONTEND_VERSION >= 13200
+// A plan's replays on one device: its graph deserialized again without CUDA-graph retention, and the
+// launches captured from that copy. A retained graph's launches each hold a CUDA user object, and
+// the driver makes the host wait once about 30 of those are queued (measured on an H100: held-GPU
+// loops of 32 launches waited for the GPU, 24 did not; without retention 128 did not). So the plan
+// keeps this copy alive itself: the launches go first (declared last), and ~Plan lets the device
+// finish what is queued before either goes. Launches that a caller's own capture records use the
+// plan's retained graph, as before.
+struct PlanReplays {
+    explicit PlanReplays(const GraphApi *api) : launches(api) {}
+    std::unique_ptr<fe::graph::Graph> graph;
+    Replays launches;
+};
+#else
+struct PlanReplays {
+    Replays launches{nullptr};
+};
+#endif
+
+Plan::~Plan() {
+    for (int32_t ordinal = 0; ordinal < kMaxDevices; ++ordinal) {
+        if (!replays[ordinal] || replays[ordinal]->launches.size() == 0) continue;
+        const GraphApi &api = graph_api();
+        std::string error = on_device(ordinal, [&]() -> std::string {
+            return api.synchronize() == cudaSuccess ? "" : "cudaDeviceSynchronize failed";
+        });
+        if (!error.empty()) {  // (inside a capture, say): leak them rather than free code a launch may run
+            api.last_error();
+            replays[ordinal].release();
+        }
+    }
+}
+
+#if CUDNN_FRONTEND_VERSION >= 13200
+// Captures one execute of `graph` into an executable CUDA graph on the device's capture stream;
+// nullptr when anything fails (the capture is ended and the runtime's error cleared either way).
+inline cudaGraphExec_t capture_launch(int32_t ordinal, Device *device, fe::graph::Graph *graph, void **sorted,
+                                      int reads, void *workspace) {
+    const GraphApi &api = graph_api();
+    if (device->capture == nullptr) {
+        std::string error = on_device(ordinal, [&]() -> std::string {
+            return api.create_stream(&device->capture, cudaStreamNonBlocking) == cudaSuccess ? "" : "failed";
+        });
+        if (!error.empty()) {
+            device->capture = nullptr;
+            api.last_error();
+            return nullptr;
+        }
+    }
+    if (fe::detail::set_stream(device->handle, device->capture) != CUDNN_STATUS_SUCCESS) return nullptr;
+    if (api.begin_capture(device->capture, cudaStreamCaptureModeThreadLocal) != cudaSuccess) {
+        api.last_error();
+        return nullptr;
+    }
+    bool executed = false;
+    try {
+        executed = graph->execute(device->handle, sorted, reads, workspace).is_good();
+    } catch (const std::exception &) {
+    }
+    cudaGraph_t captured = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    if (api.end_capture(device->capture, &captured) == cudaSuccess && executed && captured != nullptr &&
+        api.instantiate(&exec, captured, 0) != cudaSuccess) {
+        exec = nullptr;
+    }
+    if (captured != nullptr) api.destroy_graph(captured);
+    if (exec == nullptr) api.last_error();
+    return exec;
+}
+
+// The plan's graph on `ordinal` deserialized again, retaining nothing in CUDA graphs (PlanReplays).
+inline std::unique_ptr<fe::graph::Graph> unretained_graph(const Plan *plan, int32_t ordinal, Device *device) {
+    auto graph = std::make_unique<fe::graph::Graph>();
+    graph->set_cuda_graph_retention(fe::CudaGraphRetention_t::NONE);
+    std::string error = on_device(ordinal, [&]() -> std::string {
+        auto status = graph->deserialize(device->handle, plan->blob, false, /*run_warmup=*/false);
+        return status.is_good() ? "" : status.get_message();
+    });
+    if (!error.empty()) trace("no replays: deserializing an unretained copy: " + error);
+    return error.empty() ? std::move(graph) : nullptr;
+}
+
+// Launches `plan` on `stream` from a CUDA graph of an earlier launch with the same key, capturing the
+// launch on its key's second sighting (replay.h). True when it launched (the outcome in *error);
+// false when the caller executes the plan instead. Called under the device's launch lock.
+inline bool replay(Plan *plan, int32_t ordinal, Device *device, cudaStream_t stream, void **sorted, int reads,
+                   void *workspace, std::string *error) {
+    const GraphApi &api = graph_api();
+    if (!plan->replayable || !indexed(ordinal) || !replay_enabled() || !api.ok) return false;
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    if (api.is_capturing(stream, &status) != cudaSuccess) {
+        api.last_error();
+        return false;
+    }
+    if (status != cudaStreamCaptureStatusNone) return false;  // the caller's own capture records the launch
+    auto &replays = plan->replays[ordinal];
+    if (!replays) replays = std::make_unique<PlanReplays>(&api);
+    static thread_local std::string key;
+    replay_key(sorted, plan->value_bytes, workspace, &key);
+    bool capture = false;
+    cudaGraphExec_t exec = replays->launches.find(key, &capture);
+    if (exec == nullptr && capture && !replays->graph) {
+        // The copy's first launch runs as a plain execute (its kernels load outside any capture); the
+        // key's next sighting captures.
+        replays->graph = unretained_graph(plan, ordinal, device);
+        if (!replays->graph) {
+            replays->launches.off = true;
+            return false;
+        }
+        replays->launches.sighted(key);
+        if (fe::detail::set_stream(device->handle, stream) != CUDNN_STATUS_SUCCESS) {
+            *error = "cudnnSetStream failed";
+            return true;
+        }
+        replay_counts().executed++;
+        auto executed = replays->graph->execute(device->handle, sorted, reads, workspace);
+        *error = executed.is_good() ? "" : "cuDNN execute: " + executed.get_message();
+        return true;
+    }
+    if (exec == nullptr && capture) {
+        exec = capture_launch(ordinal, device, replays->graph.get(), sorted, reads, workspace);
+        if (exec == nullptr) {
+            replays->launches.off = true;
+            replay_counts().failed++;
+            trace("a capture failed: this plan executes from now on");
+            return false;
+        }
+        replays->launches.keep(key, exec);
+        replay_counts().captured++;
+    } else if (exec != nullptr) {
+        replay_counts().replayed++;
+    }
+    if (exec == nullptr) return false;
+    cudaError_t launched = api.launch(exec, stream);
+    *error = launched == cudaSuccess ? "" : "cudaGraphLaunch failed with error " + std::to_string(launched);
+    if (launched != cudaSuccess) api.last_error();
+    return true;
+}
+#endif
 
 // Executes `plan` on `ordinal` and `stream` with `count` pointers, one per slot (slots the plan
 // leaves unbound are skipped; pass-by-value scalars are host pointers) and a workspace of at least
@@ -288,8 +536,14 @@ inline std::string execute(Plan *plan, int32_t ordinal, cudaStream_t stream, voi
     }
     watch.lap(kBinding);
     std::lock_guard<std::mutex> lock(device->mutex);
+    std::string replayed;
+    if (replay(plan, ordinal, device, stream, sorted, static_cast<int>(reads), workspace, &replayed)) {
+        watch.lap(kExecute);
+        return replayed;
+    }
     if (fe::detail::set_stream(device->handle, stream) != CUDNN_STATUS_SUCCESS) return "cudnnSetStream failed";
     watch.lap(kStream);
+    replay_counts().executed++;
     auto status = graph->execute(device->handle, sorted, static_cast<int>(reads), workspace);
 #else
     // This thread's map from the last launch: clear() keeps its buckets, so only the entries are new.
@@ -313,7 +567,11 @@ inline std::string execute(Plan *plan, int32_t ordinal, cudaStream_t stream, voi
 inline std::shared_ptr<Plan> make_plan(const uint8_t *blob, int64_t size, const int64_t *uids, int64_t count) {
     auto plan = std::make_shared<Plan>();
     plan->blob.assign(blob, blob + size);
-    plan->uids.assign(uids, uids + count);
+    for (int64_t i = 0; i < count; ++i) {  // value slots come as uid + kValueSlot * bytes (core_api.h)
+        bool value = uids[i] >= kValueSlot;
+        plan->uids.push_back(value ? uids[i] % kValueSlot : uids[i]);
+        plan->slot_values.push_back(value ? static_cast<int8_t>(uids[i] / kValueSlot) : 0);
+    }
     return plan;
 }
 
@@ -377,6 +635,15 @@ int fusedattn_core_execute(int64_t plan_id, int32_t device, void *stream, void *
         core_error = error.what();
     }
     return core_error.empty() ? 0 : -1;
+}
+
+// Launches so far by route: executed through cuDNN, captured, replayed, failed captures (four numbers).
+void fusedattn_core_replay_counts(int64_t *counts) {
+    auto &all = fusedattn_native::replay_counts();
+    counts[0] = all.executed.load();
+    counts[1] = all.captured.load();
+    counts[2] = all.replayed.load();
+    counts[3] = all.failed.load();
 }
 
 // Sets the registry's bound (when capacity > 0); the number of plans it holds.

@@ -158,9 +158,17 @@ def forget(cfg: AttentionConfig) -> None:
     _plans.pop(cfg)
 
 
-def _core_plan(built, names: tuple, device: int) -> int | None:
+def _core_plan(built, names: tuple, device: int, values: tuple = ()) -> int | None:
+    """The core plan of a built graph whose slots are `names` (`values`: those passing scalars by value)."""
     blob = bytes(built.graph.serialize(as_bytes=True))
-    uids = tuple(built.tensors[n].get_uid() if n in built.tensors else core.UNBOUND for n in names)
+
+    def uid(name: str) -> int:
+        if name not in built.tensors:
+            return core.UNBOUND
+        found = built.tensors[name].get_uid()
+        return core.value_slot(found) if name in values else found
+
+    uids = tuple(map(uid, names))
     registered = core.register(blob, uids, device)
     if isinstance(registered, str):
         _warn(f"cuDNN could not rebuild a graph from its bytes ({registered}); this configuration keeps the "
@@ -178,13 +186,13 @@ def _warn(message: str) -> None:
 def _register(cfg: AttentionConfig, device: int) -> int | None:
     from fusedattn.backends.cudnn.graph_cache import get_graph
 
-    extra = operands(cfg).graph_names()
+    extra, values = operands(cfg).graph_names(), operands(cfg).value_names()
     forward = get_graph(cfg, "forward", device)
-    forward_plan = _core_plan(forward, FORWARD_SLOTS + extra, device)
+    forward_plan = _core_plan(forward, FORWARD_SLOTS + extra, device, values)
     backward_plan, bias_grad = -1, False
     if cfg.is_training:
         backward = get_graph(cfg, "backward", device)
-        backward_plan = _core_plan(backward, BACKWARD_SLOTS + extra, device)
+        backward_plan = _core_plan(backward, BACKWARD_SLOTS + extra, device, values)
         bias_grad = "dbias" in backward.tensors
     if forward_plan is None or backward_plan is None:
         return None
