@@ -95,8 +95,10 @@ def test_registration_binds_every_buffer_then_the_workspace_then_the_scalars_onc
     assert graphs.calls == 2 and len(fake.registered) == 2
     (blob, uids, device), (_, backward_uids, _) = fake.registered
     assert blob == b"graph-forwardcfg-a" and device == 3  # deserialized on the tracing device at once
-    assert uids == (11, 12, 13, 14, 15, core.UNBOUND, core.WORKSPACE, core.value_slot(21))  # the scalar by value
-    assert backward_uids == (11, 12, 13, 14, 16, 15, 17, 18, 19, core.UNBOUND, core.WORKSPACE, core.value_slot(21))
+    buffer = core.buffer_slot
+    assert uids == (*map(buffer, (11, 12, 13, 14, 15)), core.UNBOUND, core.WORKSPACE, core.value_slot(21))
+    assert backward_uids == (*map(buffer, (11, 12, 13, 14, 16, 15, 17, 18, 19)), core.UNBOUND, core.WORKSPACE,
+                             core.value_slot(21))
     # the call carries what the handler needs to register the plan again: bytes, uids, digest
     attributes = forward.attributes
     assert set(attributes) == {"plan", "blob", "uids"}

@@ -19,3 +19,4 @@ for name, mod in (("builtin", sm.softcap(20.0)), ("flex", lambda s, b, h, qi, ki
     print(name, "routes", core.replay_counts())
 PY
 timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider ${TESTS:-tests/gpu/test_replay_gpu.py} 2>&1 | tee $OUT/gpu-tests.txt | grep -E "passed|failed|^FAILED|^ERROR|^E  " | head -30
+if [ -n "${EXTRA:-}" ]; then eval "$EXTRA"; fi

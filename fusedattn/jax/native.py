@@ -72,7 +72,7 @@ def plan(cfg, direction: str, device: int, buffers: tuple[str, ...], scalars: tu
         unbound = sorted(set(uid_of) - set(buffers) - set(scalars))
         if unbound:  # a bug of ours: the launch would fail on every call
             raise RuntimeError(f"fusedattn.jax: the {direction} graph binds {unbound}, which the call does not pass")
-        uids = (*(uid_of.get(n, core.UNBOUND) for n in buffers), core.WORKSPACE,
+        uids = (*(core.buffer_slot(uid_of[n]) if n in uid_of else core.UNBOUND for n in buffers), core.WORKSPACE,
                 *(core.value_slot(uid_of[n]) if n in uid_of else core.UNBOUND for n in scalars))
         registered = core.register(blob, uids, device)
         if isinstance(registered, str):

@@ -126,6 +126,9 @@ def _call(name: str):
         options = dict(mask="causal", score_mod=_softcap)
     elif name == "bias":
         options = dict(mask="causal", bias=torch.randn(1, 8, 192, 192, generator=gen, device="cuda").to(torch.bfloat16))
+    elif name == "alibi":  # a captured (H,) tensor: an aux device buffer of the graph
+        slopes = torch.rand(8, generator=gen, device="cuda") / 8
+        options = dict(mask="causal", score_mod=lambda s, b, h, q_idx, kv_idx: s + slopes[h] * (kv_idx - q_idx))
     elif name == "thd":
         tensors, options = _thd_call()
     leaves = tuple(x.detach().clone().requires_grad_() for x in tensors)
@@ -137,7 +140,7 @@ def _equal(name, got, want):
         assert torch.equal(a, b), f"{name}: result {i} differs from cuDNN's execute on fresh buffers"
 
 
-@pytest.mark.parametrize("name", ["plain", "softcap", "bias", "thd"])
+@pytest.mark.parametrize("name", ["plain", "softcap", "alibi", "bias", "thd"])
 def test_replays_read_what_their_buffers_hold_now(name):
     """Six steps on the same buffers, their values changed in place each time (inputs, the output's
     gradient, the bias, the THD offsets' lengths): every step's out and gradients equal the same step's

@@ -18,13 +18,13 @@ from pathlib import Path
 from fusedattn.backends.cudnn.native import build
 
 __all__ = ["UNBOUND", "WORKSPACE", "NOT_REGISTERED", "PLAN_CAPACITY", "library", "unavailable", "path", "digest",
-           "register", "bounds", "replay_counts", "REPLAY_SWITCH", "value_slot"]
+           "register", "bounds", "replay_counts", "REPLAY_SWITCH", "value_slot", "buffer_slot"]
 
 UNBOUND, WORKSPACE = -1, -2  # core_api.h's kUnbound and kWorkspace
 NOT_REGISTERED = -2  # core_api.h's kNotRegistered: fusedattn_core_execute's status for a plan it does not hold
 PLAN_CAPACITY = 4096  # plans the core keeps (least recently used go first)
 REPLAY_SWITCH = "FUSEDATTN_NATIVE_REPLAY"  # read by the core (replay.h)
-VALUE_SLOT = 1 << 40  # core_api.h's kValueSlot
+VALUE_SLOT, BUFFER_SLOT = 1 << 40, 1 << 44  # core_api.h's kValueSlot and kBufferSlot
 REPLAY_ROUTES = ("executed", "captured", "replayed", "failed")  # fusedattn_core_replay_counts's order
 
 _lock = threading.Lock()
@@ -80,6 +80,13 @@ def value_slot(uid: int, nbytes: int = 4) -> int:
     bytes, which both frameworks keep 4 wide): a replayed launch is keyed by its value. A scalar slot
     left unmarked keeps its plan from replaying (the core cannot tell its pointer from a buffer's)."""
     return uid + VALUE_SLOT * nbytes
+
+
+def buffer_slot(uid: int) -> int:
+    """The registered uid of a slot that passes a device buffer. A plan replays only when each slot it
+    reads is a buffer_slot or value_slot, or listed by the serialized graph (which omits a score_mod's
+    own tensors)."""
+    return uid + BUFFER_SLOT
 
 
 def digest(blob: bytes, uids: tuple[int, ...]) -> int:

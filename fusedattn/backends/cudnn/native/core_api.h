@@ -18,6 +18,9 @@ constexpr int kNotRegistered = -2;  // fusedattn_core_execute's status for a pla
 // kValueSlot times those bytes, so a replayed launch (replay.h) is keyed by the scalar's value, not by
 // where the caller keeps it this time.
 constexpr int64_t kValueSlot = int64_t(1) << 40;
+// A slot its caller states is a device buffer registers its uid plus kBufferSlot. A plan replays only
+// when every slot it reads is known as one or the other (stated so, or listed by its serialized graph).
+constexpr int64_t kBufferSlot = int64_t(1) << 44;
 
 struct CoreApi {
     const char *(*last_error)() = nullptr;

@@ -51,7 +51,7 @@ inline bool indexed(int32_t ordinal) { return ordinal >= 0 && ordinal < kMaxDevi
 struct Plan {
     std::vector<uint8_t> blob;
     std::vector<int64_t> uids;  // one per slot, or kUnbound / kWorkspace
-    std::vector<int8_t> slot_values;  // per slot: the bytes of the scalar it passes by value, else 0
+    std::vector<int8_t> slot_values;  // per slot: the bytes of its pass-by-value scalar, 0 a buffer, -1 unstated
     std::mutex mutex;           // guards graphs and workspace
     std::unordered_map<int32_t, std::unique_ptr<fe::graph::Graph>> graphs;  // by device
     std::unordered_map<int32_t, int64_t> workspace;                         // bytes, by device
@@ -225,14 +225,17 @@ inline int8_t value_size(fe::DataType_t type) {
     }
 }
 
-// The bytes of the pass-by-value scalar behind each of `uids` (0: a device buffer): `declared` by the
-// caller (a value slot), else read from the tensors the serialized graph lists (it omits a score_mod's
-// own tensors). "" on success, else why some cannot be known: its launches then never replay.
+// The bytes of the pass-by-value scalar behind each of `uids` (0: a device buffer): as `declared` by
+// the caller (-1: not stated), else as the tensors the serialized graph lists say (it omits a
+// score_mod's own tensors). "" on success, else why some cannot be known: its launches never replay.
 inline std::string value_sizes(const std::vector<uint8_t> &blob, const std::vector<int64_t> &uids,
                                const std::vector<int8_t> &declared, std::vector<int8_t> *sizes) {
-    *sizes = declared;
+    sizes->assign(uids.size(), 0);
     std::vector<bool> known(uids.size());
-    for (size_t j = 0; j < uids.size(); ++j) known[j] = declared[j] > 0;
+    for (size_t j = 0; j < uids.size(); ++j) {
+        known[j] = declared[j] >= 0;
+        if (known[j]) (*sizes)[j] = declared[j];
+    }
     try {
         auto graph = json::from_ubjson(blob);
         if (graph.contains("tensors")) {
@@ -289,7 +292,7 @@ inline std::string graph_on(Plan *plan, int32_t ordinal, Device *device, fe::gra
                                                                 : static_cast<int32_t>(found - plan->uids.begin()));
             }
             std::vector<int8_t> declared;
-            for (int32_t slot : plan->order) declared.push_back(slot < 0 ? 0 : plan->slot_values[slot]);
+            for (int32_t slot : plan->order) declared.push_back(slot < 0 ? -1 : plan->slot_values[slot]);
             std::string unknown = value_sizes(plan->blob, plan->order_uids, declared, &plan->value_bytes);
             plan->replayable = unknown.empty();
             int values = static_cast<int>(std::count_if(plan->value_bytes.begin(), plan->value_bytes.end(),
@@ -567,10 +570,18 @@ inline std::string execute(Plan *plan, int32_t ordinal, cudaStream_t stream, voi
 inline std::shared_ptr<Plan> make_plan(const uint8_t *blob, int64_t size, const int64_t *uids, int64_t count) {
     auto plan = std::make_shared<Plan>();
     plan->blob.assign(blob, blob + size);
-    for (int64_t i = 0; i < count; ++i) {  // value slots come as uid + kValueSlot * bytes (core_api.h)
-        bool value = uids[i] >= kValueSlot;
-        plan->uids.push_back(value ? uids[i] % kValueSlot : uids[i]);
-        plan->slot_values.push_back(value ? static_cast<int8_t>(uids[i] / kValueSlot) : 0);
+    for (int64_t i = 0; i < count; ++i) {  // stated slots come as uid + kBufferSlot or kValueSlot * bytes
+        int64_t uid = uids[i];
+        if (uid >= kBufferSlot) {
+            plan->uids.push_back(uid - kBufferSlot);
+            plan->slot_values.push_back(0);
+        } else if (uid >= kValueSlot) {
+            plan->uids.push_back(uid % kValueSlot);
+            plan->slot_values.push_back(static_cast<int8_t>(uid / kValueSlot));
+        } else {
+            plan->uids.push_back(uid);
+            plan->slot_values.push_back(-1);
+        }
     }
     return plan;
 }

@@ -159,14 +159,15 @@ def forget(cfg: AttentionConfig) -> None:
 
 
 def _core_plan(built, names: tuple, device: int, values: tuple = ()) -> int | None:
-    """The core plan of a built graph whose slots are `names` (`values`: those passing scalars by value)."""
+    """The core plan of a built graph whose slots are `names`: device buffers but for `values`, which
+    pass scalars by value (each slot stated, so its launches can replay)."""
     blob = bytes(built.graph.serialize(as_bytes=True))
 
     def uid(name: str) -> int:
         if name not in built.tensors:
             return core.UNBOUND
         found = built.tensors[name].get_uid()
-        return core.value_slot(found) if name in values else found
+        return core.value_slot(found) if name in values else core.buffer_slot(found)
 
     uids = tuple(map(uid, names))
     registered = core.register(blob, uids, device)
