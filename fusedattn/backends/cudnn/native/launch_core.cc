@@ -374,16 +374,18 @@ struct PlanReplays {
     explicit PlanReplays(const GraphApi *api) : launches(api) {}
     std::unique_ptr<fe::graph::Graph> graph;
     Replays launches;
+    bool may_run() const { return graph != nullptr; }  // the copy's work may still be queued
 };
 #else
 struct PlanReplays {
     Replays launches{nullptr};
+    bool may_run() const { return false; }
 };
 #endif
 
 Plan::~Plan() {
     for (int32_t ordinal = 0; ordinal < kMaxDevices; ++ordinal) {
-        if (!replays[ordinal] || replays[ordinal]->launches.size() == 0) continue;
+        if (!replays[ordinal] || !replays[ordinal]->may_run()) continue;
         const GraphApi &api = graph_api();
         std::string error = on_device(ordinal, [&]() -> std::string {
             return api.synchronize() == cudaSuccess ? "" : "cudaDeviceSynchronize failed";
