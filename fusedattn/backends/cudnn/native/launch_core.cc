@@ -208,23 +208,6 @@ class Stopwatch {
 };
 
 #if CUDNN_FRONTEND_VERSION >= 13200
-// The bytes a launch's key copies from a pass-by-value scalar of `type`; 0 for a type it does not know.
-inline int8_t value_size(fe::DataType_t type) {
-    switch (type) {
-        case fe::DataType_t::FLOAT:
-        case fe::DataType_t::INT32:
-            return 4;
-        case fe::DataType_t::HALF:
-        case fe::DataType_t::BFLOAT16:
-            return 2;
-        case fe::DataType_t::DOUBLE:
-        case fe::DataType_t::INT64:
-            return 8;
-        default:
-            return 0;
-    }
-}
-
 // The bytes of the pass-by-value scalar behind each of `uids` (0: a device buffer): as `declared` by
 // the caller (-1: not stated), else as the tensors the serialized graph lists say (it omits a
 // score_mod's own tensors). "" on success, else why some cannot be known: its launches never replay.
@@ -244,16 +227,16 @@ inline std::string value_sizes(const std::vector<uint8_t> &blob, const std::vect
                 if (found == uids.end() || known[found - uids.begin()]) continue;
                 known[found - uids.begin()] = true;
                 if (!tensor.at("is_pass_by_value").get<bool>()) continue;
-                int8_t bytes = value_size(tensor.at("data_type").get<fe::DataType_t>());
+                size_t bytes = fe::detail::get_data_type_size(tensor.at("data_type").get<fe::DataType_t>());
                 if (bytes == 0) return "a pass-by-value tensor of data type " + tensor.at("data_type").dump();
-                (*sizes)[found - uids.begin()] = bytes;
+                (*sizes)[found - uids.begin()] = static_cast<int8_t>(bytes);
             }
         }
     } catch (const std::exception &error) {
         return std::string("reading the serialized graph: ") + error.what();
     }
     for (size_t j = 0; j < uids.size(); ++j) {
-        if (!known[j]) return "uid " + std::to_string(uids[j]) + " is neither a listed tensor nor a value slot";
+        if (!known[j]) return "uid " + std::to_string(uids[j]) + " is neither a stated slot nor a listed tensor";
     }
     return "";
 }
