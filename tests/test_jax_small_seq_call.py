@@ -200,3 +200,20 @@ def test_vmap_of_shared_keys_broadcasts_them_and_thd_runs_item_by_item(launches)
                                           cu_seqlens_kv=jnp.asarray([0, 5, 10], jnp.int32), max_seqlen_q=1,
                                           max_seqlen_kv=5))(q[:, :, 0])
     np.testing.assert_allclose(np.asarray(thd, np.float32), np.asarray(out[:, :, 0], np.float32), atol=1e-3)
+
+
+@pytest.mark.parametrize("before", [None, "/somewhere/triton-cache"])
+def test_importing_jax_triton_leaves_the_triton_cache_dir_as_it_was(tmp_path, monkeypatch, before):
+    """jax-triton's import sets TRITON_CACHE_DIR to "" for the process, after which every Triton kernel torch
+    compiles fails ("Could not create or locate cache dir"): the launcher puts the variable back."""
+    package = tmp_path / "jax_triton"
+    package.mkdir()
+    (package / "__init__.py").write_text("import os\nos.environ['TRITON_CACHE_DIR'] = ''\nIMPORTED = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "jax_triton", raising=False)
+    if before is None:
+        monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    else:
+        monkeypatch.setenv("TRITON_CACHE_DIR", before)
+    assert small_seq_call._jax_triton().IMPORTED
+    assert os.environ.get("TRITON_CACHE_DIR") == before

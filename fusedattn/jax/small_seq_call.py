@@ -11,6 +11,7 @@ are zeroed before the kernel (the kernels write only the rows they own there).
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -24,11 +25,29 @@ from fusedattn.jax.pass_calls import backward_call, forward_call
 __all__ = ["unavailable", "runs", "forward", "backward"]
 
 
+TRITON_CACHE_ENV = "TRITON_CACHE_DIR"
+
+
+def _jax_triton():
+    """jax_triton, imported with Triton's cache directory left as it was: its import sets TRITON_CACHE_DIR
+    to "" for the whole process (it compiles without Triton's file cache), after which every Triton kernel
+    that torch or the small_seq torch launcher compiles fails with "Could not create or locate cache dir"."""
+    before = os.environ.get(TRITON_CACHE_ENV)
+    try:
+        import jax_triton
+    finally:
+        if before is None:
+            os.environ.pop(TRITON_CACHE_ENV, None)
+        else:
+            os.environ[TRITON_CACHE_ENV] = before
+    return jax_triton
+
+
 @functools.cache
 def unavailable() -> str | None:
     """Why the kernels cannot run through jax-triton here (None: they can)."""
     try:
-        import jax_triton  # noqa: F401
+        _jax_triton()
     except ImportError as error:  # jax-triton raises ImportError on a JAX without GPU support, too
         return f"jax-triton is not importable ({error}); pip install jax-triton"
     return None
@@ -68,9 +87,7 @@ def _kernel(cfg: AttentionConfig, backward: bool):
 
 def _launch(kernel, launch: dict, arguments, results, zeroed) -> tuple:
     """The kernel's results: one program per (sequence, KV head); a config has both."""
-    import jax_triton
-
-    return tuple(jax_triton.triton_call(*arguments, kernel=kernel, out_shape=results, zeroed_outputs=zeroed,
+    return tuple(_jax_triton().triton_call(*arguments, kernel=kernel, out_shape=results, zeroed_outputs=zeroed,
                                         **launch))
 
 
