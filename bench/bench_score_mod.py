@@ -45,6 +45,10 @@ and the gradients (the keys of bench_cudnn's rows; max_abs_diff_ref names the re
 keys hold the same against the unmodified call, ~0 on causal_flex and causal rows and clearly > 0 on the others
 (0 there would mean the modification was ignored).
 
+Host time (torch rows at S <= 1024): ours' and cudnn_plain's host_us, the host's enqueue time per call with
+the GPU held by a spin kernel (common.interleaved_host_us: median of --host-rounds interleaved rounds of 30
+calls), and params.host_extra_us = ours - cudnn_plain, what the modification adds to the host's work.
+
 Timing, sizing of big rows and error entries as in bench_cudnn. The JSON (bench/results/score_mod.json by
 default) is rewritten after every row.
 """
@@ -85,6 +89,8 @@ DOCUMENTS = 4  # per batch row
 SEED = bench_cudnn.SEED
 WINDOW = 256  # window_flex: keys back from the query (causal)
 JAX_LOOPS = 3  # softcap_jax: timed loops of `repeats` calls, median taken
+HOST_TIME_MAX_S = 1024  # rows at this S or below also time the host's enqueue per call, ours and cudnn_plain
+HOST_CALLS = 30  # calls per host-time loop
 
 # softcap_jax runs JAX beside torch on one GPU: JAX takes memory as it needs it, not a preallocated pool.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -371,6 +377,17 @@ def _record_diff(params: dict, suffix: str, ours_out: list, theirs: list, mode: 
         params[f"max_abs_diff_{suffix}"] = common.error_entry(error)["error"]
 
 
+def _record_host_time(params: dict, ours_entry: dict, plain_entry: dict, impls: dict, **timing) -> None:
+    """host_us on ours' and cudnn_plain's entries (the host's enqueue time per call, the GPU held) and
+    params.host_extra_us: what the modification adds to the host's work per call."""
+    host = common.interleaved_host_us(impls, calls=HOST_CALLS, **timing)
+    for name, entry in (("ours", ours_entry), ("cudnn_plain", plain_entry)):
+        if name in host:
+            entry["host_us"] = round(host[name], 2)
+    if len(host) == 2:
+        params["host_extra_us"] = round(host["ours"] - host["cudnn_plain"], 2)
+
+
 def native_masks(mask_mod, S: int, device: torch.device, document_ok: bool) -> dict | str:
     """What fusedattn.torch runs mask_mod as at (BATCH, S, S): cuDNN's own masks (tiles skipped), documents as
     THD, and how many conditions stay selects in the score_mod graph; the error text if it cannot say."""
@@ -427,11 +444,15 @@ def run_row(case: Case, mode: str, args, device: torch.device, mods: Modificatio
             if name == "flex_compiled":
                 params["max_abs_diff_ref"] = name
         del outputs
-    del reference, x, mod
-    common.release_memory(device)
-
     if "ms" in ours_entry and "ms" in peers["cudnn_plain"]:
         params["ours_ms_over_cudnn_plain"] = round(ours_entry["ms"] / peers["cudnn_plain"]["ms"], 4)
+        if mod.framework == "torch" and case.S <= HOST_TIME_MAX_S and args.host_rounds > 0:
+            _record_host_time(params, ours_entry, peers["cudnn_plain"], {
+                "ours": ours(x, mod, args.ours_backend),
+                "cudnn_plain": cudnn_plain(case, x, mod.plain_causal, args.ours_backend)},
+                mode=mode, rounds=args.host_rounds, device=device)
+    del reference, x, mod
+    common.release_memory(device)
     ratio = common.best_peer_ratio(ours_entry, {name: peers[name] for name in RATIO_PEERS})
     return {"workload": f"{case.name}-{mode}", "params": params, "metric": "tflops", "ours": ours_entry,
             "peers": peers, "ratio_vs_best_peer": None if ratio is None else round(ratio, 4)}
@@ -463,6 +484,10 @@ def parse_args(argv=None):
     parser.add_argument("--max-ms-per-entry", type=float, default=1000.0,
                         help="cap repeats/warm-up of big rows so an entry's timed calls take about this long "
                              "(estimated at 250 TFLOP/s; 0 = no cap; default 1000)")
+    parser.add_argument("--host-rounds", type=int, default=15,
+                        help=f"rows at S <= {HOST_TIME_MAX_S} (torch): interleaved rounds of {HOST_CALLS} calls "
+                             "timing the host's enqueue per call of ours and cudnn_plain with the GPU held "
+                             "(host_us, params.host_extra_us; 0 = none; default 15)")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                         help="cuda (default); cpu only smoke-tests the script (no cuDNN, wall-clock timing)")
     parser.add_argument("--ours-backend", default=OURS_BACKEND,

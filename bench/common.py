@@ -40,7 +40,7 @@ from fusedattn.cli import choice_list  # noqa: E402  (the suites' list options p
 
 __all__ = [
     "FWD", "FWD_BWD", "MODES", "ROOT", "RESULTS", "Impl", "ResultsFile", "LiveTable",
-    "attention_flops", "tflops", "time_ms", "measure", "error_entry", "max_abs_diff",
+    "attention_flops", "tflops", "time_ms", "interleaved_host_us", "measure", "error_entry", "max_abs_diff",
     "best_peer_ratio", "workload_matches", "device_name", "versions", "today", "choice_list",
 ]
 
@@ -93,6 +93,86 @@ def time_ms(step: Callable[[], object], *, warmup: int, repeats: int, device: to
         step()
         times.append((time.perf_counter() - began) * 1e3)
     return times
+
+
+# --- host time ---------------------------------------------------------------------------------------------------
+
+HOLD_MARGIN_US = 2000.0  # a held loop's spin outlasts twice the plain loop's enqueue time by this much
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def plain_loop(call: Callable[[], object], calls: int, device: torch.device) -> tuple[float, float]:
+    """(enqueue us, synchronize-wait us) per call of `calls` back-to-back calls."""
+    synchronize(device)
+    began = time.perf_counter()
+    for _ in range(calls):
+        call()
+    enqueued = time.perf_counter()
+    synchronize(device)
+    done = time.perf_counter()
+    return (enqueued - began) / calls * 1e6, (done - enqueued) / calls * 1e6
+
+
+def held_loop(call: Callable[[], object], calls: int, hold_cycles: int) -> tuple[float, float, bool]:
+    """(host us, GPU us) per call with the GPU held by a spin kernel while the host enqueues; whether it held."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(hold_cycles)
+    start.record()
+    began = time.perf_counter()
+    for _ in range(calls):
+        call()
+    enqueued = time.perf_counter()
+    end.record()
+    held = not start.query()  # the spin was still running: every call was queued before the GPU reached them
+    end.synchronize()
+    return (enqueued - began) / calls * 1e6, start.elapsed_time(end) * 1e3 / calls, held
+
+
+def spin_cycles_per_us() -> float:
+    """torch.cuda._sleep's clock: cycles per microsecond, measured once."""
+    cycles = 20_000_000
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1000)  # a first launch pays for loading the kernel
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return cycles / (start.elapsed_time(end) * 1e3)
+
+
+def interleaved_host_us(impls: dict, *, mode: str, rounds: int, calls: int, device: torch.device
+                        ) -> dict[str, float]:
+    """Each implementation's host enqueue time per call (us): the median over `rounds` rounds of a loop of
+    `calls` back-to-back calls, on a GPU with the GPU held by a spin kernel, so that only the host's work
+    counts (a round whose spin ended early is dropped). Implementations take turns as in interleaved_ms;
+    one that fails is dropped (it was measured before)."""
+    cycles_per_us = spin_cycles_per_us() if device.type == "cuda" else None
+    samples: dict[str, list[float]] = {name: [] for name in impls}
+    names = list(impls)
+    for index in range(rounds):
+        for name in names if index % 2 == 0 else names[::-1]:
+            if name not in samples:
+                continue
+            impl = impls[name]
+            try:
+                with impl.context():
+                    step = impl.step(mode)
+                    host, _ = plain_loop(step, calls, device)
+                    if cycles_per_us is not None:
+                        hold = int(cycles_per_us * (2 * host * calls + HOLD_MARGIN_US))
+                        host, _, held = held_loop(step, calls, hold)
+                        if not held:
+                            continue
+            except Exception:  # noqa: BLE001 - measured once already; keep that entry
+                del samples[name]
+                continue
+            samples[name].append(host)
+    return {name: statistics.median(values) for name, values in samples.items() if values}
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:

@@ -66,7 +66,6 @@ except ImportError:  # python bench/profile_overhead.py
 SUITE = "overhead"
 PEER = "sdpa"
 CUDNN_PEER = "sdpa_cudnn"  # SDPA forced to cuDNN (GPU only): the same kernels as ours, torch's own launch
-HOLD_MARGIN_US = 2000.0  # the spin outlasts twice the plain loop's enqueue time by this much
 CAP = 30.0  # the softcap variants' cap
 VARIANTS = ("ours_softcap_flex", "ours_softcap_builtin", "ours_alibi_flex", "ours_bias")
 
@@ -114,51 +113,6 @@ def host_and_total_us(fn, n=300) -> tuple[float, float]:
 def per_call_us(fn, n=300) -> float:
     """Wall time per call of n back-to-back calls, synchronized after (profile_jax_overhead uses it too)."""
     return host_and_total_us(fn, n)[1]
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def plain_loop(call: Callable[[], object], calls: int, device: torch.device) -> tuple[float, float]:
-    """(enqueue us, synchronize-wait us) per call of `calls` back-to-back calls."""
-    _synchronize(device)
-    began = time.perf_counter()
-    for _ in range(calls):
-        call()
-    enqueued = time.perf_counter()
-    _synchronize(device)
-    done = time.perf_counter()
-    return (enqueued - began) / calls * 1e6, (done - enqueued) / calls * 1e6
-
-
-def held_loop(call: Callable[[], object], calls: int, hold_cycles: int) -> tuple[float, float, bool]:
-    """(host us, GPU us) per call with the GPU held by a spin kernel while the host enqueues; whether it held."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    torch.cuda._sleep(hold_cycles)
-    start.record()
-    began = time.perf_counter()
-    for _ in range(calls):
-        call()
-    enqueued = time.perf_counter()
-    end.record()
-    held = not start.query()  # the spin was still running: every call was queued before the GPU reached them
-    end.synchronize()
-    return (enqueued - began) / calls * 1e6, start.elapsed_time(end) * 1e3 / calls, held
-
-
-def spin_cycles_per_us() -> float:
-    """torch.cuda._sleep's clock: cycles per microsecond, measured once."""
-    cycles = 20_000_000
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(1000)  # a first launch pays for loading the kernel
-    start.record()
-    torch.cuda._sleep(cycles)
-    end.record()
-    end.synchronize()
-    return cycles / (start.elapsed_time(end) * 1e3)
 
 
 # --- contestants -------------------------------------------------------------------------------------------------
@@ -244,14 +198,14 @@ def sample(contestant: Contestant, calls: int, device: torch.device, cycles_per_
     """One round of one contestant: the plain loop, then (on a GPU) the held loop."""
     call = contestant.call()
     with contestant.context():
-        host, wait = plain_loop(call, calls, device)
+        host, wait = common.plain_loop(call, calls, device)
         contestant.samples["wait"].append(wait)
         contestant.samples["loop"].append(host + wait)
         if cycles_per_us is None:
             contestant.samples["host"].append(host)
             return
-        hold = int(cycles_per_us * (2 * host * calls + HOLD_MARGIN_US))
-        host, gpu, held = held_loop(call, calls, hold)
+        hold = int(cycles_per_us * (2 * host * calls + common.HOLD_MARGIN_US))
+        host, gpu, held = common.held_loop(call, calls, hold)
     contestant.samples["host"].append(host)
     contestant.samples["gpu"].append(gpu)
     contestant.samples["held"].append(held)
@@ -283,7 +237,7 @@ def _warm_up(contestant: Contestant, calls: int, device: torch.device, record: b
                 call()
         for _ in range(calls):
             call()
-    _synchronize(device)
+    common.synchronize(device)
     return list(made)
 
 
@@ -511,7 +465,7 @@ def main(argv=None) -> int:
               "versions": common.versions()}
     print(f"suite {args.suite} on {header['device']}; {len(rows)} rows -> {args.out}", flush=True)
     results = common.ResultsFile(args.out, header, merge=args.merge)
-    cycles_per_us = spin_cycles_per_us() if device.type == "cuda" else None
+    cycles_per_us = common.spin_cycles_per_us() if device.type == "cuda" else None
     print_header()
     for shape, mode in rows:
         began = time.perf_counter()

@@ -1,7 +1,7 @@
 """Host time of a warm forward (no grad) at a shape where the GPU is slower than the host, by piece: the
 public call, the operator's Python entry alone, torch.ops' boxed call, the Python prologue alone (the
 operator replaced by a stub), and SDPA (default dispatch, and forced to cuDNN). Every loop runs with the
-GPU held by a spin kernel (profile_overhead.held_loop), so the enqueue time is the host's alone.
+GPU held by a spin kernel (common.held_loop), so the enqueue time is the host's alone.
 
     python bench/diag/host_pieces.py 8,1024,12,64          # B,S,H,D (causal, bf16, bshd)
     FUSEDATTN_NATIVE_PROFILE=1 python bench/diag/host_pieces.py 8,1024,12,64   # plus the operator's steps
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import profile_overhead  # noqa: E402  (bench/)
+import common  # noqa: E402  (bench/)
 
 import fusedattn.torch as fat  # noqa: E402
 from fusedattn.backends.cudnn.native import torch_plans  # noqa: E402
@@ -61,14 +61,14 @@ def main():
                 "sdpa cudnn (in ctx)": sdpa_cudnn,
                 "3 transposes": lambda: (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)),
                 "empty_like": lambda: torch.empty_like(q)}
-        cycles = profile_overhead.spin_cycles_per_us()
+        cycles = common.spin_cycles_per_us()
         times = {name: [] for name in rows}
         for _ in range(ROUNDS):
             for name, fn in rows.items():
                 for _ in range(5):
                     fn()
                 hold = int(cycles * (2000 + 100 * CALLS))
-                host, _, _ = profile_overhead.held_loop(fn, CALLS, hold)
+                host, _, _ = common.held_loop(fn, CALLS, hold)
                 times[name].append(host)
         for name, values in times.items():
             print(f"{name:>22}: {statistics.median(values):7.2f} us/call (host, GPU held, median of {ROUNDS})",

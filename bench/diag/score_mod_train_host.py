@@ -17,7 +17,7 @@ from fusedattn import score_mods as sm
 from fusedattn.backends.cudnn.native import core
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: its timing loop
-from profile_overhead import held_loop, spin_cycles_per_us  # noqa: E402
+from common import held_loop, spin_cycles_per_us  # noqa: E402
 
 CALLS = 50
 
