@@ -298,6 +298,84 @@ def test_the_kept_part_is_one_object_per_shape():
     assert _rewritten(mask_mod, 1, 8, 8)["mask_mod"] is _rewritten(mask_mod, 1, 8, 8)["mask_mod"]
 
 
+# ------------------------------------------------------------------ repeat calls keep their rewrite
+
+def _counted_rewrites(monkeypatch) -> list:
+    from fusedattn.torch import functional
+
+    made = []
+    original = functional.rewrite_mask
+    monkeypatch.setattr(functional, "rewrite_mask", lambda *a, **kw: made.append(1) or original(*a, **kw))
+    return made
+
+
+@torch_side
+def test_a_repeat_call_keeps_its_rewrite_until_the_mask_mod_reads_other_objects(monkeypatch):
+    """A kept rewrite (torch/mask_rewrites.py) serves repeat calls; a closure that now holds another window
+    is rewritten again, and every call agrees with the same mask written as a select."""
+    made = _counted_rewrites(monkeypatch)
+    window = 3
+
+    def sliding(b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx <= window) & (q_idx >= kv_idx)
+
+    gen = torch.Generator().manual_seed(21)
+    q, k, v = (torch.randn(2, 13, 2, 8, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    results = [_torch_run(q, k, v, "bshd", mask_mod=sliding) for _ in range(3)]
+    assert len(made) == 1
+    narrow = _torch_run(q, k, v, "bshd", score_mod=_select(sliding, torch.where))
+    window = 1  # the closure cell holds another int now: rewritten again, never the kept window
+    made.clear()
+    wide = [_torch_run(q, k, v, "bshd", mask_mod=sliding) for _ in range(2)]
+    assert len(made) == 1
+    select = _torch_run(q, k, v, "bshd", score_mod=_select(sliding, torch.where))
+    for got, want in ((results[0], narrow), (results[2], narrow), (wide[1], select)):
+        for a, b in zip([got[0], got[1], *got[2]], [want[0], want[1], *want[2]]):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+    assert not torch.allclose(results[0][0], wide[1][0])
+    made.clear()
+    shorter = [x[:, :9].detach().requires_grad_(True) for x in (q, k, v)]
+    _torch_run(*shorter, "bshd", mask_mod=sliding)
+    assert len(made) == 1  # another shape: another signature, rewritten
+
+
+@torch_side
+def test_padding_lengths_from_a_tensor_are_rewritten_every_call(monkeypatch):
+    """Lengths computed from a captured tensor are not kept: an in-place change must show in the next call."""
+    made = _counted_rewrites(monkeypatch)
+    lengths = torch.tensor([5, 11])
+
+    def key_padding(b, h, q_idx, kv_idx):
+        return kv_idx < lengths[b]
+
+    gen = torch.Generator().manual_seed(22)
+    q, k, v = (torch.randn(2, 11, 2, 8, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    first = _torch_run(q, k, v, "bshd", mask_mod=key_padding)
+    lengths[0] = 2
+    second = _torch_run(q, k, v, "bshd", mask_mod=key_padding)
+    assert len(made) == 2
+    select = _torch_run(q, k, v, "bshd", score_mod=_select(key_padding, torch.where))
+    torch.testing.assert_close(second[0], select[0], rtol=1e-9, atol=1e-9)
+    assert not torch.allclose(first[0], second[0])
+
+
+@torch_side
+def test_a_rewrite_that_made_tensors_is_never_kept():
+    """Offsets computed from a captured tensor (trusted on a GPU, so the call has a signature) stay per call."""
+    from fusedattn.torch import mask_rewrites
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return kv_idx < LENGTHS[b]
+
+    before = {"mask_mod": mask_mod}
+    mask_rewrites.remember(("made tensors",), before, {**before, "mask": "padding", "cu_seqlens_kv": LENGTHS},
+                           ("rewritten",))
+    assert mask_rewrites.recall(("made tensors",), before) is None
+    mask_rewrites.remember(("made none",), before, {**before, "mask": "causal", "mask_mod": None}, ("rewritten",))
+    options, signature = mask_rewrites.recall(("made none",), before)
+    assert options == {"mask_mod": None, "mask": "causal"} and signature == ("rewritten",)
+
+
 # ------------------------------------------------------------------ document masks as THD
 
 def _document_ids(batch, seqlen, seed, sort=True):

@@ -38,7 +38,7 @@ from fusedattn.options import settings as settings_of
 from fusedattn.score_mods.core import as_score_mod, bind, needs_gradient
 from fusedattn.score_mods.mask_rewrite import rewrite_mask
 from fusedattn.selection import ENV_BACKEND, recall_call, remember_call
-from fusedattn.torch import compiled_score_mods, score_mod_bindings, trace_time
+from fusedattn.torch import compiled_score_mods, mask_rewrites, score_mod_bindings, trace_time
 from fusedattn.torch import documents as documents_thd
 from fusedattn.torch.autograd import run_attention
 from fusedattn.torch.ops import backend_of, config_of, register_config
@@ -51,8 +51,9 @@ _KEYWORDS = names("torch")
 _SCORE_MOD_KEYWORDS = frozenset(SCORE_MOD_NAMES)
 _SIGNED = frozenset((*SETTINGS, "backend"))  # what a call's plan-cache signature holds besides tensors
 # A call whose keywords are all among these looks its plan up first (attention's warm path): settings,
-# dropout state and score_mods (a mask_mod is rewritten on every call, so it goes the full way).
+# dropout state and score_mods (a mask_mod is rewritten first: see _MASK_WARM_KEYWORDS).
 _WARM_KEYWORDS = _SIGNED | (_KEYWORDS & frozenset(DROPOUT_NAMES)) | (_SCORE_MOD_KEYWORDS - {"mask_mod"})
+_MASK_WARM_KEYWORDS = _WARM_KEYWORDS | {"mask_mod"}  # and with a mask_mod whose rewrite is kept (mask_rewrites)
 
 
 def _meta(x, name: str) -> TensorMeta | None:
@@ -122,12 +123,22 @@ def attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | 
         >>> out = attention(q, k, v, mask="causal")
     """
     # A call without tensor options (settings and maybe a score_mod) looks its plan up before anything
-    # else is read: the warm path of most calls. Any other call, and any miss, goes on below.
-    warm = _WARM_KEYWORDS.issuperset(options) and not torch.compiler.is_compiling() and not _explaining.get()
+    # else is read: the warm path of most calls. One with a mask_mod too, once its rewrite is known
+    # (mask_rewrites). Any other call, and any miss, goes on below.
+    eager = not torch.compiler.is_compiling() and not _explaining.get()
+    warm = eager and _WARM_KEYWORDS.issuperset(options)
+    rewrite_key = signature = None
+    if eager and not warm and options.get("mask_mod") is not None and _MASK_WARM_KEYWORDS.issuperset(options):
+        rewrite_key = _signature(q, k, v, None, None, (), options, _score_mod_names(options))
+        rewritten = mask_rewrites.recall(rewrite_key, options)
+        if rewritten is not None:
+            options, signature = rewritten
+            warm = True
     if warm:
         has_mod = _has_mod(options)
-        signature, planned = _recalled(_signature(q, k, v, None, None, (), options,
-                                                  _score_mod_names(options) if has_mod else None))
+        if signature is None:
+            signature = _signature(q, k, v, None, None, (), options, _score_mod_names(options) if has_mod else None)
+        signature, planned = _recalled(signature)
         if planned is not None and planned[2] is not None:
             binding = score_mod_bindings.recall(signature, options) if has_mod else None
             if binding is not None or not has_mod:
@@ -141,6 +152,8 @@ def attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | 
         alibi_slopes = options["alibi_slopes"] = torch.as_tensor(
             host_slopes(f"{API}: alibi_slopes", alibi_slopes), device=q.device)
     compiling = torch.compiler.is_compiling()
+    documents = None
+    before_rewrite = options
     if get("mask_mod") is not None and not compiling:
         options, documents = rewrite_mask("torch", q, k, v, options, document_ok=_documents_possible(options))
         get = options.get
@@ -168,6 +181,8 @@ def attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | 
         # values are checked.
         signature, planned = _recalled(
             None if alibi_slopes is not None or (given and not trusted) else _signature(*signed))
+        if rewrite_key is not None and documents is None:
+            mask_rewrites.remember(rewrite_key, before_rewrite, options, signature)
     if planned is not None and planned[2] is not None:  # the warm path: one operator call, autograd in C++
         binding = score_mod_bindings.recall(signature, options) if has_mod else None
         if binding is not None or not has_mod:

@@ -1,0 +1,66 @@
+"""Repeat mask_mod calls without rewriting them again.
+
+A call with a mask_mod is rewritten before it is configured (score_mods/mask_rewrite.py: its band
+and length conditions become cuDNN's own masks, the rest stays a select in the graph). That costs
+tens of microseconds of Python a call. The rewrite depends on the call's shapes and settings (its
+plan-cache signature) and on what the mask_mod reads, so a rewrite is kept here under the call's
+signature while the mask_mod reads the same objects (flex.flat_reads, compared by identity as the
+trace cache compares them). A repeat call then takes the warm path with the rewritten options.
+
+Rewrites that made tensors (padding lengths computed from captured tensors on the device) or that
+run documents as THD are not kept: their values can change without the mask_mod reading other
+objects, so those calls rewrite every time.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import NamedTuple
+
+import torch
+
+from fusedattn.cache import LRUCache, register
+from fusedattn.score_mods.flex import flat_reads
+
+__all__ = ["recall", "remember"]
+
+CAPACITY = 256
+_ABSENT = object()
+
+
+class Rewrite(NamedTuple):
+    mask_mod: object  # kept alive: the signature holds its id
+    reads: tuple  # flat_reads(mask_mod) when the rewrite was made
+    changed: dict  # the options the rewrite set (a PartialMask of the kept conditions, mask, window)
+    signature: tuple  # the rewritten call's plan-cache signature
+
+
+_REWRITES: LRUCache = register("torch.mask_mod.rewrites", LRUCache(CAPACITY))
+
+
+def recall(signature, options: dict) -> tuple[dict, tuple] | None:
+    """(rewritten options, their signature) kept for this call, if its mask_mod still reads the same objects."""
+    kept = _REWRITES.peek(signature)  # no lock on the hot path, as score_mod_bindings.recall
+    if kept is None:
+        return None
+    mask_mod = options["mask_mod"]
+    if kept.mask_mod is not mask_mod:
+        return None
+    reads = flat_reads(mask_mod)
+    if reads is None or len(reads) != len(kept.reads) or not all(map(operator.is_, reads, kept.reads)):
+        return None
+    return {**options, **kept.changed}, kept.signature
+
+
+def remember(signature, before: dict, after: dict, rewritten_signature) -> None:
+    """Keep the rewrite of `before` into `after` (their signatures) for the next call, where it may be kept."""
+    if signature is None or rewritten_signature is None:
+        return
+    mask_mod = before["mask_mod"]
+    reads = flat_reads(mask_mod)
+    if reads is None:
+        return
+    changed = {name: value for name, value in after.items() if before.get(name, _ABSENT) is not value}
+    if any(isinstance(value, torch.Tensor) for value in changed.values()):
+        return
+    _REWRITES.put(signature, Rewrite(mask_mod, reads, changed, rewritten_signature))
