@@ -1,0 +1,93 @@
+"""Where a warm score_mod call's extra host time goes, split into Python and the operator: at
+bench_score_mod's S=1024 shape (B4 H16 D128 bf16, inputs requiring grad, not causal), the public call
+and the native operator called directly with the arguments the public call passed it (its Python entry),
+for a plain call, softcap (built-in and flex), a flex ALiBi, a causal mask_mod and the built-in causal()
+score_mod. Host us per call with the GPU held, interleaved rounds, in one process; then cProfile of the
+public softcap call's Python."""
+
+from __future__ import annotations
+
+import cProfile
+import pstats
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+import fusedattn.torch as fat
+from fusedattn import score_mods as sm
+from fusedattn.backends.cudnn.native import torch_plans
+from fusedattn.torch import functional
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: its timing loops
+from common import held_loop, spin_cycles_per_us  # noqa: E402
+
+CALLS, ROUNDS = 30, 15
+
+
+def main() -> None:
+    q, k, v = (torch.randn(4, 1024, 16, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    slopes = torch.rand(16, device="cuda") / 8
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return 20 * sm.tanh(score / 20)
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    variants = {"plain": {}, "softcap_builtin": {"score_mod": sm.softcap(20.0)}, "softcap_flex": {"score_mod": softcap},
+                "alibi_flex": {"score_mod": alibi}, "causal_mask_mod": {"mask_mod": causal},
+                "causal_builtin": {"score_mod": sm.causal()}, "plain_causal": {"mask": "causal"}}
+    passed = {}
+    original = functional._operator
+
+    def recording(*args):
+        passed["last"] = args
+        return original(*args)
+
+    calls = {}
+    functional._operator = recording
+    for name, options in variants.items():
+        public = (lambda options=options: fat.attention(q, k, v, **options))
+        for _ in range(3):
+            public()
+        args = passed.pop("last", None)
+        calls[name] = public
+        if args is not None:
+            calls[name + " (operator)"] = (lambda args=args: torch_plans.entry(*args))
+        else:
+            print(f"{name}: did not reach the native operator", flush=True)
+    functional._operator = original
+    torch.cuda.synchronize()
+    cycles = spin_cycles_per_us()
+    samples = {name: [] for name in calls}
+    names = list(calls)
+    for index in range(ROUNDS):
+        for name in names if index % 2 == 0 else names[::-1]:
+            host, _, held = held_loop(calls[name], CALLS, int(cycles * 30_000))
+            if held:
+                samples[name].append(host)
+    base = statistics.median(samples["plain"])
+    base_op = statistics.median(samples["plain (operator)"])
+    for name in names:
+        us = statistics.median(samples[name])
+        extra = us - (base_op if name.endswith("(operator)") else base)
+        print(f"{name:>28}: {us:7.1f} us/call host ({extra:+6.1f} over plain), {len(samples[name])} rounds", flush=True)
+    for name in ("softcap_builtin", "causal_mask_mod"):
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(500):
+            calls[name]()
+        profile.disable()
+        torch.cuda.synchronize()
+        print(f"--- cProfile of {name}, 500 calls")
+        pstats.Stats(profile).sort_stats("tottime").print_stats(14)
+
+
+if __name__ == "__main__":
+    main()
