@@ -358,6 +358,47 @@ def test_rows_a_score_mod_masks_whole_get_zero_output_and_no_gradient():
         assert_close_to_exact(f"grad {i}", got, s, e)
 
 
+@pytest.mark.parametrize("layout", ["bhsd", "sbhd"])
+def test_rows_without_keys_in_other_layouts_and_without_grad(layout):
+    """The empty-rows kernel (backends/cudnn/empty_rows_kernel.py) writes the output through the layout's
+    strides; an inference call turns cuDNN's LSE into the returned one in place."""
+    from fusedattn import score_mods as sm
+
+    def every_third_row(score, b, h, q_idx, kv_idx):
+        return sm.where((q_idx % 3 != 1) & (kv_idx <= q_idx), score, -float("inf"))
+
+    gen = torch.Generator(device="cuda").manual_seed(17)
+    shape = {"bhsd": (2, 8, 200, 64), "sbhd": (200, 2, 8, 64)}[layout]
+    q, k, v = (torch.randn(shape, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(3))
+    empty = (slice(None), slice(None), slice(1, None, 3))  # (B, H, S) rows of the LSE
+    with torch.no_grad():
+        got = fat.attention(q, k, v, layout=layout, score_mod=every_third_row, return_lse=True)
+        want = fat.attention(q.double(), k.double(), v.double(), layout=layout, score_mod=every_third_row,
+                             return_lse=True, backend="reference")
+    assert torch.isinf(got.lse[empty]).all() and (got.lse[empty] < 0).all()
+    torch.testing.assert_close(got.lse, want.lse.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got.out.double(), want.out, atol=2e-2, rtol=2e-2)
+
+
+def test_rows_without_keys_are_cleared_by_one_kernel_not_torch_ops():
+    """A masking score_mod's warm call launches the cuDNN graph and the empty-rows kernel, and none of the
+    torch ops (masked_fill) the operator falls back to without the kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from fusedattn import score_mods as sm
+
+    q, k, v = _inputs(seed=12)
+    for _ in range(3):
+        out = fat.attention(q, k, v, score_mod=sm.causal())
+    assert _ran_native(out)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fat.attention(q, k, v, score_mod=sm.causal())
+        torch.cuda.synchronize()
+    names = [event.key for event in prof.key_averages()]
+    assert any("clear_empty_rows" in name for name in names), names
+    assert not any("masked_fill" in name for name in names), names
+
+
 def test_a_learning_bias_with_a_nonlinear_score_mod_is_declined_by_cudnn_not_run_wrong():
     """cuDNN 9.19 returned dBias multiplied by the softcap's derivative (an error of 4.9 against the float64
     reference, measured): such calls go to the reference, with the reason; a bias that does not learn runs."""

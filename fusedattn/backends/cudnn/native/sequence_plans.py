@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from fusedattn.config import AttentionConfig
 
-__all__ = ["KERNELS", "FORWARD_SEQUENCE_SLOTS", "BACKWARD_SEQUENCE_SLOTS", "values", "kernels"]
+__all__ = ["KERNELS", "FORWARD_SEQUENCE_SLOTS", "BACKWARD_SEQUENCE_SLOTS", "values", "kernels", "compile_kernel"]
 
 # Graph tensors that read the table, in the slot order of torch_op.cc (after each graph's own slots).
 FORWARD_SEQUENCE_SLOTS = ("seq_len_q", "seq_len_kv", "ro_q", "ro_k", "ro_v", "ro_o", "ro_stats")
@@ -68,6 +68,13 @@ def kernels(cfg: AttentionConfig, stats: bool, target=None) -> list:
 
 
 def _compile(function, cfg: AttentionConfig, target, constants: dict) -> tuple:
+    return compile_kernel(function, cfg.dtype, target, constants, _POINTERS)
+
+
+def compile_kernel(function, dtype: str, target, constants: dict, pointers: dict) -> tuple:
+    """(cubin, name, warps, shared bytes) of a Triton kernel for the operator's launch: `pointers` names
+    its pointer arguments' element types (None: the call's dtype), every other argument is int64 but
+    the float32 ones of _FLOATS. target: a triton GPUTarget; the current device's when None."""
     import triton
     from triton.compiler import ASTSource
 
@@ -76,8 +83,8 @@ def _compile(function, cfg: AttentionConfig, target, constants: dict) -> tuple:
         if function.params[index].is_constexpr:
             signature[name] = "constexpr"
             constexprs[(index,)] = constants[name]
-        elif name in _POINTERS:
-            signature[name] = _POINTERS[name] or _IO_TYPES[cfg.dtype]
+        elif name in pointers:
+            signature[name] = pointers[name] or _IO_TYPES[dtype]
         else:
             signature[name] = "fp32" if name in _FLOATS else "i64"
     target = target or triton.runtime.driver.active.get_current_target()

@@ -189,6 +189,10 @@ struct TorchPlan {
     int64_t aux_count = 0;     // score_mod aux tensors, bound after the graph's own slots
     std::vector<int64_t> scalar_types;  // score_mod scalars (ScalarType), bound after the aux tensors
     std::shared_ptr<SequencePlan> sequences;  // padded and THD plans only
+    // A score_mod plan's kernel for rows left without keys (backends/cudnn/empty_rows_kernel.py), and the
+    // LSE rows each of its programs visits; without one, clear_empty_rows runs torch ops.
+    std::unique_ptr<fusedattn_native::TritonKernel> empty_rows;
+    int64_t empty_rows_per_program = 0;
 
     bool ragged() const { return sequences != nullptr && sequences->ragged; }
     // Whether a training forward returns the stats its backward reads apart from the LSE: +inf for rows a
@@ -503,10 +507,26 @@ std::vector<Tensor> forward_outputs(const TorchPlan &plan, const Tensor &q) {
 Tensor clear_empty_rows(const TorchPlan &plan, std::vector<Tensor> &outputs) {
     TORCH_CHECK(plan.stats, "fusedattn: a plan with empty_rows writes the LSE");
     Tensor raw = outputs[1];
+    bool training = plan.backward >= 0;
+    if (plan.empty_rows != nullptr && plan.sequences == nullptr && raw.dim() == 3) {  // one kernel, (B, H, S) rows
+        Tensor rows = outputs[0].permute(plan.to_bhsd);
+        Tensor lse = training ? at::empty_like(raw) : raw;
+        int64_t count = raw.numel();
+        std::vector<uint64_t> words = {word(rows), word(raw), word(lse), word(count), word(raw.size(1)),
+                                       word(raw.size(2)), word(rows.stride(0)), word(rows.stride(1)),
+                                       word(rows.stride(2))};
+        int64_t programs = (count + plan.empty_rows_per_program - 1) / plan.empty_rows_per_program;
+        std::string error = plan.empty_rows->launch(raw.device().index(), current_stream(raw.device()), programs,
+                                                    words);
+        TORCH_CHECK(error.empty(), "fusedattn: ", error);
+        if (!training) return Tensor();
+        outputs[1] = lse;
+        return raw;
+    }
     Tensor empty = raw.ge(kMaskedBelow).logical_not_();  // NaN counts as empty too
     outputs[0].permute(plan.to_bhsd).masked_fill_(empty.unsqueeze(-1), 0);
     constexpr double inf = std::numeric_limits<double>::infinity();
-    if (plan.backward < 0) {
+    if (!training) {
         raw.masked_fill_(empty, -inf);
         return Tensor();
     }
@@ -1209,6 +1229,22 @@ int fusedattn_torch_sequence_kernel(int64_t id, int64_t which, const char *image
     }
     plan->sequences->kernels[which] = std::make_unique<fusedattn_native::TritonKernel>(
         std::string(image, static_cast<size_t>(size)), name, static_cast<int>(warps), static_cast<int>(shared));
+    return 0;
+}
+
+// Gives plan `id` its kernel for rows a score_mod left without keys (before Python hands its id out): a
+// cubin of `size` bytes, its function's name, warps, dynamic shared memory bytes and the LSE rows each
+// program visits. 0 on success.
+int fusedattn_torch_empty_rows_kernel(int64_t id, const char *image, int64_t size, const char *name, int64_t warps,
+                                      int64_t shared, int64_t rows_per_program) {
+    auto plan = torch_plans().find(id);
+    if (plan == nullptr || rows_per_program <= 0) {
+        fusedattn_error = "empty-rows kernel: no torch plan " + std::to_string(id);
+        return 1;
+    }
+    plan->empty_rows = std::make_unique<fusedattn_native::TritonKernel>(
+        std::string(image, static_cast<size_t>(size)), name, static_cast<int>(warps), static_cast<int>(shared));
+    plan->empty_rows_per_program = rows_per_program;
     return 0;
 }
 

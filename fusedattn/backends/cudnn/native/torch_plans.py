@@ -134,6 +134,9 @@ def load_operator(path) -> ctypes.CDLL:
     operator.fusedattn_torch_sequence_kernel.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_char_p,
                                                          ctypes.c_int64, ctypes.c_char_p, ctypes.c_int64,
                                                          ctypes.c_int64]
+    operator.fusedattn_torch_empty_rows_kernel.argtypes = [ctypes.c_int64, ctypes.c_char_p, ctypes.c_int64,
+                                                           ctypes.c_char_p, ctypes.c_int64, ctypes.c_int64,
+                                                           ctypes.c_int64]
     return operator
 
 
@@ -206,7 +209,35 @@ def _register(cfg: AttentionConfig, device: int) -> int | None:
         return None
     if cfg.has_sequence_lengths:
         return plan if _add_sequences(library, plan, cfg, stats) else None
+    if cfg.score_mod_key is not None and stats:
+        _add_empty_rows(library, plan, cfg)
     return plan
+
+
+# Compiled empty-rows kernels by (dtype, head dim, training): a few per process.
+_EMPTY_ROWS_KERNELS: LRUCache = register("torch.native.empty_rows_kernels", LRUCache(32))
+
+
+def _empty_rows_kernel(dtype: str, dim: int, training: bool) -> tuple:
+    from fusedattn.backends.cudnn import empty_rows_kernel
+
+    return _EMPTY_ROWS_KERNELS.get_or_build((dtype, dim, training), lambda: sequence_plans.compile_kernel(
+        empty_rows_kernel.clear_empty_rows, dtype, None, empty_rows_kernel.constants(dim, training),
+        {"OUT": None, **empty_rows_kernel.POINTERS}))
+
+
+def _add_empty_rows(library, plan: int, cfg: AttentionConfig) -> None:
+    """Gives a score_mod plan its kernel for rows the mod leaves without keys; where it cannot be compiled
+    the operator clears those rows with torch ops (correct, a few launches more)."""
+    from fusedattn.backends.cudnn.empty_rows_kernel import ROWS_PER_PROGRAM
+
+    try:
+        image, name, warps, shared = _empty_rows_kernel(cfg.dtype, cfg.head_dim_v, cfg.is_training)
+    except Exception:  # no Triton for this GPU: the torch ops stay
+        return
+    if library.fusedattn_torch_empty_rows_kernel(plan, image, len(image), name.encode(), warps, shared,
+                                                 ROWS_PER_PROGRAM):
+        raise RuntimeError(library.fusedattn_torch_last_error().decode())
 
 
 def _add_sequences(library, plan: int, cfg: AttentionConfig, stats: bool) -> bool:
