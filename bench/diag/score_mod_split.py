@@ -1,9 +1,9 @@
 """Where a warm score_mod call's extra host time goes, split into Python and the operator: at
-bench_score_mod's S=1024 shape (B4 H16 D128 bf16, inputs requiring grad, not causal), the public call
-and the native operator called directly with the arguments the public call passed it (its Python entry),
-for a plain call, softcap (built-in and flex), a flex ALiBi, a causal mask_mod and the built-in causal()
-score_mod. Host us per call with the GPU held, interleaved rounds, in one process; then cProfile of the
-public softcap call's Python."""
+bench_score_mod's S=1024 shape (B4 H16 D128 bf16, inputs requiring grad, not causal), the public call,
+the native operator called directly with the arguments the public call passed it (its Python entry),
+and the public call's forward+backward (torch.autograd.grad of q, k, v), for a plain call, softcap
+(built-in and flex), a flex ALiBi, a causal mask_mod and the built-in causal() score_mod. Host us per
+call with the GPU held, interleaved rounds, in one process; then cProfile of two public calls' Python."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ def main() -> None:
     q, k, v = (torch.randn(4, 1024, 16, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
     slopes = torch.rand(16, device="cuda") / 8
+    grad = torch.randn_like(q)
 
     def softcap(score, b, h, q_idx, kv_idx):
         return 20 * sm.tanh(score / 20)
@@ -58,6 +59,7 @@ def main() -> None:
             public()
         args = passed.pop("last", None)
         calls[name] = public
+        calls[name + " fwd+bwd"] = (lambda public=public: torch.autograd.grad(public(), (q, k, v), grad))
         if args is not None:
             calls[name + " (operator)"] = (lambda args=args: torch_plans.entry(*args))
         else:
@@ -69,14 +71,13 @@ def main() -> None:
     names = list(calls)
     for index in range(ROUNDS):
         for name in names if index % 2 == 0 else names[::-1]:
-            host, _, held = held_loop(calls[name], CALLS, int(cycles * 30_000))
+            host, _, held = held_loop(calls[name], CALLS, int(cycles * 60_000))
             if held:
                 samples[name].append(host)
-    base = statistics.median(samples["plain"])
-    base_op = statistics.median(samples["plain (operator)"])
+    bases = {suffix: statistics.median(samples["plain" + suffix]) for suffix in ("", " (operator)", " fwd+bwd")}
     for name in names:
         us = statistics.median(samples[name])
-        extra = us - (base_op if name.endswith("(operator)") else base)
+        extra = us - bases[next((s for s in (" (operator)", " fwd+bwd") if name.endswith(s)), "")]
         print(f"{name:>28}: {us:7.1f} us/call host ({extra:+6.1f} over plain), {len(samples[name])} rounds", flush=True)
     for name in ("softcap_builtin", "causal_mask_mod"):
         profile = cProfile.Profile()
