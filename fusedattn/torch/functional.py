@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextvars
+import functools
+import operator
 from typing import NamedTuple
 
 import torch
@@ -129,18 +131,19 @@ def attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | 
     warm = eager and _WARM_KEYWORDS.issuperset(options)
     rewrite_key = signature = None
     if eager and not warm and options.get("mask_mod") is not None and _MASK_WARM_KEYWORDS.issuperset(options):
-        rewrite_key = _signature(q, k, v, None, None, (), options, _score_mod_names(options))
+        rewrite_key = _signature(q, k, v, None, None, (), options, _score_mod_names(_mod_keywords(options)))
         rewritten = mask_rewrites.recall(rewrite_key, options)
         if rewritten is not None:
             options, signature = rewritten
             warm = True
     if warm:
-        has_mod = _has_mod(options)
+        mods = _mod_keywords(options)
+        has_mod = mods is not None
         if signature is None:
-            signature = _signature(q, k, v, None, None, (), options, _score_mod_names(options) if has_mod else None)
+            signature = _signature(q, k, v, None, None, (), options, _score_mod_names(mods) if has_mod else None)
         signature, planned = _recalled(signature)
         if planned is not None and planned[2] is not None:
-            binding = score_mod_bindings.recall(signature, options) if has_mod else None
+            binding = score_mod_bindings.recall(signature, mods) if has_mod else None
             if binding is not None or not has_mod:
                 return _native_call(planned[2], signature, planned, q, k, v, None, None, binding, options)
     if not _KEYWORDS.issuperset(options):
@@ -162,7 +165,8 @@ def attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | 
             if result is not None:
                 return result
             options["mask_mod"] = documents.fallback  # ids not sorted: the mask runs in the graph
-    has_mod = _has_mod(options)
+    mods = _mod_keywords(options)
+    has_mod = mods is not None
     if compiling:
         if has_mod:
             return _compiled_score_mod_attention(q, k, v, options)
@@ -174,7 +178,7 @@ def attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | 
     given = not (offsets[0] is None and offsets[1] is None and offsets[2] is None and offsets[3] is None)
     trusted = given and (get("max_seqlen_q") is not None and get("max_seqlen_kv") is not None
                          and all(x is None or (isinstance(x, torch.Tensor) and x.is_cuda) for x in offsets))
-    signed = (q, k, v, bias, sink, offsets if trusted else (), options, _score_mod_names(options) if has_mod else None)
+    signed = (q, k, v, bias, sink, offsets if trusted else (), options, _score_mod_names(mods) if has_mod else None)
     if not warm:
         # ALiBi slopes decide the config (cuDNN's built-in ALiBi has the paper's slopes only), so
         # calls with slopes read their values every time and take the full path; so do offsets whose
@@ -184,7 +188,7 @@ def attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | 
         if rewrite_key is not None and documents is None:
             mask_rewrites.remember(rewrite_key, before_rewrite, options, signature)
     if planned is not None and planned[2] is not None:  # the warm path: one operator call, autograd in C++
-        binding = score_mod_bindings.recall(signature, options) if has_mod else None
+        binding = score_mod_bindings.recall(signature, mods) if has_mod else None
         if binding is not None or not has_mod:
             return _native_call(planned[2], signature, planned, q, k, v, sink, bias, binding, options)
     mod = None
@@ -418,19 +422,27 @@ def _recalled(signature) -> tuple:
         return None, None
 
 
-def _has_mod(options: dict) -> bool:
-    """Whether a call has score_mod callbacks or tensors (a keyword given as None does not count)."""
+_IS_GIVEN = functools.partial(operator.is_not, None)
+
+
+def _mod_keywords(options: dict) -> tuple | None:
+    """The score_mod keywords' values in SCORE_MOD_NAMES' order, or None where the call has no score_mod
+    callbacks or tensors (a keyword given as None does not count)."""
     if _SCORE_MOD_KEYWORDS.isdisjoint(options):
-        return False
-    get = options.get
-    return any(get(name) is not None for name in SCORE_MOD_NAMES)
+        return None
+    given = tuple(map(options.get, SCORE_MOD_NAMES))
+    return given if any(map(_IS_GIVEN, given)) else None
 
 
-def _score_mod_names(options: dict) -> tuple:
-    """The score_mod part of a signature: the callbacks' identities and their tensors' names."""
-    get = options.get
-    return (id(get("score_mod")), id(get("score_mod_bprop")), tuple(get("score_mod_tensors") or ()),
-            tuple(get("score_mod_bprop_tensors") or ()), id(get("mask_mod")))
+_MOD, _BPROP, _MOD_TENSORS, _BPROP_TENSORS, _MASK_MOD = map(SCORE_MOD_NAMES.index, (
+    "score_mod", "score_mod_bprop", "score_mod_tensors", "score_mod_bprop_tensors", "mask_mod"))
+
+
+def _score_mod_names(given: tuple) -> tuple:
+    """The score_mod part of a signature (given: _mod_keywords'): the callbacks' identities and their
+    tensors' names."""
+    return (id(given[_MOD]), id(given[_BPROP]), tuple(given[_MOD_TENSORS] or ()),
+            tuple(given[_BPROP_TENSORS] or ()), id(given[_MASK_MOD]))
 
 
 # ---------------------------------------------------------------- under torch.compile

@@ -31,7 +31,7 @@ class Binding(NamedTuple):
     """One call's score_mod operands for the native operator, and what they were made from."""
 
     given: tuple  # the score_mod keywords' values (kept alive: the signature holds their ids)
-    read: tuple  # what each reads, flat, by identity (see _reads); None for an absent keyword
+    checks: tuple  # (value, what it reads, flat, by identity: see _reads) of each keyword given
     watched: tuple  # (tensor, version) of every tensor the mod holds: in-place changes rebind
     aux: list
     scalars: list
@@ -59,25 +59,20 @@ def _reads(value) -> tuple | None:
     return flat_reads(value)
 
 
-def _same(kept: tuple, now: tuple) -> bool:
-    return len(kept) == len(now) and all(map(operator.is_, kept, now))
-
-
 def _watched(mod: ScoreMod) -> tuple:
     values = [*mod.tensors.values(), *mod.bprop_tensors.values()]
     return tuple((x, x._version) for x in values if isinstance(x, torch.Tensor))
 
 
-def recall(signature, options: dict) -> Binding | None:
-    """The binding kept for this signature, if the callbacks and their tensors are unchanged."""
+def recall(signature, given: tuple) -> Binding | None:
+    """The binding kept for this signature, if the callbacks and their tensors are unchanged. given: the
+    call's score_mod keywords' values in SCORE_MOD_NAMES' order."""
     kept = _BINDINGS.peek(signature)  # no lock on the hot path: remember() puts a binding again when made
-    if kept is None:
+    if kept is None or not all(map(operator.is_, kept.given, given)):  # (equal lengths: SCORE_MOD_NAMES')
         return None
-    given = _given(options)
-    if not _same(kept.given, given):
-        return None
-    for value, read in zip(given, kept.read):
-        if value is not None and not _same(read, _reads(value)):
+    for value, read in kept.checks:
+        now = _reads(value)
+        if now is None or len(now) != len(read) or not all(map(operator.is_, read, now)):
             return None
     for x, version in kept.watched:
         if x._version != version:
@@ -86,8 +81,8 @@ def recall(signature, options: dict) -> Binding | None:
 
 
 def may_empty_rows(cfg, bound: BoundScoreMod) -> bool:
-    """Whether the operator must give rows that lost every key output 0 and LSE -inf (five more small
-    kernels a call, as much host time as the launch itself): score_mods.core.may_empty_rows, reading
+    """Whether the operator must give rows that lost every key output 0 and LSE -inf (one more kernel a
+    call, backends/cudnn/empty_rows_kernel.py): score_mods.core.may_empty_rows, reading
     each float aux tensor once when bound (never on a warm call; while a CUDA graph is captured, where it
     cannot be read, the answer is yes)."""
     def arrays_may_mask(arrays) -> bool:
@@ -104,9 +99,9 @@ def remember(signature, options: dict, cfg, bound: BoundScoreMod, operands) -> B
     aux, scalars = operands.values(bound.values)
     aux = [x if x.data_ptr() % ALIGNMENT == 0 else aligned_copy(x) for x in aux]
     given = _given(options)
-    read = tuple(None if value is None else _reads(value) for value in given)
-    binding = Binding(given, read, _watched(bound.mod), aux, scalars, may_empty_rows(cfg, bound))
-    readable = all(r is not None for value, r in zip(given, read) if value is not None)
+    checks = tuple((value, _reads(value)) for value in given if value is not None)
+    binding = Binding(given, checks, _watched(bound.mod), aux, scalars, may_empty_rows(cfg, bound))
+    readable = all(read is not None for _, read in checks)
     if signature is not None and readable and not needs_gradient(bound.mod):
         _BINDINGS.put(signature, binding)
     return binding
