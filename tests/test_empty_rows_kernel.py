@@ -34,9 +34,12 @@ SHAPES = [(2, 3, 5, 8, "bshd"), (1, 4, 67, 24, "bhsd"), (3, 2, 9, 7, "sbhd"), (1
           (2, 5, 130, 64, "bshd"), (0, 2, 3, 8, "bshd")]
 
 
+@pytest.mark.parametrize("pattern", ["scattered", "last_only", "none"])
 @pytest.mark.parametrize("training", [True, False])
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"{s[0]}x{s[1]}x{s[2]}x{s[3]}-{s[4]}" for s in SHAPES])
-def test_empty_rows_get_zero_output_and_infinite_lse(shape, training):
+def test_empty_rows_get_zero_output_and_infinite_lse(shape, training, pattern):
+    """scattered: rows emptied, NaN and low-but-kept at random; last_only: one empty row, so every other
+    block of rows skips the output; none: nothing changes but the LSE's copy."""
     batch, heads, seqlen, dim, layout = shape
     gen = torch.Generator().manual_seed(batch * 100 + seqlen)
     sizes = {"bshd": (batch, seqlen, heads, dim), "bhsd": (batch, heads, seqlen, dim),
@@ -45,10 +48,13 @@ def test_empty_rows_get_zero_output_and_infinite_lse(shape, training):
     out = torch.randn(sizes, generator=gen).to(torch.bfloat16)
     out_rows = out.permute(to_bhsd)
     raw = torch.randn(batch, heads, seqlen, generator=gen) * 3
-    pick = torch.rand(raw.shape, generator=gen)
-    raw[pick < 0.3] = MASKED_BELOW * 2.5  # emptied by a mask's score
-    raw[(pick >= 0.3) & (pick < 0.35)] = float("nan")
-    raw[(pick >= 0.35) & (pick < 0.4)] = MASKED_BELOW * 0.5  # low, but above the threshold: kept
+    if pattern == "scattered":
+        pick = torch.rand(raw.shape, generator=gen)
+        raw[pick < 0.3] = MASKED_BELOW * 2.5  # emptied by a mask's score
+        raw[(pick >= 0.3) & (pick < 0.35)] = float("nan")
+        raw[(pick >= 0.35) & (pick < 0.4)] = MASKED_BELOW * 0.5  # low, but above the threshold: kept
+    elif pattern == "last_only" and raw.numel():
+        raw.view(-1)[-1] = MASKED_BELOW * 3
     want_out, want_lse, want_stats = _expected(out_rows.clone(), raw.clone(), training)
     lse, stats = empty_rows_kernel.run(out_rows, raw, training)
     torch.testing.assert_close(out_rows, want_out, rtol=0, atol=0)

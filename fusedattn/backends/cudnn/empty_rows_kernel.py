@@ -4,7 +4,7 @@ cuDNN gives such a row the mean of V and an LSE near the mask's score (below MAS
 The library promises output 0 and LSE -inf there, and its backward reads +inf stats for them (so
 their probabilities are 0). With torch ops that is five small kernels and as many launches of host
 time (torch_op.cc: clear_empty_rows, the fallback); this kernel does it in one pass over the LSE,
-writing the output only in the rows it empties.
+writing the output only in the rows it empties (a block of rows with none empty never touches it).
 
 Rows are the LSE's, in its (contiguous) order, a row index split as (i0, i1, i2) over sizes
 (-, N1, N2); the output row starts at i0 * S0 + i1 * S1 + i2 * S2 elements: a dense forward's LSE is
@@ -38,13 +38,14 @@ def clear_empty_rows(OUT, RAW, LSE, ROWS, N1, N2, S0, S1, S2, TRAINING: tl.const
         tl.store(RAW + rows, tl.full([BLOCK_ROWS], float("inf"), tl.float32), mask=empty)
     else:
         tl.store(RAW + rows, tl.full([BLOCK_ROWS], float("-inf"), tl.float32), mask=empty)
-    i2 = rows % N2
-    i1 = (rows // N2) % N1
-    i0 = rows // (N1 * N2)
-    start = i0 * S0 + i1 * S1 + i2 * S2
-    columns = tl.arange(0, BLOCK_DIM)
-    zeros = tl.zeros([BLOCK_ROWS, BLOCK_DIM], dtype=OUT.dtype.element_ty)
-    tl.store(OUT + start[:, None] + columns[None, :], zeros, mask=empty[:, None] & (columns < DIM)[None, :])
+    if tl.max(empty.to(tl.int32), axis=0) > 0:  # most blocks have none: they skip the output entirely
+        i2 = rows % N2
+        i1 = (rows // N2) % N1
+        i0 = rows // (N1 * N2)
+        start = i0 * S0 + i1 * S1 + i2 * S2
+        columns = tl.arange(0, BLOCK_DIM)
+        zeros = tl.zeros([BLOCK_ROWS, BLOCK_DIM], dtype=OUT.dtype.element_ty)
+        tl.store(OUT + start[:, None] + columns[None, :], zeros, mask=empty[:, None] & (columns < DIM)[None, :])
 
 
 def constants(dim: int, training: bool) -> dict:
