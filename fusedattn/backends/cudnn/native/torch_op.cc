@@ -515,7 +515,8 @@ Tensor clear_empty_rows(const TorchPlan &plan, std::vector<Tensor> &outputs) {
         std::vector<uint64_t> words = {word(rows), word(raw), word(lse), word(count), word(raw.size(1)),
                                        word(raw.size(2)), word(rows.stride(0)), word(rows.stride(1)),
                                        word(rows.stride(2))};
-        int64_t programs = (count + plan.empty_rows_per_program - 1) / plan.empty_rows_per_program;
+        int64_t per = plan.empty_rows_per_program;  // rows of one (i0, i1) a program takes (empty_rows_kernel.programs)
+        int64_t programs = raw.size(0) * raw.size(1) * ((raw.size(2) + per - 1) / per);
         std::string error = plan.empty_rows->launch(raw.device().index(), current_stream(raw.device()), programs,
                                                     words);
         TORCH_CHECK(error.empty(), "fusedattn: ", error);
