@@ -46,7 +46,7 @@ keys hold the same against the unmodified call, ~0 on causal_flex and causal row
 (0 there would mean the modification was ignored).
 
 Host time (torch rows at S <= 1024): ours' and cudnn_plain's host_us, the host's enqueue time per call with
-the GPU held by a spin kernel (common.interleaved_host_us: median of --host-rounds interleaved rounds of 30
+the GPU held by a spin kernel (common.interleaved_host_us: median of --host-rounds interleaved rounds of 60
 calls), and params.host_extra_us = ours - cudnn_plain, what the modification adds to the host's work.
 
 Timing, sizing of big rows and error entries as in bench_cudnn. The JSON (bench/results/score_mod.json by
@@ -90,7 +90,7 @@ SEED = bench_cudnn.SEED
 WINDOW = 256  # window_flex: keys back from the query (causal)
 JAX_LOOPS = 3  # softcap_jax: timed loops of `repeats` calls, median taken
 HOST_TIME_MAX_S = 1024  # rows at this S or below also time the host's enqueue per call, ours and cudnn_plain
-HOST_CALLS = 30  # calls per host-time loop
+HOST_CALLS = 60  # calls per host-time loop
 
 # softcap_jax runs JAX beside torch on one GPU: JAX takes memory as it needs it, not a preallocated pool.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -484,10 +484,10 @@ def parse_args(argv=None):
     parser.add_argument("--max-ms-per-entry", type=float, default=1000.0,
                         help="cap repeats/warm-up of big rows so an entry's timed calls take about this long "
                              "(estimated at 250 TFLOP/s; 0 = no cap; default 1000)")
-    parser.add_argument("--host-rounds", type=int, default=15,
+    parser.add_argument("--host-rounds", type=int, default=21,
                         help=f"rows at S <= {HOST_TIME_MAX_S} (torch): interleaved rounds of {HOST_CALLS} calls "
                              "timing the host's enqueue per call of ours and cudnn_plain with the GPU held "
-                             "(host_us, params.host_extra_us; 0 = none; default 15)")
+                             "(host_us, params.host_extra_us; 0 = none; default 21)")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                         help="cuda (default); cpu only smoke-tests the script (no cuDNN, wall-clock timing)")
     parser.add_argument("--ours-backend", default=OURS_BACKEND,
