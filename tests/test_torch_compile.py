@@ -220,3 +220,68 @@ def test_score_mods_of_other_kinds_stay_out_of_the_graph():
     assert compiled_score_mods.in_graph({"score_mod": sm.softcap(3.0)})
     assert not compiled_score_mods.in_graph({"score_mod": sm.alibi([0.5, 0.25])})  # an array: bound per call
     assert not compiled_score_mods.in_graph({"score_mod": lambda s, b, h, q, k: s, "score_mod_tensors": {}})
+
+
+# ---------------------------------------------------------------- captured tensors as graph inputs
+
+GLOBAL_SLOPES = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+
+
+def _alibi_over(slopes):
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+    return alibi
+
+
+def _global_alibi(score, b, h, q_idx, kv_idx):
+    return score + GLOBAL_SLOPES[h] * (kv_idx - q_idx)
+
+
+def test_captured_tensors_are_found_where_the_callback_reads_them():
+    """A compiled call fetches each captured tensor from the closure cell or global the flex callback reads
+    it from; one read through a container (or a ScoreMod's fields) has no such place: the call breaks."""
+    from fusedattn.torch import compiled_score_mods as compiled
+
+    slopes = torch.rand(4)
+    closure = _alibi_over(slopes)
+    found = compiled._sources((closure, None), {"c0": slopes})
+    assert found == (("c0", (0, "closure", 0)),)
+    assert compiled.fetch(closure, None, found[0][1]) is slopes
+    found = compiled._sources((None, _global_alibi), {"c0": GLOBAL_SLOPES})
+    assert found == (("c0", (1, "global", "GLOBAL_SLOPES")),)
+    assert compiled.fetch(None, _global_alibi, found[0][1]) is GLOBAL_SLOPES
+    table = {"slopes": slopes}
+    assert compiled._sources((lambda s, b, h, q, k: s + table["slopes"][h], None), {"c0": slopes}) is None
+    assert compiled._sources(((None,), None), {"c0": slopes}) is None
+
+
+def test_score_mod_aux_binds_the_tensors_of_each_run():
+    """fusedattn::score_mod_aux makes the operator's aux tensors from the tensors a compiled graph passes it:
+    other values give other aux tensors (never the traced ones), its outputs never alias its inputs, and its
+    fake gives the shapes a run gives (torch.library.opcheck)."""
+    from fusedattn.backends.cudnn.native import torch_plans
+    from fusedattn.score_mods.core import as_score_mod, bind
+    from fusedattn.torch import compiled_score_mods as compiled
+    from fusedattn.torch import trace_time
+    from fusedattn.torch.functional import _compiled_description
+
+    traced = torch.rand(4)
+    alibi = _alibi_over(traced)
+    q = torch.randn(2, 16, 4, 8)
+    _, options, described = _compiled_description(q, q, q, {"score_mod": alibi, "mask": "causal"})
+    mod = as_score_mod(compiled.API, alibi, framework="torch", device=q.device)
+    cfg, _, _, bound = trace_time.configure(described, options, None, False, mod)
+    aux, _ = torch_plans.operands(cfg).values(bound.values)
+    key = compiled._remember_aux(mod, ("c0",), cfg, bound.key, aux)
+    other = torch.rand(4) + 1
+    got = torch.ops.fusedattn.score_mod_aux(key, [other])
+    assert len(got) == len(aux) == 1
+    torch.testing.assert_close(got[0].flatten(), other, rtol=0, atol=0)
+    assert got[0].untyped_storage().data_ptr() != other.untyped_storage().data_ptr()
+    eager = bind(compiled.API, mod, batch=2, heads_q=4, seqlen_q=16, seqlen_kv=16, device="cpu", training=False,
+                 like=q)
+    want = torch_plans.operands(cfg).values(eager.values)[0][0]  # (trace time binds shapes only)
+    torch.testing.assert_close(torch.ops.fusedattn.score_mod_aux(key, [traced])[0], want, rtol=0, atol=0)
+    torch.library.opcheck(torch.ops.fusedattn.score_mod_aux.default, (key, [other]))
+    with pytest.raises(RuntimeError, match="no longer registered"):
+        torch.ops.fusedattn.score_mod_aux("fusedattn::score_mod_aux:unknown", [other])

@@ -17,6 +17,7 @@ a new closure (a new cap) traces again, and builds nothing new: numbers are runt
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import math
@@ -325,12 +326,19 @@ def flex_score_mod(api: str, framework: str, score_mod=None, mask_mod=None, devi
     captured = {id(a): a for _, expr, _ in exprs for a in expr.captured}
     tensors.update({f"{_CAPTURED}{i}": array for i, array in enumerate(captured.values())})
 
+    originals = list(captured.values())
+
     def prepare(values: dict, shape: tuple, like):
+        # The captured entries are the traced arrays, or others in their place (a compiled graph's inputs).
+        swapped = {id(a): values[f"{_CAPTURED}{i}"] for i, a in enumerate(originals)
+                   if values.get(f"{_CAPTURED}{i}", a) is not a}
         values = {n: v for n, v in values.items() if not n.startswith(_CAPTURED)}
         ops = namespace(like)
         grid = index_grid(ops, like, shape)
         made: dict = {}  # the derivative often needs the forward's aux again (a mask's condition)
         for prefix, expr, plan in exprs:
+            if swapped:
+                expr = dataclasses.replace(expr, captured=tuple(swapped.get(id(a), a) for a in expr.captured))
             for number, entry in enumerate(plan.aux):
                 same = aux_signature(expr, entry.node)
                 if same not in made:

@@ -9,33 +9,44 @@ operator call with those numbers as constants. They stay right because `touch` r
 code, what the callbacks read: Dynamo guards on it, so a new cap (a global, a closure cell, a
 ScoreMod's number) recompiles, as a changed Python number does in any compiled function.
 
-Not in the graph yet (they run eagerly, one graph break, with GRAPH_BREAK as the reason): mods that
-bind aux tensors (captured tensors such as ALiBi's slopes, index tables), mods whose tensors learn,
-cuDNN-native callbacks score_mod(graph, score,
-tensors), and calls the native operator does not run (sequence lengths, max_logit, ...).
+Tensors a flex callback captures (ALiBi's slopes, an index table) travel as graph inputs: `plan` also
+says where the callback reads each (a closure cell or a global), the traced code fetches them from
+there (Dynamo makes them inputs of the graph), and the custom op fusedattn::score_mod_aux turns them
+into the operator's aux tensors on every run, as an eager call binds them (so new values in the same
+tensors, or new tensors of the same shapes, are read; Dynamo guards on their shapes).
+
+Not in the graph yet (they run eagerly, one graph break, with GRAPH_BREAK as the reason): ScoreMods
+holding tensors, mods whose tensors learn, tensors a callback reads through a helper or a container,
+cuDNN-native callbacks score_mod(graph, score, tensors), and calls the native operator does not run
+(sequence lengths, max_logit, ...).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import numbers
+import types
+from typing import NamedTuple
 
 import torch
 
+from fusedattn.cache import LRUCache, register
 from fusedattn.score_mods.core import ScoreMod, as_score_mod, needs_gradient
 from fusedattn.score_mods.flex import is_flex_score_mod
 from fusedattn.torch import trace_time
 
-__all__ = ["GRAPH_BREAK", "NOT_IN_GRAPH", "in_graph", "passed", "plan", "touch"]
+__all__ = ["GRAPH_BREAK", "NOT_IN_GRAPH", "in_graph", "passed", "plan", "touch", "fetch", "score_mod_aux"]
 
 API = "fusedattn.torch.attention"
 GRAPH_BREAK = (
     "fusedattn.torch.attention with this score_mod runs eagerly inside a compiled model (one graph break). In "
-    "the graph run flex-style callbacks and ScoreMods made outside the compiled function whose values are "
-    "numbers; mods that bind aux tensors (captured tensors, index tables) or learn, cuDNN-native callbacks, "
+    "the graph run flex-style callbacks (with the tensors they capture in closure cells or globals) and "
+    "ScoreMods whose values are numbers; ScoreMods holding tensors, mods that learn, cuDNN-native callbacks, "
     "and calls the native operator does not run are bound per call in Python. Compile with fullgraph=False; "
     "everything around the call still compiles.")
-NOT_IN_GRAPH = (-1, (), False)
+NOT_IN_GRAPH = (-1, (), False, (), "")
+API_AUX = "fusedattn::score_mod_aux"
 _FIELDS = tuple(f.name for f in dataclasses.fields(ScoreMod))
 
 
@@ -79,9 +90,10 @@ def touch(score_mod, mask_mod, like: torch.Tensor) -> None:
 
 @torch._dynamo.assume_constant_result
 def plan(described: tuple, options: tuple, backend, grad_enabled: bool, score_mod, mask_mod, device) -> tuple:
-    """(native plan id, scalars, empty_rows) of a compiled score_mod call, or NOT_IN_GRAPH when the call
-    must run outside the graph (see the module's docstring). score_mod: as `passed` gives it. Dynamo
-    runs this once per distinct call."""
+    """(native plan id, scalars, empty_rows, sources, aux key) of a compiled score_mod call, or NOT_IN_GRAPH
+    when the call must run outside the graph (see the module's docstring). sources: where the callbacks
+    read their captured tensors (see `fetch`), and the aux key names the binding score_mod_aux makes of
+    them ("" without any). score_mod: as `passed` gives it. Dynamo runs this once per distinct call."""
     if isinstance(score_mod, tuple):  # a ScoreMod's fields (passed)
         score_mod = ScoreMod(*score_mod)
     if any(entry is not None for entry in described[6:]):
@@ -102,12 +114,107 @@ def _plan(described, options, backend, grad_enabled, score_mod, mask_mod, device
     mod = as_score_mod(API, score_mod, mask_mod=mask_mod, framework="torch", device=device)
     if mod is None or needs_gradient(mod):
         return NOT_IN_GRAPH
-    if any(isinstance(v, torch.Tensor) for v in (*mod.tensors.values(), *mod.bprop_tensors.values())):
-        return NOT_IN_GRAPH  # captured tensors become aux tensors, bound per call
+    captured = {name: x for name, x in (*mod.tensors.items(), *mod.bprop_tensors.items())
+                if isinstance(x, torch.Tensor)}
+    sources = _sources((score_mod, mask_mod), captured) if captured else ()
+    if sources is None:
+        return NOT_IN_GRAPH  # a ScoreMod's tensors, or a tensor read through a helper or a container
     cfg, selection, _, bound = trace_time.configure(described, options, backend, grad_enabled, mod)
     native = _native_plan_on(cfg, selection.name, device)
     operands = torch_plans.operands(cfg)
-    if native is None or bound is None or operands.aux:
-        return NOT_IN_GRAPH
-    _, scalars = operands.values(bound.values)
-    return native, tuple(scalars), may_empty_rows(cfg, bound)
+    if native is None or bound is None or bool(operands.aux) != bool(captured):
+        return NOT_IN_GRAPH  # (captured tensors that make no aux tensor are not followed: eager binds them)
+    aux, scalars = operands.values(bound.values)
+    if not captured:
+        return native, tuple(scalars), may_empty_rows(cfg, bound), (), ""
+    key = _remember_aux(mod, tuple(name for name, _ in sources), cfg, bound.key, aux)
+    # The captured values can change between runs without a new trace: rows that may empty are cleared.
+    empty_rows = may_empty_rows(cfg, bound) or any(x.is_floating_point() for x in captured.values())
+    return native, tuple(scalars), empty_rows, tuple(source for _, source in sources), key
+
+
+# ---------------------------------------------------------------- captured tensors as graph inputs
+
+def _sources(callbacks: tuple, captured: dict) -> tuple | None:
+    """(name, (callback index, "closure", cell index) or (callback index, "global", name)) for each captured
+    tensor, where a flex callback reads it directly; None where one is not found so (or a callback is a
+    ScoreMod's fields, whose tensors dict the traced code cannot hand over)."""
+    found = []
+    for name, tensor in captured.items():
+        source = None
+        for index, fn in enumerate(callbacks):
+            if not isinstance(fn, types.FunctionType):
+                continue
+            for cell_index, cell in enumerate(fn.__closure__ or ()):
+                if cell.cell_contents is tensor:
+                    source = (index, "closure", cell_index)
+            for global_name in fn.__code__.co_names:
+                if fn.__globals__.get(global_name) is tensor:
+                    source = (index, "global", global_name)
+            if source is not None:
+                break
+        if source is None:
+            return None
+        found.append((name, source))
+    return tuple(found)
+
+
+def fetch(score_mod, mask_mod, source: tuple) -> torch.Tensor:
+    """A captured tensor, read in the traced code where `plan` found it (Dynamo makes it a graph input)."""
+    fn = (score_mod, mask_mod)[source[0]]
+    if source[1] == "closure":
+        return fn.__closure__[source[2]].cell_contents
+    return fn.__globals__[source[2]]
+
+
+class _AuxRecipe(NamedTuple):
+    mod: ScoreMod  # the traced mod, its captured tensors replaced by each run's
+    names: tuple  # the captured tensors' names in mod.tensors, in the order score_mod_aux gets them
+    cfg: object  # the call's config: its shapes bind the mod, its operands order the aux tensors
+    key: tuple  # the bound mod's structural key: a run binding anything else is refused
+    metas: tuple  # (shape, strides, dtype) of each aux tensor, for the fake implementation
+
+
+_AUX_RECIPES: LRUCache = register("torch.compiled.score_mod_aux", LRUCache(1024))
+
+
+def _remember_aux(mod: ScoreMod, names: tuple, cfg, key: tuple, aux: list) -> str:
+    recipe_key = f"{API_AUX}:{hashlib.sha1(repr((key, names, cfg)).encode()).hexdigest()[:24]}"
+    metas = tuple((tuple(x.shape), tuple(x.stride()), x.dtype) for x in aux)
+    _AUX_RECIPES.put(recipe_key, _AuxRecipe(mod, names, cfg, key, metas))
+    return recipe_key
+
+
+def _recipe(key: str) -> _AuxRecipe:
+    recipe = _AUX_RECIPES.peek(key)
+    if recipe is None:
+        raise RuntimeError(f"{API_AUX}: the score_mod of compiled graph key {key!r} is no longer registered "
+                           "(the 1024 most recent are kept); recompile the model (torch._dynamo.reset())")
+    return recipe
+
+
+@torch.library.custom_op(API_AUX, mutates_args=())
+def score_mod_aux(key: str, captured: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The operator's aux tensors of a compiled flex score_mod call, bound from this run's captured tensors."""
+    from fusedattn.backends.cudnn.alignment import ALIGNMENT, aligned_copy
+    from fusedattn.backends.cudnn.native import torch_plans
+    from fusedattn.score_mods.core import bind
+
+    recipe = _recipe(key)
+    cfg = recipe.cfg
+    mod = dataclasses.replace(recipe.mod, tensors={**recipe.mod.tensors, **dict(zip(recipe.names, captured))})
+    bound = bind(API, mod, batch=cfg.batch, heads_q=cfg.heads_q, seqlen_q=cfg.seqlen_q, seqlen_kv=cfg.seqlen_kv,
+                 device=str(captured[0].device), training=cfg.is_training, like=captured[0])
+    if bound.key != recipe.key:
+        raise RuntimeError(f"{API}: a compiled score_mod's captured tensors now build another graph than the "
+                           "one traced; recompile the model (torch._dynamo.reset())")
+    aux, _ = torch_plans.operands(cfg).values(bound.values)
+    storages = {x.untyped_storage().data_ptr() for x in captured}
+    return [aligned_copy(x) if x.data_ptr() % ALIGNMENT or x.untyped_storage().data_ptr() in storages else x
+            for x in aux]  # an op's outputs never alias its inputs
+
+
+@score_mod_aux.register_fake
+def _score_mod_aux_fake(key, captured):
+    like = captured[0]
+    return [like.new_empty_strided(shape, strides, dtype=dtype) for shape, strides, dtype in _recipe(key).metas]

@@ -461,16 +461,20 @@ def _compiled_score_mod_attention(q, k, v, given: dict):
         return _score_mod_call_outside_graph(q, k, v, **given)
     tensors, options, described = _compiled_description(q, k, v, given)
     score_mod, mask_mod = given.get("score_mod"), given.get("mask_mod")
-    native, scalars, empty_rows = compiled_score_mods.plan(
+    native, scalars, empty_rows, sources, aux_key = compiled_score_mods.plan(
         described, tuple(options.items()), given.get("backend"), torch.is_grad_enabled(),
         compiled_score_mods.passed(score_mod), mask_mod, q.device)
     if native < 0:
         return _score_mod_call_outside_graph(q, k, v, **given)
     compiled_score_mods.touch(score_mod, mask_mod, q)
+    aux = []
+    if sources:  # captured tensors: graph inputs, bound into aux tensors on every run
+        captured = [compiled_score_mods.fetch(score_mod, mask_mod, source) for source in sources]
+        aux = torch.ops.fusedattn.score_mod_aux(aux_key, captured)
     unpacked = split_packed(options["layout"], tuple(x for x in tensors[:3] if x is not None))
     seed, offset = _compiled_dropout(q, options, given)
     out, lse = torch.ops.fusedattn_native.attention.default(native, *unpacked, tensors[5], seed, offset, tensors[3],
-                                                            [], list(scalars), empty_rows, [])[:2]
+                                                            list(aux), list(scalars), empty_rows, [])[:2]
     return _compiled_result(out, lse, None, options)
 
 
