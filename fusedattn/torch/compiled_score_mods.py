@@ -75,15 +75,16 @@ def passed(score_mod):
 
 
 def touch(score_mod, mask_mod, like: torch.Tensor) -> None:
-    """Reads, in the traced code, what the callbacks read: flex callbacks run on 0-d stand-ins (dead code
-    the compiler drops), a ScoreMod's numbers are compared with themselves. Dynamo guards on each."""
-    index = like.new_zeros((), dtype=torch.int64)
+    """Reads, in the traced code, what the callbacks read: flex callbacks run on one-element stand-ins (dead
+    code the compiler drops; not 0-d, whose use as an index into a captured tensor Dynamo cannot trace), a
+    ScoreMod's numbers are compared with themselves. Dynamo guards on each."""
+    index = like.new_zeros((1,), dtype=torch.int64)
     if isinstance(score_mod, ScoreMod):
         for value in (*score_mod.tensors.values(), *score_mod.bprop_tensors.values()):
             if isinstance(value, numbers.Number):
                 torch._check(value == value or value != value)  # a guard on the number, nothing at run time
     elif score_mod is not None:  # a flex callback (plan declined the others)
-        score_mod(like.new_zeros((), dtype=torch.float32), index, index, index, index)
+        score_mod(like.new_zeros((1,), dtype=torch.float32), index, index, index, index)
     if mask_mod is not None:
         mask_mod(index, index, index, index)
 
