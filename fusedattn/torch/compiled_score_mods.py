@@ -9,16 +9,18 @@ operator call with those numbers as constants. They stay right because `touch` r
 code, what the callbacks read: Dynamo guards on it, so a new cap (a global, a closure cell, a
 ScoreMod's number) recompiles, as a changed Python number does in any compiled function.
 
-Tensors a flex callback captures (ALiBi's slopes, an index table) travel as graph inputs: `plan` also
-says where the callback reads each (a closure cell or a global), the traced code fetches them from
-there (Dynamo makes them inputs of the graph), and the custom op fusedattn::score_mod_aux turns them
-into the operator's aux tensors on every run, as an eager call binds them (so new values in the same
+Tensors a flex callback reads as globals (ALiBi's slopes, an index table) travel as graph inputs:
+`plan` also says which global holds each, the traced code fetches them from the callback's globals
+(Dynamo makes them inputs of the graph), and the custom op fusedattn::score_mod_aux turns them into
+the operator's aux tensors on every run, as an eager call binds them (so new values in the same
 tensors, or new tensors of the same shapes, are read; Dynamo guards on their shapes).
 
-Not in the graph yet (they run eagerly, one graph break, with GRAPH_BREAK as the reason): ScoreMods
-holding tensors, mods whose tensors learn, tensors a callback reads through a helper or a container,
-cuDNN-native callbacks score_mod(graph, score, tensors), and calls the native operator does not run
-(sequence lengths, max_logit, ...).
+Not in the graph yet (they run eagerly, one graph break, with GRAPH_BREAK as the reason): tensors a
+callback captures in a closure (Dynamo, torch 2.11 to 2.13, cannot hand a closure cell's contents
+to the traced code: "NotImplementedError: CellVariable()"), ScoreMods holding tensors, mods whose
+tensors learn, tensors read through a helper or a container, cuDNN-native callbacks
+score_mod(graph, score, tensors), and calls the native operator does not run (sequence lengths,
+max_logit, ...).
 """
 
 from __future__ import annotations
@@ -41,10 +43,10 @@ __all__ = ["GRAPH_BREAK", "NOT_IN_GRAPH", "in_graph", "passed", "plan", "touch",
 API = "fusedattn.torch.attention"
 GRAPH_BREAK = (
     "fusedattn.torch.attention with this score_mod runs eagerly inside a compiled model (one graph break). In "
-    "the graph run flex-style callbacks (with the tensors they capture in closure cells or globals) and "
-    "ScoreMods whose values are numbers; ScoreMods holding tensors, mods that learn, cuDNN-native callbacks, "
-    "and calls the native operator does not run are bound per call in Python. Compile with fullgraph=False; "
-    "everything around the call still compiles.")
+    "the graph run flex-style callbacks (reading numbers, and tensors held in globals) and ScoreMods whose "
+    "values are numbers; tensors captured in a closure, ScoreMods holding tensors, mods that learn, "
+    "cuDNN-native callbacks, and calls the native operator does not run are bound per call in Python. "
+    "Compile with fullgraph=False; everything around the call still compiles.")
 NOT_IN_GRAPH = (-1, (), False, (), "")
 API_AUX = "fusedattn::score_mod_aux"
 _FIELDS = tuple(f.name for f in dataclasses.fields(ScoreMod))
@@ -137,18 +139,15 @@ def _plan(described, options, backend, grad_enabled, score_mod, mask_mod, device
 # ---------------------------------------------------------------- captured tensors as graph inputs
 
 def _sources(callbacks: tuple, captured: dict) -> tuple | None:
-    """(name, (callback index, "closure", cell index) or (callback index, "global", name)) for each captured
-    tensor, where a flex callback reads it directly; None where one is not found so (or a callback is a
-    ScoreMod's fields, whose tensors dict the traced code cannot hand over)."""
+    """(name, (callback index, "global", name)) for each captured tensor, where a flex callback reads it as
+    a global; None where one is read otherwise (a closure cell, a container, a helper) or a callback is a
+    ScoreMod's fields, whose tensors dict the traced code cannot hand over."""
     found = []
     for name, tensor in captured.items():
         source = None
         for index, fn in enumerate(callbacks):
             if not isinstance(fn, types.FunctionType):
                 continue
-            for cell_index, cell in enumerate(fn.__closure__ or ()):
-                if cell.cell_contents is tensor:
-                    source = (index, "closure", cell_index)
             for global_name in fn.__code__.co_names:
                 if fn.__globals__.get(global_name) is tensor:
                     source = (index, "global", global_name)
@@ -162,10 +161,7 @@ def _sources(callbacks: tuple, captured: dict) -> tuple | None:
 
 def fetch(score_mod, mask_mod, source: tuple) -> torch.Tensor:
     """A captured tensor, read in the traced code where `plan` found it (Dynamo makes it a graph input)."""
-    fn = (score_mod, mask_mod)[source[0]]
-    if source[1] == "closure":
-        return fn.__closure__[source[2]].cell_contents
-    return fn.__globals__[source[2]]
+    return (score_mod, mask_mod)[source[0]].__globals__[source[2]]
 
 
 class _AuxRecipe(NamedTuple):

@@ -592,23 +592,16 @@ def _global_alibi(score, b, h, q_idx, kv_idx):
     return score + GLOBAL_SLOPES[h] * (kv_idx - q_idx)
 
 
-@pytest.mark.parametrize("where", ["closure", "global"])
-def test_flex_score_mods_with_captured_tensors_compile_with_fullgraph(where):
-    """A flex ALiBi over a captured (H,) tensor, read from a closure cell or a global, runs in a fullgraph
-    compiled graph: the tensor is a graph input bound by fusedattn::score_mod_aux on every run, so the
-    graph gives eager's bits forward and backward, and new values in the tensor show in the next run."""
+def test_flex_score_mods_reading_global_tensors_compile_with_fullgraph():
+    """A flex ALiBi over an (H,) tensor it reads as a global runs in a fullgraph compiled graph: the tensor
+    is a graph input bound by fusedattn::score_mod_aux on every run, so the graph gives eager's bits forward
+    and backward, and new values in the tensor show in the next run."""
     global GLOBAL_SLOPES
     q, k, v = _inputs(seed=53)
-    slopes = torch.rand(8, device="cuda") / 4
-    GLOBAL_SLOPES = slopes
-    if where == "closure":
-        def alibi(score, b, h, q_idx, kv_idx):
-            return score + slopes[h] * (kv_idx - q_idx)
-    else:
-        alibi = _global_alibi
+    GLOBAL_SLOPES = torch.rand(8, device="cuda") / 4
 
     def loss(q, k, v):
-        return _loss(q, k, v, score_mod=alibi)
+        return _loss(q, k, v, score_mod=_global_alibi)
 
     targets = _compiled_targets(loss, q, k, v)
     assert NATIVE_OP in targets and "fusedattn.score_mod_aux.default" in targets, targets
@@ -617,22 +610,25 @@ def test_flex_score_mods_with_captured_tensors_compile_with_fullgraph(where):
         torch._dynamo.reset()
         compiled = torch.compile(loss, fullgraph=True, backend=backend)
         grads = torch.autograd.grad(compiled(q, k, v), (q, k, v))
-        assert all(torch.equal(a, b) for a, b in zip(grads, eager)), f"{where} ({backend}) differs from eager"
+        assert all(torch.equal(a, b) for a, b in zip(grads, eager)), f"{backend} differs from eager"
         before = compiled(q, k, v)
-        slopes.mul_(3)
+        GLOBAL_SLOPES.mul_(3)
         after, eager_after = compiled(q, k, v), loss(q, k, v)
         assert torch.equal(after, eager_after) and not torch.equal(before, after), backend
 
 
-@pytest.mark.parametrize("name", ["alibi_builtin", "native_callback"])
+@pytest.mark.parametrize("name", ["alibi_closure", "alibi_builtin", "native_callback"])
 def test_score_mods_bound_per_call_still_break_the_graph_with_a_reason(name):
-    """ScoreMods holding tensors (the built-in ALiBi over a tensor) and cuDNN-native callbacks run eagerly
-    inside a compiled function: fullgraph=True raises the reason, fullgraph=False gives eager's result."""
+    """Tensors captured in a closure (ALiBi's slopes), ScoreMods holding tensors (the built-in ALiBi over a
+    tensor) and cuDNN-native callbacks run eagerly inside a compiled function: fullgraph=True raises the
+    reason, fullgraph=False gives eager's result."""
     from fusedattn import score_mods as sm
 
     q, k, v = _inputs(seed=52)
-    options = (dict(score_mod=sm.alibi(torch.rand(8, device="cuda") / 4)) if name == "alibi_builtin"
-               else dict(score_mod=_row_offset, score_mod_tensors={"width": 64.0}))
+    slopes = torch.rand(8, device="cuda") / 4
+    options = {"alibi_closure": {n: x for n, x in _operand_options("alibi_flex").items() if n != "mask"},
+               "alibi_builtin": dict(score_mod=sm.alibi(slopes)),
+               "native_callback": dict(score_mod=_row_offset, score_mod_tensors={"width": 64.0})}[name]
 
     def loss(q, k, v):
         return _loss(q, k, v, **options)

@@ -424,11 +424,16 @@ struct ScoreModOperands {
     std::vector<void *> pointers;
     std::vector<uint32_t> words;
 
-    ScoreModOperands(const TorchPlan &plan, at::TensorList aux, c10::ArrayRef<double> scalars) {
+    // The counts the plan takes (meta implementations check only these: fake tensors have no data).
+    static void check(const TorchPlan &plan, at::TensorList aux, c10::ArrayRef<double> scalars) {
         TORCH_CHECK(static_cast<int64_t>(aux.size()) == plan.aux_count, "fusedattn: expected ", plan.aux_count,
                     " score_mod aux tensors (the registered plan's), got ", aux.size());
         TORCH_CHECK(scalars.size() == plan.scalar_types.size(), "fusedattn: expected ", plan.scalar_types.size(),
                     " score_mod scalars (the registered plan's), got ", scalars.size());
+    }
+
+    ScoreModOperands(const TorchPlan &plan, at::TensorList aux, c10::ArrayRef<double> scalars) {
+        check(plan, aux, scalars);
         words.resize(scalars.size());
         for (size_t i = 0; i < scalars.size(); ++i) {
             if (plan.scalar_types[i] == kInt32Scalar) {
@@ -623,7 +628,7 @@ std::vector<Tensor> forward_meta(int64_t plan_id, const Tensor &q, const Tensor 
     auto plan = find_plan(plan_id);
     check_shapes(*plan, q, k, v);
     bias_buffer(*plan, bias, q);
-    ScoreModOperands checked(*plan, aux, scalars);
+    ScoreModOperands::check(*plan, aux, scalars);
     auto outputs = forward_outputs(*plan, q);
     if (plan->separate_stats(empty_rows)) outputs.push_back(new_dense(plan->lse_sizes, at::kFloat, q));
     if (plan->sequences != nullptr) {
@@ -749,7 +754,7 @@ std::vector<Tensor> backward_meta(int64_t plan_id, const Tensor &grad_out, const
     auto plan = find_plan(plan_id);
     check_shapes(*plan, q, k, v);
     bias_buffer(*plan, bias, q);
-    ScoreModOperands checked(*plan, aux, scalars);
+    ScoreModOperands::check(*plan, aux, scalars);
     check_table(*plan, table);
     auto grads = backward_outputs(*plan, q, k, v);
     if (plan->bias_grad) {
