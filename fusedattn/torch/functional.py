@@ -470,7 +470,7 @@ def _compiled_score_mod_attention(q, k, v, given: dict):
     aux = []
     if sources:  # captured tensors: graph inputs, bound into aux tensors on every run
         captured = [compiled_score_mods.fetch(score_mod, mask_mod, source) for source in sources]
-        aux = torch.ops.fusedattn.score_mod_aux(aux_key, captured)
+        aux = torch.ops.fusedattn.score_mod_aux.default(aux_key, captured)
     unpacked = split_packed(options["layout"], tuple(x for x in tensors[:3] if x is not None))
     seed, offset = _compiled_dropout(q, options, given)
     out, lse = torch.ops.fusedattn_native.attention.default(native, *unpacked, tensors[5], seed, offset, tensors[3],
