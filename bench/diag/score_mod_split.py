@@ -3,11 +3,14 @@ bench_score_mod's S=1024 shape (B4 H16 D128 bf16, inputs requiring grad, not cau
 the native operator called directly with the arguments the public call passed it (its Python entry),
 and the public call's forward+backward (torch.autograd.grad of q, k, v), for a plain call, softcap
 (built-in and flex), a flex ALiBi, a causal mask_mod and the built-in causal() score_mod. Host us per
-call with the GPU held, interleaved rounds, in one process; then cProfile of two public calls' Python."""
+call with the GPU held, interleaved rounds, in one process (SPLIT_GC=0: with Python's garbage collector
+off while timing); then cProfile of two public calls' Python."""
 
 from __future__ import annotations
 
 import cProfile
+import gc
+import os
 import pstats
 import statistics
 import sys
@@ -67,6 +70,10 @@ def main() -> None:
     functional._operator = original
     torch.cuda.synchronize()
     cycles = spin_cycles_per_us()
+    if os.environ.get("SPLIT_GC") == "0":  # whether Python's collector explains the forward+backward extras
+        gc.collect()
+        gc.disable()
+        print("garbage collection off while timing", flush=True)
     samples = {name: [] for name in calls}
     names = list(calls)
     for index in range(ROUNDS):
@@ -74,6 +81,7 @@ def main() -> None:
             host, _, held = held_loop(calls[name], CALLS, int(cycles * 60_000))
             if held:
                 samples[name].append(host)
+    gc.enable()
     bases = {suffix: statistics.median(samples["plain" + suffix]) for suffix in ("", " (operator)", " fwd+bwd")}
     for name in names:
         us = statistics.median(samples[name])
