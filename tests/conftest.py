@@ -44,6 +44,16 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
+def triton_interpreter():
+    """Skips a test of Triton kernels unless they run in Triton's interpreter (a CPU machine); tests/gpu
+    runs the same kernels on the GPU."""
+    import torch
+
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs the kernels in Triton's interpreter on CPU machines (tests/gpu runs them on the GPU)")
+
+
+@pytest.fixture
 def fresh_selection(monkeypatch):
     """Selection as a fresh process makes it: no backend forced and no log from the environment,
     decisions made before and during the test forgotten."""

@@ -5,8 +5,6 @@ and every other element stays as it was. Outputs in the layouts' strides, odd si
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -15,11 +13,7 @@ pytest.importorskip("triton")
 from fusedattn.backends.cudnn import empty_rows_kernel  # noqa: E402
 from fusedattn.score_mods.core import MASKED_BELOW  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def interpreter():
-    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("runs the kernel in Triton's interpreter on CPU machines (tests/gpu runs it on the GPU)")
+pytestmark = pytest.mark.usefixtures("triton_interpreter")
 
 
 def _expected(out_rows, raw, training):

@@ -5,8 +5,6 @@ sequences on either side, every sink kind and broken offsets of every kind."""
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 
@@ -17,11 +15,7 @@ from fusedattn.backends.cudnn.sequences import Layout, SequenceTable  # noqa: E4
 from fusedattn.config import SoftmaxType  # noqa: E402
 from fusedattn.layout import offsets_violated  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def interpreter():
-    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("runs the kernels in Triton's interpreter on CPU machines (tests/gpu runs them on the GPU)")
+pytestmark = pytest.mark.usefixtures("triton_interpreter")
 
 
 def offsets(rng, batch: int, longest: int, empty: float = 0.3, gaps: bool = False):
