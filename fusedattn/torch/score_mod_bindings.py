@@ -11,7 +11,6 @@ repeat call goes straight to the native operator with the kept aux tensors and s
 from __future__ import annotations
 
 import operator
-import weakref
 from typing import NamedTuple
 
 import torch
@@ -46,16 +45,12 @@ def _given(options: dict) -> tuple:
     return tuple(map(options.get, SCORE_MOD_NAMES))
 
 
-# mod_identity of each live ScoreMod (not kept on the object: a copy or a pickle must not carry ids).
-_IDENTITIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def mod_identity(mod: ScoreMod) -> tuple:
     """Who a ScoreMod is apart from its tensors dicts (which a binding compares as its reads): its callables
     (by code and what they read) and its other fields. A built-in made anew at each call, as
-    `score_mod=score_mods.softcap(30.0)` in a model's forward, is then the same mod. Kept while the object
-    lives (its fields are frozen; the dicts, which may change, are not part of it)."""
-    known = _IDENTITIES.get(mod)
+    `score_mod=score_mods.softcap(30.0)` in a model's forward, is then the same mod. Kept on the object
+    (its fields are frozen; the dicts, which may change, are not part of it)."""
+    known = mod.__dict__.get("_identity")
     if known is None:
         def of(fn):
             reads = flat_reads(fn) if fn is not None else ()
@@ -65,7 +60,7 @@ def mod_identity(mod: ScoreMod) -> tuple:
                  mod.name, mod.host, mod.issue, id(mod.structure), mod.masks)
         if any(reads is None for _, reads in known[1:6]):
             known = (ScoreMod, id(mod))  # a callable whose reads cannot be known: this object only
-        _IDENTITIES[mod] = known
+        object.__setattr__(mod, "_identity", known)
     return known
 
 
