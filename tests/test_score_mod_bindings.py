@@ -121,31 +121,6 @@ def test_closures_made_anew_give_their_own_results_on_the_reference():
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
-def test_a_builtin_made_anew_each_call_reuses_the_binding_of_the_same_values(operator):
-    """score_mods.softcap(30.0) written in the call itself is the same mod as the last call's while its
-    values are the same objects; other values, or an ALiBi over other slopes, bind their own."""
-    q = torch.randn(1, 16, 2, 8)
-    for _ in range(3):
-        _call(q, score_mod=sm.softcap(30.0))
-    assert operator[2][2] is operator[1][2] and 30.0 in operator[2][2]
-    for cap in (5.0, 30.0, 7.5):
-        _call(q, score_mod=sm.softcap(cap))
-        assert cap in operator[-1][2] and all(c not in operator[-1][2] for c in {5.0, 30.0, 7.5} - {cap})
-    first, second = torch.rand(2), torch.rand(2) + 1
-    for slopes in (first, second, first):
-        _call(q, score_mod=sm.alibi(slopes))
-        torch.testing.assert_close(operator[-1][1][0].flatten(), slopes, rtol=0, atol=0)
-
-
-def test_builtins_made_anew_give_their_own_results_on_the_reference():
-    gen = torch.Generator().manual_seed(5)
-    q, k, v = (torch.randn(1, 12, 2, 8, generator=gen, dtype=torch.float64) for _ in range(3))
-    for cap in (2.0, 0.5, 2.0):
-        got = fat.attention(q, k, v, mask="causal", score_mod=sm.softcap(cap))
-        want = fat.attention(q, k, v, mask="causal", score_mod=_capped(cap))
-        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-
-
 def test_a_callable_object_binds_every_call(operator):
     q = torch.randn(1, 16, 2, 8)
 

@@ -38,7 +38,7 @@ from fusedattn.options import (
     names,
 )
 from fusedattn.options import settings as settings_of
-from fusedattn.score_mods.core import ScoreMod, as_score_mod, bind, needs_gradient
+from fusedattn.score_mods.core import as_score_mod, bind, needs_gradient
 from fusedattn.score_mods.mask_rewrite import rewrite_mask
 from fusedattn.selection import ENV_BACKEND, recall_call, remember_call
 from fusedattn.torch import compiled_score_mods, mask_rewrites, score_mod_bindings, trace_time
@@ -442,14 +442,11 @@ _MOD, _BPROP, _MOD_TENSORS, _BPROP_TENSORS, _MASK_MOD = map(SCORE_MOD_NAMES.inde
 def _callback_id(fn):
     """A callback's part of a signature: a plain function's code, so a closure made anew at each call
     finds the plan and binding of the last one (the binding then compares what it reads); a bound
-    method's function and object (it is made anew at each attribute access); a ScoreMod's mod_identity;
-    else its id."""
+    method's function and object (it is made anew at each attribute access); else its id."""
     if type(fn) is FunctionType:
         return id(fn.__code__)
     if type(fn) is MethodType:
         return (id(fn.__func__), id(fn.__self__))
-    if type(fn) is ScoreMod:  # a built-in made anew at each call finds the last one's plan and binding
-        return score_mod_bindings.mod_identity(fn)
     return id(fn)
 
 

@@ -20,9 +20,9 @@ from fusedattn.cache import LRUCache, register
 from fusedattn.options import SCORE_MOD_NAMES
 from fusedattn.score_mods.core import MASKED_BELOW, BoundScoreMod, ScoreMod, needs_gradient
 from fusedattn.score_mods.core import may_empty_rows as core_may_empty_rows
-from fusedattn.score_mods.flex import PartialMask, callable_identity, flat_reads, same_callable
+from fusedattn.score_mods.flex import PartialMask, flat_reads, same_callable
 
-__all__ = ["Binding", "recall", "remember", "may_empty_rows", "mod_identity", "same_keyword"]
+__all__ = ["Binding", "recall", "remember", "may_empty_rows"]
 
 CAPACITY = 64  # bindings hold the aux tensors they made: a few per model is what a step needs
 
@@ -45,38 +45,11 @@ def _given(options: dict) -> tuple:
     return tuple(map(options.get, SCORE_MOD_NAMES))
 
 
-def mod_identity(mod: ScoreMod) -> tuple:
-    """Who a ScoreMod is apart from its tensors dicts (which a binding compares as its reads): its callables
-    (by code and what they read) and its other fields. A built-in made anew at each call, as
-    `score_mod=score_mods.softcap(30.0)` in a model's forward, is then the same mod. Kept on the object
-    (its fields are frozen; the dicts, which may change, are not part of it)."""
-    known = mod.__dict__.get("_identity")
-    if known is None:
-        def of(fn):
-            reads = flat_reads(fn) if fn is not None else ()
-            return callable_identity(fn), None if reads is None else tuple(map(id, reads))
-
-        known = (ScoreMod, of(mod.forward), of(mod.bprop), of(mod.eager), of(mod.prepare), of(mod.as_bias),
-                 mod.name, mod.host, mod.issue, id(mod.structure), mod.masks)
-        if any(reads is None for _, reads in known[1:6]):
-            known = (ScoreMod, id(mod))  # a callable whose reads cannot be known: this object only
-        object.__setattr__(mod, "_identity", known)
-    return known
-
-
-def same_keyword(a, b) -> bool:
-    """Whether a score_mod keyword's value b may use the binding made for a: a itself, a function of the
-    same code (same_callable) or a ScoreMod made the same way (mod_identity); reads are compared apart."""
-    if same_callable(a, b):
-        return True
-    return type(a) is ScoreMod and type(b) is ScoreMod and mod_identity(a) == mod_identity(b)
-
-
 def _reads(value) -> tuple | None:
     """The objects a score_mod keyword's value depends on, flat, to compare by identity; None when that
     cannot be known (a callable that is not a plain function: such calls bind every time)."""
     if isinstance(value, ScoreMod):
-        return (*value.tensors.keys(), *value.tensors.values(), *value.bprop_tensors.keys(),
+        return (value, *value.tensors.keys(), *value.tensors.values(), *value.bprop_tensors.keys(),
                 *value.bprop_tensors.values())
     if isinstance(value, dict):
         return (*value.keys(), *value.values())
@@ -97,9 +70,9 @@ def recall(signature, given: tuple) -> Binding | None:
     kept = _BINDINGS.peek(signature)  # no lock on the hot path: remember() puts a binding again when made
     if kept is None:
         return None
-    # The same objects, or closures and ScoreMods made anew the same way (equal lengths: SCORE_MOD_NAMES'),
-    # whose reads are compared below.
-    if not all(map(operator.is_, kept.given, given)) and not all(map(same_keyword, kept.given, given)):
+    # The same objects, or closures made anew of the same code (equal lengths: SCORE_MOD_NAMES'), whose
+    # reads are compared below.
+    if not all(map(operator.is_, kept.given, given)) and not all(map(same_callable, kept.given, given)):
         return None
     for index, read in kept.checks:
         now = _reads(given[index])
