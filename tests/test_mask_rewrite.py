@@ -340,29 +340,6 @@ def test_a_repeat_call_keeps_its_rewrite_until_the_mask_mod_reads_other_objects(
 
 
 @torch_side
-def test_a_mask_mod_closure_made_anew_each_call_keeps_the_rewrite_of_its_reads(monkeypatch):
-    """A closure made anew at each call (as a model's forward writes it) with the same window keeps the
-    rewrite; one over another window is rewritten, and every call gives its own window's mask."""
-    made = _counted_rewrites(monkeypatch)
-
-    def sliding(window):
-        def mask_mod(b, h, q_idx, kv_idx):
-            return (q_idx - kv_idx <= window) & (q_idx >= kv_idx)
-        return mask_mod
-
-    gen = torch.Generator().manual_seed(23)
-    q, k, v = (torch.randn(2, 13, 2, 8, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3))
-    for _ in range(3):
-        _torch_run(q, k, v, "bshd", mask_mod=sliding(3))
-    assert len(made) == 1
-    for window in (1, 3, 5):
-        got = _torch_run(q, k, v, "bshd", mask_mod=sliding(window))
-        want = _torch_run(q, k, v, "bshd", score_mod=_select(sliding(window), torch.where))
-        for a, b in zip([got[0], got[1], *got[2]], [want[0], want[1], *want[2]]):
-            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
-
-
-@torch_side
 def test_padding_lengths_from_a_tensor_are_rewritten_every_call(monkeypatch):
     """Lengths computed from a captured tensor are not kept: an in-place change must show in the next call."""
     made = _counted_rewrites(monkeypatch)

@@ -83,44 +83,6 @@ def test_a_score_mod_object_with_a_new_value_in_its_dict_binds_again(operator):
     assert 30.0 in operator[0][2] and 7.0 in operator[1][2]
 
 
-def _capped(cap):
-    """A closure made anew at each call, as a model's forward writes it."""
-    def softcap(score, b, h, q_idx, kv_idx):
-        return cap * sm.tanh(score / cap)
-    return softcap
-
-
-def test_a_closure_made_anew_each_call_reuses_the_binding_of_the_same_reads(operator, monkeypatch):
-    """A closure made anew with the same code and the same captured objects is traced once and reuses the
-    kept binding; one capturing another number binds that number (traced again), never the kept one."""
-    from fusedattn.score_mods import flex
-
-    traced = []
-    original = flex._trace_now
-    monkeypatch.setattr(flex, "_trace_now", lambda *a: traced.append(1) or original(*a))
-    q = torch.randn(1, 16, 2, 8)
-    cap = 30.0
-    for _ in range(3):
-        _call(q, score_mod=_capped(cap))
-    assert len(traced) == 1
-    assert operator[2][2] is operator[1][2] and 30.0 in operator[2][2]
-    for other in (5.0, 30.0, 7.5):
-        _call(q, score_mod=_capped(other))
-        assert other in operator[-1][2] and all(c not in operator[-1][2] for c in {5.0, 30.0, 7.5} - {other})
-
-
-def test_closures_made_anew_give_their_own_results_on_the_reference():
-    """The same through the whole path (the reference runs it; no operator): each call's output is its own
-    cap's, against the same mod written once per cap."""
-    gen = torch.Generator().manual_seed(4)
-    q, k, v = (torch.randn(1, 12, 2, 8, generator=gen, dtype=torch.float64) for _ in range(3))
-    for cap in (2.0, 0.5, 2.0, 9.0):
-        got = fat.attention(q, k, v, mask="causal", score_mod=_capped(cap))
-        want = fat.attention(q, k, v, mask="causal", score_mod=sm.eager(
-            lambda s, b, h, qi, ki, cap=cap: cap * torch.tanh(s / cap)))
-        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-
-
 def test_a_callable_object_binds_every_call(operator):
     q = torch.randn(1, 16, 2, 8)
 

@@ -33,7 +33,7 @@ from fusedattn.score_mods.mask_forms import MaskForms, mask_forms
 from fusedattn.xp import namespace
 
 __all__ = ["flex_score_mod", "is_flex_score_mod", "Traced", "trace", "trace_mask", "PartialMask", "SCORE_ARGS",
-           "MASK_ARGS", "snapshot", "same_objects", "flat_reads", "callable_identity", "same_callable"]
+           "MASK_ARGS", "snapshot", "same_objects", "flat_reads"]
 
 SCORE_ARGS = ("score", "b", "h", "q_idx", "kv_idx")
 MASK_ARGS = ("b", "h", "q_idx", "kv_idx")
@@ -232,25 +232,11 @@ def _flatten(item, found: list) -> None:
             found.append(x)
 
 
-def callable_identity(fn) -> tuple:
-    """Who fn is, for cache keys: a plain function by its code (a closure made anew at each call is the
-    same function while it reads the same objects, which the caches compare: see snapshot), a bound
-    method (made anew at each attribute access) by its function and object, anything else by itself."""
-    if type(fn) is types.FunctionType:
-        return ("code", id(fn.__code__))
+def _identity(fn) -> tuple:
+    """Who fn is, for the cache key: a bound method is made anew at each attribute access."""
     if inspect.ismethod(fn):
         return (id(fn.__func__), id(fn.__self__))
     return (id(fn),)
-
-
-def same_callable(a, b) -> bool:
-    """Whether b is a, a function with a's code or a's method of the same object, as callable_identity
-    tells them apart (what a function reads is compared apart: snapshot)."""
-    if a is b:
-        return True
-    if type(a) is types.FunctionType:
-        return type(b) is types.FunctionType and a.__code__ is b.__code__
-    return inspect.ismethod(a) and inspect.ismethod(b) and a.__func__ is b.__func__ and a.__self__ is b.__self__
 
 
 def same_objects(a, b) -> bool:
@@ -271,7 +257,7 @@ def _cached(key: tuple, fns: tuple, build):
     cacheable = None not in taken
     if cacheable:
         hit = _TRACES.get(key)
-        if hit is not None and all(map(same_callable, hit[0], fns)) and same_objects(hit[1], taken):
+        if hit is not None and all(a == b for a, b in zip(hit[0], fns)) and same_objects(hit[1], taken):
             return hit[2]
     result = build()
     if cacheable:
@@ -283,13 +269,13 @@ def trace(framework: str, score_mod, mask_mod, device=None, kept: frozenset | No
     """The traced forward and derivative of score_mod and mask_mod's kept conditions (numbers of
     trace_mask's conditions; None: all), cached while what the functions read stays.
     device: torch's device for the stand-ins (q's), beside the tensors the functions capture."""
-    key = ("score", framework, callable_identity(score_mod), callable_identity(mask_mod), str(device), kept)
+    key = ("score", framework, _identity(score_mod), _identity(mask_mod), str(device), kept)
     return _cached(key, (score_mod, mask_mod), lambda: _trace_now(framework, score_mod, mask_mod, device, kept))
 
 
 def trace_mask(framework: str, mask_mod, device=None) -> MaskForms:
     """mask_mod traced alone, and which of its conditions are native masks (cached as `trace`)."""
-    key = ("mask", framework, callable_identity(mask_mod), str(device))
+    key = ("mask", framework, _identity(mask_mod), str(device))
     return _cached(key, (mask_mod,), lambda: _trace_mask_now(framework, mask_mod, device))
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextvars
 import functools
 import operator
-from types import FunctionType, MethodType
 from typing import NamedTuple
 
 import torch
@@ -439,22 +438,11 @@ _MOD, _BPROP, _MOD_TENSORS, _BPROP_TENSORS, _MASK_MOD = map(SCORE_MOD_NAMES.inde
     "score_mod", "score_mod_bprop", "score_mod_tensors", "score_mod_bprop_tensors", "mask_mod"))
 
 
-def _callback_id(fn):
-    """A callback's part of a signature: a plain function's code, so a closure made anew at each call
-    finds the plan and binding of the last one (the binding then compares what it reads); a bound
-    method's function and object (it is made anew at each attribute access); else its id."""
-    if type(fn) is FunctionType:
-        return id(fn.__code__)
-    if type(fn) is MethodType:
-        return (id(fn.__func__), id(fn.__self__))
-    return id(fn)
-
-
 def _score_mod_names(given: tuple) -> tuple:
     """The score_mod part of a signature (given: _mod_keywords'): the callbacks' identities and their
     tensors' names."""
-    return (_callback_id(given[_MOD]), id(given[_BPROP]), tuple(given[_MOD_TENSORS] or ()),
-            tuple(given[_BPROP_TENSORS] or ()), _callback_id(given[_MASK_MOD]))
+    return (id(given[_MOD]), id(given[_BPROP]), tuple(given[_MOD_TENSORS] or ()),
+            tuple(given[_BPROP_TENSORS] or ()), id(given[_MASK_MOD]))
 
 
 # ---------------------------------------------------------------- under torch.compile

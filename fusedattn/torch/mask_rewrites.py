@@ -4,9 +4,8 @@ A call with a mask_mod is rewritten before it is configured (score_mods/mask_rew
 and length conditions become cuDNN's own masks, the rest stays a select in the graph). That costs
 tens of microseconds of Python a call. The rewrite depends on the call's shapes and settings (its
 plan-cache signature) and on what the mask_mod reads, so a rewrite is kept here under the call's
-signature while the mask_mod (itself, or a closure made anew of the same code) reads the same
-objects (flex.flat_reads, compared by identity as the trace cache compares them). A repeat call
-then takes the warm path with the rewritten options.
+signature while the mask_mod reads the same objects (flex.flat_reads, compared by identity as the
+trace cache compares them). A repeat call then takes the warm path with the rewritten options.
 
 Rewrites that made tensors (padding lengths computed from captured tensors on the device) or that
 run documents as THD are not kept: their values can change without the mask_mod reading other
@@ -21,7 +20,7 @@ from typing import NamedTuple
 import torch
 
 from fusedattn.cache import LRUCache, register
-from fusedattn.score_mods.flex import flat_reads, same_callable
+from fusedattn.score_mods.flex import flat_reads
 
 __all__ = ["recall", "remember"]
 
@@ -45,7 +44,7 @@ def recall(signature, options: dict) -> tuple[dict, tuple] | None:
     if kept is None:
         return None
     mask_mod = options["mask_mod"]
-    if not same_callable(kept.mask_mod, mask_mod):  # itself, or a closure made anew of the same code
+    if kept.mask_mod is not mask_mod:
         return None
     reads = flat_reads(mask_mod)
     if reads is None or len(reads) != len(kept.reads) or not all(map(operator.is_, reads, kept.reads)):

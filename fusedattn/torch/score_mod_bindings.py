@@ -20,7 +20,7 @@ from fusedattn.cache import LRUCache, register
 from fusedattn.options import SCORE_MOD_NAMES
 from fusedattn.score_mods.core import MASKED_BELOW, BoundScoreMod, ScoreMod, needs_gradient
 from fusedattn.score_mods.core import may_empty_rows as core_may_empty_rows
-from fusedattn.score_mods.flex import PartialMask, flat_reads, same_callable
+from fusedattn.score_mods.flex import PartialMask, flat_reads
 
 __all__ = ["Binding", "recall", "remember", "may_empty_rows"]
 
@@ -31,7 +31,7 @@ class Binding(NamedTuple):
     """One call's score_mod operands for the native operator, and what they were made from."""
 
     given: tuple  # the score_mod keywords' values (kept alive: the signature holds their ids)
-    checks: tuple  # (index in given, what it reads, flat, by identity: see _reads) of each keyword given
+    checks: tuple  # (value, what it reads, flat, by identity: see _reads) of each keyword given
     watched: tuple  # (tensor, version) of every tensor the mod holds: in-place changes rebind
     aux: list
     scalars: list
@@ -68,14 +68,10 @@ def recall(signature, given: tuple) -> Binding | None:
     """The binding kept for this signature, if the callbacks and their tensors are unchanged. given: the
     call's score_mod keywords' values in SCORE_MOD_NAMES' order."""
     kept = _BINDINGS.peek(signature)  # no lock on the hot path: remember() puts a binding again when made
-    if kept is None:
+    if kept is None or not all(map(operator.is_, kept.given, given)):  # (equal lengths: SCORE_MOD_NAMES')
         return None
-    # The same objects, or closures made anew of the same code (equal lengths: SCORE_MOD_NAMES'), whose
-    # reads are compared below.
-    if not all(map(operator.is_, kept.given, given)) and not all(map(same_callable, kept.given, given)):
-        return None
-    for index, read in kept.checks:
-        now = _reads(given[index])
+    for value, read in kept.checks:
+        now = _reads(value)
         if now is None or len(now) != len(read) or not all(map(operator.is_, read, now)):
             return None
     for x, version in kept.watched:
@@ -103,7 +99,7 @@ def remember(signature, options: dict, cfg, bound: BoundScoreMod, operands) -> B
     aux, scalars = operands.values(bound.values)
     aux = [x if x.data_ptr() % ALIGNMENT == 0 else aligned_copy(x) for x in aux]
     given = _given(options)
-    checks = tuple((index, _reads(value)) for index, value in enumerate(given) if value is not None)
+    checks = tuple((value, _reads(value)) for value in given if value is not None)
     binding = Binding(given, checks, _watched(bound.mod), aux, scalars, may_empty_rows(cfg, bound))
     readable = all(read is not None for _, read in checks)
     if signature is not None and readable and not needs_gradient(bound.mod):
