@@ -233,10 +233,24 @@ def _flatten(item, found: list) -> None:
 
 
 def _identity(fn) -> tuple:
-    """Who fn is, for the cache key: a bound method is made anew at each attribute access."""
+    """Who fn is, for the trace cache's key (with the objects it reads): a plain function by its code, so a
+    closure made anew at each call, as a model's forward writes it, finds the trace of the last one that
+    read the same objects; a bound method (made anew at each attribute access) by its function and
+    object; anything else by itself."""
+    if type(fn) is types.FunctionType:
+        return ("code", id(fn.__code__))
     if inspect.ismethod(fn):
         return (id(fn.__func__), id(fn.__self__))
     return (id(fn),)
+
+
+def _same_callable(a, b) -> bool:
+    """Whether b is a, a function with a's code or a's method of the same object (see _identity)."""
+    if a is b:
+        return True
+    if type(a) is types.FunctionType:
+        return type(b) is types.FunctionType and a.__code__ is b.__code__
+    return inspect.ismethod(a) and inspect.ismethod(b) and a.__func__ is b.__func__ and a.__self__ is b.__self__
 
 
 def same_objects(a, b) -> bool:
@@ -256,8 +270,13 @@ def _cached(key: tuple, fns: tuple, build):
     taken = tuple(snapshot(fn) for fn in fns)
     cacheable = None not in taken
     if cacheable:
+        # The objects read are part of the key (an entry holds them, so their ids stay theirs): closures of
+        # one code over other objects (one per layer) each keep their trace.
+        read: list = []
+        _flatten(taken, read)
+        key = (*key, tuple(map(id, read)))
         hit = _TRACES.get(key)
-        if hit is not None and all(a == b for a, b in zip(hit[0], fns)) and same_objects(hit[1], taken):
+        if hit is not None and all(map(_same_callable, hit[0], fns)) and same_objects(hit[1], taken):
             return hit[2]
     result = build()
     if cacheable:
