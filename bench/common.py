@@ -145,34 +145,15 @@ def spin_cycles_per_us() -> float:
     return cycles / (start.elapsed_time(end) * 1e3)
 
 
-def interleaved_host_us(impls: dict, *, mode: str, rounds: int, calls: int, device: torch.device
-                        ) -> dict[str, float]:
-    """Each implementation's host enqueue time per call (us): the median over `rounds` rounds of a loop of
-    `calls` back-to-back calls, on a GPU with the GPU held by a spin kernel, so that only the host's work
-    counts (a round whose spin ended early is dropped). Implementations take turns as in interleaved_ms;
-    one that fails is dropped (it was measured before)."""
-    cycles_per_us = spin_cycles_per_us() if device.type == "cuda" else None
-    samples: dict[str, list[float]] = {name: [] for name in impls}
-    names = list(impls)
-    for index in range(rounds):
-        for name in names if index % 2 == 0 else names[::-1]:
-            if name not in samples:
-                continue
-            impl = impls[name]
-            try:
-                with impl.context():
-                    step = impl.step(mode)
-                    host, _ = plain_loop(step, calls, device)
-                    if cycles_per_us is not None:
-                        hold = int(cycles_per_us * (2 * host * calls + HOLD_MARGIN_US))
-                        host, _, held = held_loop(step, calls, hold)
-                        if not held:
-                            continue
-            except Exception:  # noqa: BLE001 - measured once already; keep that entry
-                del samples[name]
-                continue
-            samples[name].append(host)
-    return {name: statistics.median(values) for name, values in samples.items() if values}
+def plain_then_held(call: Callable[[], object], calls: int, device: torch.device, cycles_per_us: float | None
+                    ) -> tuple[tuple[float, float], tuple[float, float, bool] | None]:
+    """(host us, wait us) of a plain loop of `calls` calls, then (host us, GPU us, whether it held) of a held
+    loop whose spin outlasts twice the plain loop's enqueue time (None without a GPU: cycles_per_us None)."""
+    host, wait = plain_loop(call, calls, device)
+    if cycles_per_us is None:
+        return (host, wait), None
+    hold = int(cycles_per_us * (2 * host * calls + HOLD_MARGIN_US))
+    return (host, wait), held_loop(call, calls, hold)
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
@@ -271,26 +252,55 @@ def measure(impl: Impl, *, mode: str, warmup: int, repeats: int, device: torch.d
 ROUNDS_BELOW_MS = 2.0
 
 
-def interleaved_ms(impls: dict, *, mode: str, rounds: int, warmup: int, repeats: int, device: torch.device
-                   ) -> dict[str, float]:
-    """Each implementation's median over `rounds` rounds of its median call time (time_ms). The
-    implementations take turns within a round, in reversed order every other round, so a slow spell of
-    the host touches all of them alike. A failure drops that implementation (it was measured before)."""
-    medians: dict[str, list[float]] = {name: [] for name in impls}
+def _take_turns(impls: dict, rounds: int, measure: Callable) -> dict[str, list[float]]:
+    """Each implementation's samples over `rounds` rounds in which they take turns, in reversed order every
+    other round, so a slow spell of the host touches all of them alike. measure(impl) gives one sample
+    (None: none this round), inside impl's context; an implementation that fails is dropped (it was
+    measured before)."""
+    samples: dict[str, list[float]] = {name: [] for name in impls}
     names = list(impls)
     for index in range(rounds):
         for name in names if index % 2 == 0 else names[::-1]:
-            if name not in medians:
+            if name not in samples:
                 continue
             impl = impls[name]
             try:
                 with impl.context():
-                    times = time_ms(impl.step(mode), warmup=warmup, repeats=repeats, device=device)
+                    value = measure(impl)
             except Exception:  # noqa: BLE001 - measured once already; keep that entry
-                del medians[name]
+                del samples[name]
                 continue
-            medians[name].append(statistics.median(times))
-    return {name: statistics.median(values) for name, values in medians.items() if values}
+            if value is not None:
+                samples[name].append(value)
+    return samples
+
+
+def _medians(samples: dict[str, list[float]]) -> dict[str, float]:
+    return {name: statistics.median(values) for name, values in samples.items() if values}
+
+
+def interleaved_ms(impls: dict, *, mode: str, rounds: int, warmup: int, repeats: int, device: torch.device
+                   ) -> dict[str, float]:
+    """Each implementation's median over `rounds` interleaved rounds (_take_turns) of its median call time
+    (time_ms)."""
+    return _medians(_take_turns(impls, rounds, lambda impl: statistics.median(
+        time_ms(impl.step(mode), warmup=warmup, repeats=repeats, device=device))))
+
+
+def interleaved_host_us(impls: dict, *, mode: str, rounds: int, calls: int, device: torch.device
+                        ) -> dict[str, float]:
+    """Each implementation's host enqueue time per call (us): the median over `rounds` interleaved rounds
+    (_take_turns) of a loop of `calls` back-to-back calls, on a GPU with the GPU held by a spin kernel, so
+    that only the host's work counts (a round whose spin ended early is dropped)."""
+    cycles_per_us = spin_cycles_per_us() if device.type == "cuda" else None
+
+    def host_us(impl) -> float | None:
+        (host, _), held = plain_then_held(impl.step(mode), calls, device, cycles_per_us)
+        if held is None:
+            return host
+        return held[0] if held[2] else None
+
+    return _medians(_take_turns(impls, rounds, host_us))
 
 
 def max_abs_diff(ours: Sequence[torch.Tensor], reference: Sequence[torch.Tensor]) -> float:

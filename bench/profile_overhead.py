@@ -196,16 +196,14 @@ def contestants(x: bench_cudnn.Inputs, mode: str, ours_backend: str | None, with
 
 def sample(contestant: Contestant, calls: int, device: torch.device, cycles_per_us: float | None) -> None:
     """One round of one contestant: the plain loop, then (on a GPU) the held loop."""
-    call = contestant.call()
     with contestant.context():
-        host, wait = common.plain_loop(call, calls, device)
-        contestant.samples["wait"].append(wait)
-        contestant.samples["loop"].append(host + wait)
-        if cycles_per_us is None:
-            contestant.samples["host"].append(host)
-            return
-        hold = int(cycles_per_us * (2 * host * calls + common.HOLD_MARGIN_US))
-        host, gpu, held = common.held_loop(call, calls, hold)
+        (host, wait), held_loop = common.plain_then_held(contestant.call(), calls, device, cycles_per_us)
+    contestant.samples["wait"].append(wait)
+    contestant.samples["loop"].append(host + wait)
+    if held_loop is None:
+        contestant.samples["host"].append(host)
+        return
+    host, gpu, held = held_loop
     contestant.samples["host"].append(host)
     contestant.samples["gpu"].append(gpu)
     contestant.samples["held"].append(held)

@@ -2,23 +2,16 @@
 a flex softcap closure, a bound method and a built-in ScoreMod, against the same callbacks made once
 (B4 H16 S1024 D128 bf16, no grad; wall time per call of back-to-back calls, GPU not held)."""
 
-import time
+import sys
+from pathlib import Path
 
 import torch
 
 import fusedattn.torch as fat
 from fusedattn import score_mods as sm
 
-
-def per_call_us(fn, n=200) -> float:
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / n * 1e6
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: its timing loop
+from profile_overhead import per_call_us  # noqa: E402  (wall time per call, synchronized after)
 
 
 class Capped:

@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import inspect
 import math
+import operator
 import types
 from dataclasses import dataclass
 
@@ -33,7 +34,7 @@ from fusedattn.score_mods.mask_forms import MaskForms, mask_forms
 from fusedattn.xp import namespace
 
 __all__ = ["flex_score_mod", "is_flex_score_mod", "Traced", "trace", "trace_mask", "PartialMask", "SCORE_ARGS",
-           "MASK_ARGS", "snapshot", "same_objects", "flat_reads"]
+           "MASK_ARGS", "snapshot", "same_objects", "flat_reads", "same_reads"]
 
 SCORE_ARGS = ("score", "b", "h", "q_idx", "kv_idx")
 MASK_ARGS = ("b", "h", "q_idx", "kv_idx")
@@ -222,6 +223,11 @@ def flat_reads(fn) -> tuple | None:
     found: list = []
     _flatten(taken, found)
     return tuple(found)
+
+
+def same_reads(kept: tuple, now: tuple | None) -> bool:
+    """Whether flat_reads-style tuples hold the same objects, item by item (now None: unknown, not the same)."""
+    return now is not None and len(now) == len(kept) and all(map(operator.is_, kept, now))
 
 
 def _flatten(item, found: list) -> None:

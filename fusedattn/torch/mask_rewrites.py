@@ -14,13 +14,12 @@ objects, so those calls rewrite every time.
 
 from __future__ import annotations
 
-import operator
 from typing import NamedTuple
 
 import torch
 
 from fusedattn.cache import LRUCache, register
-from fusedattn.score_mods.flex import flat_reads
+from fusedattn.score_mods.flex import flat_reads, same_reads
 
 __all__ = ["recall", "remember"]
 
@@ -46,8 +45,7 @@ def recall(signature, options: dict) -> tuple[dict, tuple] | None:
     mask_mod = options["mask_mod"]
     if kept.mask_mod is not mask_mod:
         return None
-    reads = flat_reads(mask_mod)
-    if reads is None or len(reads) != len(kept.reads) or not all(map(operator.is_, reads, kept.reads)):
+    if not same_reads(kept.reads, flat_reads(mask_mod)):
         return None
     return {**options, **kept.changed}, kept.signature
 

@@ -20,7 +20,7 @@ from fusedattn.cache import LRUCache, register
 from fusedattn.options import SCORE_MOD_NAMES
 from fusedattn.score_mods.core import MASKED_BELOW, BoundScoreMod, ScoreMod, needs_gradient
 from fusedattn.score_mods.core import may_empty_rows as core_may_empty_rows
-from fusedattn.score_mods.flex import PartialMask, flat_reads
+from fusedattn.score_mods.flex import PartialMask, flat_reads, same_reads
 
 __all__ = ["Binding", "recall", "remember", "may_empty_rows"]
 
@@ -71,8 +71,7 @@ def recall(signature, given: tuple) -> Binding | None:
     if kept is None or not all(map(operator.is_, kept.given, given)):  # (equal lengths: SCORE_MOD_NAMES')
         return None
     for value, read in kept.checks:
-        now = _reads(value)
-        if now is None or len(now) != len(read) or not all(map(operator.is_, read, now)):
+        if not same_reads(read, _reads(value)):
             return None
     for x, version in kept.watched:
         if x._version != version:
