@@ -454,3 +454,26 @@ def test_a_document_mask_is_recognized_in_jax_too():
     ids = jnp.asarray([0, 0, 1, 1, 1])
     forms = flex.trace_mask("jax", lambda b, h, q_idx, kv_idx: ids[q_idx] == ids[kv_idx])
     assert [form for _, form in forms.conditions] == [Document(0, batched=False)]
+
+
+@torch_side
+def test_a_mask_mod_made_anew_at_each_call_keeps_its_rewrite(monkeypatch):
+    """A closure written inside a model's forward is a new function each call with the same code and
+    reads: it finds the kept rewrite, and one that reads another number is rewritten and gives its own mask."""
+    made = _counted_rewrites(monkeypatch)
+
+    def sliding(window):
+        return lambda b, h, q_idx, kv_idx: (q_idx - kv_idx <= window) & (q_idx >= kv_idx)
+
+    gen = torch.Generator().manual_seed(22)
+    q, k, v = (torch.randn(2, 11, 2, 8, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    first = [_torch_run(q, k, v, "bshd", mask_mod=sliding(2)) for _ in range(3)]
+    assert len(made) == 1
+    other = _torch_run(q, k, v, "bshd", mask_mod=sliding(5))
+    assert len(made) == 2
+    again = _torch_run(q, k, v, "bshd", mask_mod=sliding(2))
+    assert len(made) == 2  # each window keeps its own rewrite
+    for got, window in ((first[2], 2), (other, 5), (again, 2)):
+        want = _torch_run(q, k, v, "bshd", score_mod=_select(sliding(window), torch.where))
+        for a, b in zip([got[0], got[1], *got[2]], [want[0], want[1], *want[2]]):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)

@@ -7,6 +7,8 @@ The operator itself is replaced by a recorder: what reaches it is what these tes
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -121,3 +123,106 @@ def test_the_empty_row_fix_is_asked_for_exactly_when_a_row_can_lose_every_key(mo
     if not empty:  # a window can leave queries past the last key when Sq > Skv
         longer = cfg.replace(seqlen_q=64, mask="causal")
         assert may_empty_rows(longer, bound) is True
+
+
+# ------------------------------------------------------------ callbacks made anew at each call
+
+
+def _closure(cap):
+    def softcap(score, b, h, q_idx, kv_idx):
+        return cap * sm.tanh(score / cap)
+    return softcap
+
+
+def _shifted(shift):
+    return lambda score, b, h, q_idx, kv_idx: score + shift
+
+
+def test_a_closure_made_anew_at_each_call_reuses_its_binding(operator):
+    q = torch.randn(1, 16, 2, 8)
+    for _ in range(3):
+        _call(q, score_mod=_closure(20.0))
+    assert operator[2][2] is operator[0][2] and 20.0 in operator[0][2]
+    _call(q, score_mod=_closure(7.0))
+    assert 7.0 in operator[3][2] and 20.0 not in operator[3][2]
+    _call(q, score_mod=_closure(float("20")))  # the same value computed anew: the kept binding
+    assert operator[4][2] is operator[0][2]
+
+
+def test_numbers_are_read_by_exact_value(operator):
+    q = torch.randn(1, 16, 2, 8)
+    _call(q, score_mod=_shifted(0.0))
+    _call(q, score_mod=_shifted(-0.0))
+    _call(q, score_mod=_shifted(0.0))
+    signs = [math.copysign(1.0, scalars[0]) for _, _, scalars, _ in operator]
+    assert signs == [1.0, -1.0, 1.0]
+    assert operator[2][2] is operator[0][2]
+
+
+def test_closures_of_one_code_over_other_tensors_each_keep_their_binding(operator):
+    """One closure per layer, called in turn: each finds its own binding, none binds again."""
+    q = torch.randn(1, 16, 2, 8)
+    tables = [torch.randn(2) for _ in range(3)]
+
+    def layer(slopes):
+        return lambda score, b, h, q_idx, kv_idx: score + slopes[h] * (kv_idx - q_idx)
+
+    for _ in range(2):
+        for table in tables:
+            _call(q, score_mod=layer(table))
+    first, second = operator[:3], operator[3:]
+    for a, b, table in zip(first, second, tables):
+        assert b[1][0] is a[1][0]
+        assert torch.equal(a[1][0].reshape(-1), table)
+    fresh = torch.randn(2)
+    _call(q, score_mod=layer(fresh))  # a tensor made anew: bound anew, its own values
+    assert torch.equal(operator[-1][1][0].reshape(-1), fresh)
+
+
+def test_a_built_in_made_anew_at_each_call_reuses_its_binding(operator):
+    q = torch.randn(1, 16, 2, 8)
+    _call(q, score_mod=sm.softcap(20.0))
+    _call(q, score_mod=sm.softcap(20.0))
+    _call(q, score_mod=sm.softcap(9.0))
+    assert operator[1][2] is operator[0][2] and 9.0 in operator[2][2] and 20.0 not in operator[2][2]
+    slopes = torch.rand(2)
+    _call(q, score_mod=sm.alibi(slopes))
+    _call(q, score_mod=sm.alibi(slopes))
+    assert operator[4][1][0] is operator[3][1][0]
+    slopes.mul_(2.0)  # an in-place change: bound anew
+    _call(q, score_mod=sm.alibi(slopes))
+    assert operator[5][1][0] is not operator[3][1][0]
+    torch.testing.assert_close(operator[5][1][0].reshape(-1), slopes)
+
+
+def test_a_bound_method_follows_its_object(operator):
+    q = torch.randn(1, 16, 2, 8)
+
+    class Capped:
+        def __init__(self, cap):
+            self.cap = cap
+
+        def softcap(self, score, b, h, q_idx, kv_idx):
+            return self.cap * sm.tanh(score / self.cap)
+
+    layer = Capped(20.0)
+    _call(q, score_mod=layer.softcap)
+    _call(q, score_mod=layer.softcap)
+    assert operator[1][2] is operator[0][2]
+    layer.cap = 3.0
+    _call(q, score_mod=layer.softcap)
+    assert 3.0 in operator[2][2] and 20.0 not in operator[2][2]
+
+
+def test_a_relative_position_table_made_anew_at_each_call_reuses_its_expansion(operator):
+    q = torch.randn(1, 16, 2, 8)
+    table = torch.randn(2, 9)
+    _call(q, score_mod=sm.relative_position_bias(table))
+    _call(q, score_mod=sm.relative_position_bias(table))
+    assert operator[1][1][0] is operator[0][1][0]
+    table.add_(1.0)
+    _call(q, score_mod=sm.relative_position_bias(table))
+    expanded = operator[2][1][0]
+    assert expanded is not operator[0][1][0]
+    distance = (torch.arange(16)[None, :] - torch.arange(16)[:, None]).clamp(-4, 4) + 4
+    torch.testing.assert_close(expanded.reshape(2, 16, 16), table[:, distance])

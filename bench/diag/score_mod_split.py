@@ -1,8 +1,9 @@
 """Where a warm score_mod call's extra host time goes, split into Python and the operator: at
 bench_score_mod's S=1024 shape (B4 H16 D128 bf16, inputs requiring grad, not causal), the public call,
 the native operator called directly with the arguments the public call passed it (its Python entry),
-and the public call's forward+backward (torch.autograd.grad of q, k, v), for a plain call, softcap
-(built-in and flex), a flex ALiBi, a causal mask_mod and the built-in causal() score_mod. Host us per
+and the forward+backward (torch.autograd.grad of q, k, v) of both, for a plain call, softcap (built-in
+and flex, made once and made anew at each call), a flex ALiBi, a causal mask_mod and the built-in
+causal() score_mod. Host us per
 call with the GPU held, interleaved rounds, in one process (SPLIT_GC=0: with Python's garbage collector
 off while timing); then cProfile of two public calls' Python."""
 
@@ -44,9 +45,15 @@ def main() -> None:
     def causal(b, h, q_idx, kv_idx):
         return q_idx >= kv_idx
 
+    def closure(cap):
+        return lambda score, b, h, q_idx, kv_idx: cap * sm.tanh(score / cap)
+
+    # a callable: the call's options made anew at each call, as a model's forward writes them
     variants = {"plain": {}, "softcap_builtin": {"score_mod": sm.softcap(20.0)}, "softcap_flex": {"score_mod": softcap},
                 "alibi_flex": {"score_mod": alibi}, "causal_mask_mod": {"mask_mod": causal},
-                "causal_builtin": {"score_mod": sm.causal()}, "plain_causal": {"mask": "causal"}}
+                "causal_builtin": {"score_mod": sm.causal()}, "plain_causal": {"mask": "causal"},
+                "softcap_builtin_each_call": lambda: {"score_mod": sm.softcap(20.0)},
+                "softcap_closure_each_call": lambda: {"score_mod": closure(20.0)}}
     passed = {}
     original = functional._operator
 
@@ -57,7 +64,7 @@ def main() -> None:
     calls = {}
     functional._operator = recording
     for name, options in variants.items():
-        public = (lambda options=options: fat.attention(q, k, v, **options))
+        public = (lambda options=options: fat.attention(q, k, v, **(options() if callable(options) else options)))
         for _ in range(3):
             public()
         args = passed.pop("last", None)
@@ -65,6 +72,8 @@ def main() -> None:
         calls[name + " fwd+bwd"] = (lambda public=public: torch.autograd.grad(public(), (q, k, v), grad))
         if args is not None:
             calls[name + " (operator)"] = (lambda args=args: torch_plans.entry(*args))
+            calls[name + " (operator) fwd+bwd"] = (
+                lambda args=args: torch.autograd.grad(torch_plans.entry(*args)[0], (q, k, v), grad))
         else:
             print(f"{name}: did not reach the native operator", flush=True)
     functional._operator = original
@@ -82,10 +91,11 @@ def main() -> None:
             if held:
                 samples[name].append(host)
     gc.enable()
-    bases = {suffix: statistics.median(samples["plain" + suffix]) for suffix in ("", " (operator)", " fwd+bwd")}
+    suffixes = (" (operator) fwd+bwd", " (operator)", " fwd+bwd")
+    bases = {suffix: statistics.median(samples["plain" + suffix]) for suffix in ("", *suffixes)}
     for name in names:
         us = statistics.median(samples[name])
-        extra = us - bases[next((s for s in (" (operator)", " fwd+bwd") if name.endswith(s)), "")]
+        extra = us - bases[next((s for s in suffixes if name.endswith(s)), "")]
         print(f"{name:>28}: {us:7.1f} us/call host ({extra:+6.1f} over plain), {len(samples[name])} rounds", flush=True)
     for name in ("softcap_builtin", "causal_mask_mod"):
         profile = cProfile.Profile()

@@ -7,6 +7,8 @@ gives output 0 and LSE -inf.
 
 from __future__ import annotations
 
+import weakref
+
 from fusedattn.score_mods.core import MASKED, ScoreMod
 from fusedattn.score_mods.graph_ops import both, col_index, compare, data_type, index_plus, keep_where, row_index
 
@@ -229,6 +231,12 @@ def _expand_table(values, reach: int, heads: int, seqlen_q: int, seqlen_kv: int)
     return ops.reshape(ops.take(values, ops.reshape(index, (-1,)), axis=1), (1, heads, seqlen_q, seqlen_kv))
 
 
+# id(torch table) -> (its version and the lengths, its expansion), dropped when the table dies; kept by
+# the table, not the ScoreMod, so one made anew at each call reads nothing new (torch/score_mod_bindings.py
+# keys its binding by what the callbacks read).
+_EXPANDED: dict = {}
+
+
 def relative_position_bias(table) -> ScoreMod:
     """score + table[h, clip(kv_idx - q_idx, -M, M) + M] for a (Hq, 2M + 1) table.
 
@@ -242,15 +250,19 @@ def relative_position_bias(table) -> ScoreMod:
         raise ValueError(f"score_mods.relative_position_bias: table: expected a (Hq, 2M + 1) tensor, got "
                          f"{shape or type(table).__name__}")
     reach = shape[1] // 2
-    expanded: dict = {}
 
     def prepare(tensors, full, like):
         seqlen_q, seqlen_kv = full[2], full[3]
         values = tensors.pop("table")
         version = (seqlen_q, seqlen_kv, getattr(values, "_version", None), getattr(values, "requires_grad", None))
-        if expanded.get("version") != version or version[2] is None:
-            expanded.update(version=version, bias=_expand_table(values, reach, shape[0], seqlen_q, seqlen_kv))
-        return {**tensors, "bias": expanded["bias"]}
+        kept = _EXPANDED.get(id(values)) if version[2] is not None else None
+        if kept is None or kept[0] != version:
+            if kept is None and version[2] is not None:
+                weakref.finalize(values, _EXPANDED.pop, id(values), None)
+            kept = (version, _expand_table(values, reach, shape[0], seqlen_q, seqlen_kv))
+            if version[2] is not None:
+                _EXPANDED[id(values)] = kept
+        return {**tensors, "bias": kept[1]}
 
     def as_bias(tensors, full, like):  # fresh each call: it carries the gradient's graph
         return _expand_table(tensors["table"], reach, shape[0], full[2], full[3])

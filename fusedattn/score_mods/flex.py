@@ -21,7 +21,6 @@ import dataclasses
 import functools
 import inspect
 import math
-import operator
 import types
 from dataclasses import dataclass
 
@@ -34,7 +33,7 @@ from fusedattn.score_mods.mask_forms import MaskForms, mask_forms
 from fusedattn.xp import namespace
 
 __all__ = ["flex_score_mod", "is_flex_score_mod", "Traced", "trace", "trace_mask", "PartialMask", "SCORE_ARGS",
-           "MASK_ARGS", "snapshot", "same_objects", "flat_reads", "same_reads"]
+           "MASK_ARGS", "snapshot", "same_objects", "flat_reads", "reads_key", "identity"]
 
 SCORE_ARGS = ("score", "b", "h", "q_idx", "kv_idx")
 MASK_ARGS = ("b", "h", "q_idx", "kv_idx")
@@ -192,12 +191,15 @@ def _library(fn) -> bool:
 
 def snapshot(fn, depth: int = 2) -> tuple | None:
     """The objects fn reads besides its arguments, compared by identity (helper functions it calls
-    and items of dicts and lists it reads, two levels deep); None if fn is not a plain function."""
+    and items of dicts and lists it reads, two levels deep; only its closure for a function of this
+    library or a framework); None if fn is not a plain function."""
     if type(fn) is types.FunctionType:  # the common case first: a repeat score_mod call reads this
         closure = fn.__closure__
+        cells = () if closure is None else tuple([_value_snapshot(c.cell_contents, depth) for c in closure])
+        if _library(fn):  # a built-in's callback: the names it reads are this library's own
+            return (cells, fn.__defaults__, ())
         read = fn.__globals__.get
-        return (() if closure is None else tuple([_value_snapshot(c.cell_contents, depth) for c in closure]),
-                fn.__defaults__, tuple([_value_snapshot(read(n), depth) for n in fn.__code__.co_names]))
+        return (cells, fn.__defaults__, tuple([_value_snapshot(read(n), depth) for n in fn.__code__.co_names]))
     if fn is None:
         return ()
     if isinstance(fn, functools.partial):
@@ -225,9 +227,12 @@ def flat_reads(fn) -> tuple | None:
     return tuple(found)
 
 
-def same_reads(kept: tuple, now: tuple | None) -> bool:
-    """Whether flat_reads-style tuples hold the same objects, item by item (now None: unknown, not the same)."""
-    return now is not None and len(now) == len(kept) and all(map(operator.is_, kept, now))
+def reads_key(reads: tuple) -> tuple:
+    """flat_reads' objects as a hashable key: each object by its identity (whoever keeps the key must keep
+    the objects alive), each number, string or None by its type and value, so a number computed anew at
+    each call is the same read while its value is (floats by their exact bits: -0.0 is not 0.0)."""
+    return (tuple(map(type, reads)),
+            tuple([x.hex() if type(x) is float else x if type(x) in _PLAIN_VALUES else id(x) for x in reads]))
 
 
 def _flatten(item, found: list) -> None:
@@ -238,11 +243,11 @@ def _flatten(item, found: list) -> None:
             found.append(x)
 
 
-def _identity(fn) -> tuple:
-    """Who fn is, for the trace cache's key (with the objects it reads): a plain function by its code, so a
-    closure made anew at each call, as a model's forward writes it, finds the trace of the last one that
-    read the same objects; a bound method (made anew at each attribute access) by its function and
-    object; anything else by itself."""
+def identity(fn) -> tuple:
+    """Who fn is, for a cache's key (with the objects it reads: the traces here, plans and bindings): a
+    plain function by its code, so a closure made anew at each call, as a model's forward writes it,
+    finds what was kept for the last one that read the same objects; a bound method (made anew at each
+    attribute access) by its function and object; anything else by itself."""
     if type(fn) is types.FunctionType:
         return ("code", id(fn.__code__))
     if inspect.ismethod(fn):
@@ -251,7 +256,7 @@ def _identity(fn) -> tuple:
 
 
 def _same_callable(a, b) -> bool:
-    """Whether b is a, a function with a's code or a's method of the same object (see _identity)."""
+    """Whether b is a, a function with a's code or a's method of the same object (see identity)."""
     if a is b:
         return True
     if type(a) is types.FunctionType:
@@ -294,13 +299,13 @@ def trace(framework: str, score_mod, mask_mod, device=None, kept: frozenset | No
     """The traced forward and derivative of score_mod and mask_mod's kept conditions (numbers of
     trace_mask's conditions; None: all), cached while what the functions read stays.
     device: torch's device for the stand-ins (q's), beside the tensors the functions capture."""
-    key = ("score", framework, _identity(score_mod), _identity(mask_mod), str(device), kept)
+    key = ("score", framework, identity(score_mod), identity(mask_mod), str(device), kept)
     return _cached(key, (score_mod, mask_mod), lambda: _trace_now(framework, score_mod, mask_mod, device, kept))
 
 
 def trace_mask(framework: str, mask_mod, device=None) -> MaskForms:
     """mask_mod traced alone, and which of its conditions are native masks (cached as `trace`)."""
-    key = ("mask", framework, _identity(mask_mod), str(device))
+    key = ("mask", framework, identity(mask_mod), str(device))
     return _cached(key, (mask_mod,), lambda: _trace_mask_now(framework, mask_mod, device))
 
 

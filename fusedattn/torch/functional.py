@@ -141,11 +141,14 @@ def attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | 
         has_mod = mods is not None
         if signature is None:
             signature = _signature(q, k, v, None, None, (), options, _score_mod_names(mods) if has_mod else None)
+        if has_mod:  # the binding carries its plan
+            binding = _kept_binding(signature, mods)
+            if binding is not None:
+                return _native_call(binding.planned[2], signature, binding.planned, q, k, v, None, None, binding,
+                                    options)
         signature, planned = _recalled(signature)
-        if planned is not None and planned[2] is not None:
-            binding = score_mod_bindings.recall(signature, mods) if has_mod else None
-            if binding is not None or not has_mod:
-                return _native_call(planned[2], signature, planned, q, k, v, None, None, binding, options)
+        if planned is not None and planned[2] is not None and not has_mod:
+            return _native_call(planned[2], signature, planned, q, k, v, None, None, None, options)
     if not _KEYWORDS.issuperset(options):
         check_keywords(API, options, "torch")
     get = options.get
@@ -187,10 +190,14 @@ def attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | 
             None if alibi_slopes is not None or (given and not trusted) else _signature(*signed))
         if rewrite_key is not None and documents is None:
             mask_rewrites.remember(rewrite_key, before_rewrite, options, signature)
-    if planned is not None and planned[2] is not None:  # the warm path: one operator call, autograd in C++
-        binding = score_mod_bindings.recall(signature, mods) if has_mod else None
-        if binding is not None or not has_mod:
-            return _native_call(planned[2], signature, planned, q, k, v, sink, bias, binding, options)
+    # the warm path: one operator call, autograd in C++
+    if has_mod:
+        binding = _kept_binding(signature, mods)
+        if binding is not None:
+            return _native_call(binding.planned[2], signature, binding.planned, q, k, v, sink, bias, binding,
+                                options)
+    elif planned is not None and planned[2] is not None:
+        return _native_call(planned[2], signature, planned, q, k, v, sink, bias, None, options)
     mod = None
     if has_mod:
         mod = as_score_mod(API, *(get(name) for name in SCORE_MOD_NAMES), framework="torch", device=q.device)
@@ -209,7 +216,7 @@ def attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | 
     if planned is not None:  # seen before: already validated, configured and selected
         cfg, selection, native = planned
         if native is not None:  # the callbacks bind anew (they read other objects now)
-            binding = score_mod_bindings.remember(signature, options, cfg, bound, torch_plans.operands(cfg))
+            binding = score_mod_bindings.remember(signature, options, bound, torch_plans.operands(cfg), planned)
             return _native_call(native, signature, planned, q, k, v, sink, bias, binding, options)
         arrays = (*split_packed(cfg.layout, [x for x in (q, k, v) if x is not None]), bias, alibi_slopes, sink,
                   *offsets)
@@ -237,8 +244,8 @@ def attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | 
                 signature = _signature(*signed)  # the library loaded in this call: key it as the next call will
             remember_call(signature, (cfg, selection, native))
         if native is not None:
-            binding = None if bound is None else score_mod_bindings.remember(signature, options, cfg, bound,
-                                                                             torch_plans.operands(cfg))
+            binding = None if bound is None else score_mod_bindings.remember(
+                signature, options, bound, torch_plans.operands(cfg), (cfg, selection, native))
             # arrays[3]: the bias, or a learning score_mod's added term as one (prepare_call)
             return _native_call(native, signature, (cfg, selection, native), q, k, v, sink, arrays[3], binding,
                                 options)
@@ -346,6 +353,7 @@ def _native_call(plan: int, signature, planned, q, k, v, sink, bias, binding, op
         if "is not registered in this process" not in str(error):
             raise
         torch_plans.forget(cfg)  # the library's bounded registry dropped it
+        score_mod_bindings.forget()  # bindings carry plan ids too
         plan = _native_plan(cfg, planned[1], q)
         if signature is not None:
             remember_call(signature, (*planned[:2], plan))
@@ -422,6 +430,17 @@ def _recalled(signature) -> tuple:
         return None, None
 
 
+def _kept_binding(signature, mods: tuple):
+    """The score_mod binding kept for this call (score_mod_bindings), or None (also where the signature
+    cannot be a key: the full path explains its options)."""
+    if signature is None:
+        return None
+    try:
+        return score_mod_bindings.recall(signature, mods)
+    except TypeError:
+        return None
+
+
 _IS_GIVEN = functools.partial(operator.is_not, None)
 
 
@@ -439,10 +458,11 @@ _MOD, _BPROP, _MOD_TENSORS, _BPROP_TENSORS, _MASK_MOD = map(SCORE_MOD_NAMES.inde
 
 
 def _score_mod_names(given: tuple) -> tuple:
-    """The score_mod part of a signature (given: _mod_keywords'): the callbacks' identities and their
-    tensors' names."""
-    return (id(given[_MOD]), id(given[_BPROP]), tuple(given[_MOD_TENSORS] or ()),
-            tuple(given[_BPROP_TENSORS] or ()), id(given[_MASK_MOD]))
+    """The score_mod part of a signature (given: _mod_keywords'): who the callbacks are (a function by its
+    code: score_mod_bindings.signature_part) and their tensors' names."""
+    who = score_mod_bindings.signature_part
+    return (who(given[_MOD]), who(given[_BPROP]), tuple(given[_MOD_TENSORS] or ()),
+            tuple(given[_BPROP_TENSORS] or ()), who(given[_MASK_MOD]))
 
 
 # ---------------------------------------------------------------- under torch.compile

@@ -3,9 +3,10 @@
 A call with a mask_mod is rewritten before it is configured (score_mods/mask_rewrite.py: its band
 and length conditions become cuDNN's own masks, the rest stays a select in the graph). That costs
 tens of microseconds of Python a call. The rewrite depends on the call's shapes and settings (its
-plan-cache signature) and on what the mask_mod reads, so a rewrite is kept here under the call's
-signature while the mask_mod reads the same objects (flex.flat_reads, compared by identity as the
-trace cache compares them). A repeat call then takes the warm path with the rewritten options.
+plan-cache signature, which names the mask_mod by its code) and on what the mask_mod reads, so a
+rewrite is kept here under both (flex.flat_reads as flex.reads_key keys them: objects by identity,
+numbers by value). A repeat call, or one with the same closure made anew, then takes the warm path
+with the rewritten options.
 
 Rewrites that made tensors (padding lengths computed from captured tensors on the device) or that
 run documents as THD are not kept: their values can change without the mask_mod reading other
@@ -19,7 +20,7 @@ from typing import NamedTuple
 import torch
 
 from fusedattn.cache import LRUCache, register
-from fusedattn.score_mods.flex import flat_reads, same_reads
+from fusedattn.score_mods.flex import flat_reads, reads_key
 
 __all__ = ["recall", "remember"]
 
@@ -28,8 +29,8 @@ _ABSENT = object()
 
 
 class Rewrite(NamedTuple):
-    mask_mod: object  # kept alive: the signature holds its id
-    reads: tuple  # flat_reads(mask_mod) when the rewrite was made
+    mask_mod: object  # kept alive: the signature holds its code's id
+    reads: tuple  # flat_reads(mask_mod) when the rewrite was made, kept alive: the key holds their ids
     changed: dict  # the options the rewrite set (a PartialMask of the kept conditions, mask, window)
     signature: tuple  # the rewritten call's plan-cache signature
 
@@ -39,13 +40,11 @@ _REWRITES: LRUCache = register("torch.mask_mod.rewrites", LRUCache(CAPACITY))
 
 def recall(signature, options: dict) -> tuple[dict, tuple] | None:
     """(rewritten options, their signature) kept for this call, if its mask_mod still reads the same objects."""
-    kept = _REWRITES.peek(signature)  # no lock on the hot path, as score_mod_bindings.recall
+    reads = flat_reads(options["mask_mod"])
+    if reads is None:
+        return None
+    kept = _REWRITES.peek((signature, reads_key(reads)))  # no lock on the hot path, as score_mod_bindings.recall
     if kept is None:
-        return None
-    mask_mod = options["mask_mod"]
-    if kept.mask_mod is not mask_mod:
-        return None
-    if not same_reads(kept.reads, flat_reads(mask_mod)):
         return None
     return {**options, **kept.changed}, kept.signature
 
@@ -61,4 +60,4 @@ def remember(signature, before: dict, after: dict, rewritten_signature) -> None:
     changed = {name: value for name, value in after.items() if before.get(name, _ABSENT) is not value}
     if any(isinstance(value, torch.Tensor) for value in changed.values()):
         return
-    _REWRITES.put(signature, Rewrite(mask_mod, reads, changed, rewritten_signature))
+    _REWRITES.put((signature, reads_key(reads)), Rewrite(mask_mod, reads, changed, rewritten_signature))

@@ -1,16 +1,20 @@
 """Repeat score_mod calls without tracing or binding again.
 
 Binding a score_mod (tracing a flex callback, materializing its aux tensors, checking them) costs
-tens of microseconds of Python. A call whose plan is already known keeps its bound operands here,
-under the call's signature, for as long as the callbacks read the same objects (a flex callback's
-closure and globals, a ScoreMod's tensors dict, compared by identity as the trace cache compares
-them) and the tensors they capture are not changed in place (their version counters). Then a
-repeat call goes straight to the native operator with the kept aux tensors and scalars.
+tens of microseconds of Python. A call whose plan is known keeps its bound operands here, with the
+plan, under the call's signature and the objects its callbacks read (a flex callback's closure and
+globals, a ScoreMod's tensors dict and its callbacks' reads: by identity, numbers by value). A repeat
+call whose callbacks read the same objects goes straight to the native operator with the kept aux
+tensors and scalars, while the tensors they hold are not changed in place (their version counters).
+The signature names a function by its code (signature_part), so a closure or a built-in made anew at
+each call, as a model's forward writes it, finds its binding; closures of one code over other objects
+(one per layer) each keep their own.
 """
 
 from __future__ import annotations
 
-import operator
+import inspect
+import types
 from typing import NamedTuple
 
 import torch
@@ -20,9 +24,9 @@ from fusedattn.cache import LRUCache, register
 from fusedattn.options import SCORE_MOD_NAMES
 from fusedattn.score_mods.core import MASKED_BELOW, BoundScoreMod, ScoreMod, needs_gradient
 from fusedattn.score_mods.core import may_empty_rows as core_may_empty_rows
-from fusedattn.score_mods.flex import PartialMask, flat_reads, same_reads
+from fusedattn.score_mods.flex import PartialMask, flat_reads, identity, reads_key
 
-__all__ = ["Binding", "recall", "remember", "may_empty_rows"]
+__all__ = ["Binding", "recall", "remember", "forget", "may_empty_rows", "signature_part"]
 
 CAPACITY = 64  # bindings hold the aux tensors they made: a few per model is what a step needs
 
@@ -30,12 +34,13 @@ CAPACITY = 64  # bindings hold the aux tensors they made: a few per model is wha
 class Binding(NamedTuple):
     """One call's score_mod operands for the native operator, and what they were made from."""
 
-    given: tuple  # the score_mod keywords' values (kept alive: the signature holds their ids)
-    checks: tuple  # (value, what it reads, flat, by identity: see _reads) of each keyword given
+    given: tuple  # the score_mod keywords' values (kept alive: the signature holds their code's ids)
+    reads: tuple  # what each keyword given reads (see _parts), kept alive: the key holds their ids
     watched: tuple  # (tensor, version) of every tensor the mod holds: in-place changes rebind
     aux: list
     scalars: list
     empty_rows: bool
+    planned: tuple  # (cfg, selection, native plan) these operands were bound for
 
 
 _BINDINGS: LRUCache = register("torch.score_mod.bindings", LRUCache(CAPACITY))
@@ -45,18 +50,44 @@ def _given(options: dict) -> tuple:
     return tuple(map(options.get, SCORE_MOD_NAMES))
 
 
-def _reads(value) -> tuple | None:
-    """The objects a score_mod keyword's value depends on, flat, to compare by identity; None when that
-    cannot be known (a callable that is not a plain function: such calls bind every time)."""
-    if isinstance(value, ScoreMod):
-        return (value, *value.tensors.keys(), *value.tensors.values(), *value.bprop_tensors.keys(),
-                *value.bprop_tensors.values())
+def _callable_reads(fn) -> tuple | None:
+    """What a callback reads (flex.flat_reads): a plain function or a bound method is named by its code
+    (flex.identity) in the signature, so its reads are what tells two of them apart; None for another
+    callable (its state cannot be known: such calls bind every time)."""
+    if fn is None:
+        return ()
+    if type(fn) is types.FunctionType or inspect.ismethod(fn):
+        return flat_reads(fn)
+    return None
+
+
+def _parts(value) -> tuple | None:
+    """The objects a score_mod keyword's value depends on, as flat tuples (one per callback or dict), to
+    key a binding by (flex.reads_key); None when that cannot be known."""
+    if isinstance(value, ScoreMod):  # a built-in made anew at each call has other objects, the same parts
+        callbacks = (_callable_reads(value.forward), _callable_reads(value.bprop), _callable_reads(value.prepare))
+        if None in callbacks:
+            return None
+        own = (value.masks, value.structure, value.issue, *value.host)
+        return (*callbacks, own, (*value.tensors.keys(), *value.tensors.values()),
+                (*value.bprop_tensors.keys(), *value.bprop_tensors.values()))
     if isinstance(value, dict):
-        return (*value.keys(), *value.values())
+        return ((*value.keys(), *value.values()),)
     if isinstance(value, PartialMask):
         inner = flat_reads(value.mask_mod)
-        return None if inner is None else (value.kept, *inner)
-    return flat_reads(value)
+        return None if inner is None else ((value.kept, *inner),)
+    reads = _callable_reads(value)
+    return None if reads is None else (reads,)
+
+
+def signature_part(value) -> tuple:
+    """Who a score_mod keyword's value is, for the plan cache's signature: a function by its code and a
+    ScoreMod by its callbacks' (flex.identity), so callbacks and built-ins made anew at each call, as a
+    model's forward writes them, find the plan of the last call; which objects they read keys the
+    binding. Anything else by itself."""
+    if isinstance(value, ScoreMod):
+        return ("mod", identity(value.forward), identity(value.bprop), identity(value.prepare))
+    return identity(value)
 
 
 def _watched(mod: ScoreMod) -> tuple:
@@ -64,15 +95,37 @@ def _watched(mod: ScoreMod) -> tuple:
     return tuple((x, x._version) for x in values if isinstance(x, torch.Tensor))
 
 
+_PART = object()  # between the parts of what the keywords read (their lengths differ from call to call)
+
+
+def _reads_of(given: tuple) -> tuple | None:
+    """What the score_mod keywords' values read (see _parts), flat with a marker before each part."""
+    reads: list = []
+    for value in given:
+        if value is not None:
+            parts = _parts(value)
+            if parts is None:
+                return None
+            for part in parts:
+                reads.append(_PART)
+                reads.extend(part)
+        reads.append(_PART)
+    return tuple(reads)
+
+
+def _key(signature, reads: tuple) -> tuple:
+    return (signature, reads_key(reads))
+
+
 def recall(signature, given: tuple) -> Binding | None:
-    """The binding kept for this signature, if the callbacks and their tensors are unchanged. given: the
-    call's score_mod keywords' values in SCORE_MOD_NAMES' order."""
-    kept = _BINDINGS.peek(signature)  # no lock on the hot path: remember() puts a binding again when made
-    if kept is None or not all(map(operator.is_, kept.given, given)):  # (equal lengths: SCORE_MOD_NAMES')
+    """The binding kept for this signature and callbacks that read these objects, while the tensors they
+    hold keep their versions. given: the call's score_mod keywords' values in SCORE_MOD_NAMES' order."""
+    reads = _reads_of(given)
+    if reads is None:
         return None
-    for value, read in kept.checks:
-        if not same_reads(read, _reads(value)):
-            return None
+    kept = _BINDINGS.peek(_key(signature, reads))  # no lock on the hot path: remember() puts a binding again
+    if kept is None:
+        return None
     for x, version in kept.watched:
         if x._version != version:
             return None
@@ -92,15 +145,20 @@ def may_empty_rows(cfg, bound: BoundScoreMod) -> bool:
     return core_may_empty_rows(cfg, bound, lambda x: x.is_floating_point(), arrays_may_mask)
 
 
-def remember(signature, options: dict, cfg, bound: BoundScoreMod, operands) -> Binding:
-    """This call's bound operands (operands: the plan's torch_plans.Operands), kept for the next call
-    with this signature unless a mod's tensors learn or its callbacks' reads cannot be compared."""
+def remember(signature, options: dict, bound: BoundScoreMod, operands, planned: tuple) -> Binding:
+    """This call's bound operands (operands: the plan's torch_plans.Operands; planned: the call's (cfg,
+    selection, native plan)), kept for the next call with this signature whose callbacks read the same
+    objects, unless a mod's tensors learn or the callbacks' reads cannot be known."""
     aux, scalars = operands.values(bound.values)
     aux = [x if x.data_ptr() % ALIGNMENT == 0 else aligned_copy(x) for x in aux]
     given = _given(options)
-    checks = tuple((value, _reads(value)) for value in given if value is not None)
-    binding = Binding(given, checks, _watched(bound.mod), aux, scalars, may_empty_rows(cfg, bound))
-    readable = all(read is not None for _, read in checks)
-    if signature is not None and readable and not needs_gradient(bound.mod):
-        _BINDINGS.put(signature, binding)
+    reads = _reads_of(given)
+    binding = Binding(given, reads, _watched(bound.mod), aux, scalars, may_empty_rows(planned[0], bound), planned)
+    if signature is not None and reads is not None and not needs_gradient(bound.mod):
+        _BINDINGS.put(_key(signature, reads), binding)
     return binding
+
+
+def forget() -> None:
+    """Drop every binding: the native registry let a plan go, and bindings name plans by their ids."""
+    _BINDINGS.clear()
