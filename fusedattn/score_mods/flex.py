@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import inspect
 import math
+import operator
 import types
 from dataclasses import dataclass
 
@@ -33,7 +34,8 @@ from fusedattn.score_mods.mask_forms import MaskForms, mask_forms
 from fusedattn.xp import namespace
 
 __all__ = ["flex_score_mod", "is_flex_score_mod", "Traced", "trace", "trace_mask", "PartialMask", "SCORE_ARGS",
-           "MASK_ARGS", "snapshot", "same_objects", "flat_reads", "reads_key", "identity"]
+           "MASK_ARGS", "snapshot", "same_objects", "flat_reads", "same_reads", "reads_key", "identity",
+           "library_function"]
 
 SCORE_ARGS = ("score", "b", "h", "q_idx", "kv_idx")
 MASK_ARGS = ("b", "h", "q_idx", "kv_idx")
@@ -166,7 +168,7 @@ def _value_snapshot(value, depth: int):
     """What of a value the trace depends on: helper functions' own reads, containers' items."""
     if type(value) in _PLAIN_VALUES:
         return value
-    if callable(value) and hasattr(value, "__code__") and depth > 0 and not _library(value):
+    if callable(value) and hasattr(value, "__code__") and depth > 0 and not library_function(value):
         return ("function", value, snapshot(value, depth - 1))
     if isinstance(value, dict) and len(value) <= 64:
         return ("dict", value, tuple((k, _value_snapshot(v, 0)) for k, v in value.items()))
@@ -179,7 +181,7 @@ _LIBRARIES = frozenset(("fusedattn", "torch", "jax", "numpy"))
 _LIBRARY_MODULES: dict = {}  # module name -> whether it is one of _LIBRARIES' (a repeat call asks again)
 
 
-def _library(fn) -> bool:
+def library_function(fn) -> bool:
     """Whether fn is a function of this library or of a framework (score_mods.tanh, torch.where): its reads
     are its own business, never a user's state, so snapshots stop at it (a repeat call compares less)."""
     module = getattr(fn, "__module__", None) or ""
@@ -196,7 +198,7 @@ def snapshot(fn, depth: int = 2) -> tuple | None:
     if type(fn) is types.FunctionType:  # the common case first: a repeat score_mod call reads this
         closure = fn.__closure__
         cells = () if closure is None else tuple([_value_snapshot(c.cell_contents, depth) for c in closure])
-        if _library(fn):  # a built-in's callback: the names it reads are this library's own
+        if library_function(fn):  # a built-in's callback: the names it reads are this library's own
             return (cells, fn.__defaults__, ())
         read = fn.__globals__.get
         return (cells, fn.__defaults__, tuple([_value_snapshot(read(n), depth) for n in fn.__code__.co_names]))
@@ -225,6 +227,11 @@ def flat_reads(fn) -> tuple | None:
     found: list = []
     _flatten(taken, found)
     return tuple(found)
+
+
+def same_reads(kept: tuple, now: tuple) -> bool:
+    """Whether flat_reads-style tuples hold the same objects, item by item."""
+    return len(now) == len(kept) and all(map(operator.is_, kept, now))
 
 
 def reads_key(reads: tuple) -> tuple:

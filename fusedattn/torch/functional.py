@@ -461,8 +461,10 @@ def _score_mod_names(given: tuple) -> tuple:
     """The score_mod part of a signature (given: _mod_keywords'): who the callbacks are (a function by its
     code: score_mod_bindings.signature_part) and their tensors' names."""
     who = score_mod_bindings.signature_part
-    return (who(given[_MOD]), who(given[_BPROP]), tuple(given[_MOD_TENSORS] or ()),
-            tuple(given[_BPROP_TENSORS] or ()), who(given[_MASK_MOD]))
+    mod, bprop, mask_mod = given[_MOD], given[_BPROP], given[_MASK_MOD]
+    return (None if mod is None else who(mod), None if bprop is None else who(bprop),
+            tuple(given[_MOD_TENSORS] or ()), tuple(given[_BPROP_TENSORS] or ()),
+            None if mask_mod is None else who(mask_mod))
 
 
 # ---------------------------------------------------------------- under torch.compile

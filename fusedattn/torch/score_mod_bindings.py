@@ -24,11 +24,11 @@ from fusedattn.cache import LRUCache, register
 from fusedattn.options import SCORE_MOD_NAMES
 from fusedattn.score_mods.core import MASKED_BELOW, BoundScoreMod, ScoreMod, needs_gradient
 from fusedattn.score_mods.core import may_empty_rows as core_may_empty_rows
-from fusedattn.score_mods.flex import PartialMask, flat_reads, identity, reads_key
+from fusedattn.score_mods.flex import PartialMask, flat_reads, identity, library_function, reads_key, same_reads
 
 __all__ = ["Binding", "recall", "remember", "forget", "may_empty_rows", "signature_part"]
 
-CAPACITY = 64  # bindings hold the aux tensors they made: a few per model is what a step needs
+CAPACITY = 128  # bindings (each under two keys, see recall) hold the aux tensors they made: a few per model
 
 
 class Binding(NamedTuple):
@@ -36,6 +36,7 @@ class Binding(NamedTuple):
 
     given: tuple  # the score_mod keywords' values (kept alive: the signature holds their code's ids)
     reads: tuple  # what each keyword given reads (see _parts), kept alive: the key holds their ids
+    checks: tuple  # (value, what of it can change, flat) of each keyword given: see recall
     watched: tuple  # (tensor, version) of every tensor the mod holds: in-place changes rebind
     aux: list
     scalars: list
@@ -54,8 +55,8 @@ def _callable_reads(fn) -> tuple | None:
     """What a callback reads (flex.flat_reads): a plain function or a bound method is named by its code
     (flex.identity) in the signature, so its reads are what tells two of them apart; None for another
     callable (its state cannot be known: such calls bind every time)."""
-    if fn is None:
-        return ()
+    if fn is None or (type(fn) is types.FunctionType and fn.__closure__ is None and library_function(fn)):
+        return ()  # a built-in's module-level callback: it reads only this library's names
     if type(fn) is types.FunctionType or inspect.ismethod(fn):
         return flat_reads(fn)
     return None
@@ -65,11 +66,12 @@ def _parts(value) -> tuple | None:
     """The objects a score_mod keyword's value depends on, as flat tuples (one per callback or dict), to
     key a binding by (flex.reads_key); None when that cannot be known."""
     if isinstance(value, ScoreMod):  # a built-in made anew at each call has other objects, the same parts
-        callbacks = (_callable_reads(value.forward), _callable_reads(value.bprop), _callable_reads(value.prepare))
-        if None in callbacks:
+        fixed = value.__dict__.get(_FIXED)
+        if fixed is None:
+            fixed = _fixed_parts(value)
+        if fixed is False:
             return None
-        own = (value.masks, value.structure, value.issue, *value.host)
-        return (*callbacks, own, (*value.tensors.keys(), *value.tensors.values()),
+        return (*fixed, (*value.tensors.keys(), *value.tensors.values()),
                 (*value.bprop_tensors.keys(), *value.bprop_tensors.values()))
     if isinstance(value, dict):
         return ((*value.keys(), *value.values()),)
@@ -80,13 +82,34 @@ def _parts(value) -> tuple | None:
     return None if reads is None else (reads,)
 
 
+_FIXED, _WHO = "_binding_fixed_parts", "_binding_signature_part"  # kept on a ScoreMod (frozen: they cannot change)
+
+
+def _fixed_parts(mod: ScoreMod) -> tuple | bool:
+    """The parts of a ScoreMod's reads besides its dicts (see _parts): its callbacks' reads and its own
+    fields, or False where a callback's cannot be known. Kept on the mod where its callbacks are this
+    library's (their closures never rebind); a user's function can read other globals at any call."""
+    callbacks = (mod.forward, mod.bprop, mod.prepare)
+    reads = tuple(map(_callable_reads, callbacks))
+    if None in reads:
+        return False
+    fixed = (*reads, (mod.masks, mod.structure, mod.issue, *mod.host))
+    if all(fn is None or (type(fn) is types.FunctionType and library_function(fn)) for fn in callbacks):
+        object.__setattr__(mod, _FIXED, fixed)
+    return fixed
+
+
 def signature_part(value) -> tuple:
     """Who a score_mod keyword's value is, for the plan cache's signature: a function by its code and a
     ScoreMod by its callbacks' (flex.identity), so callbacks and built-ins made anew at each call, as a
     model's forward writes them, find the plan of the last call; which objects they read keys the
     binding. Anything else by itself."""
     if isinstance(value, ScoreMod):
-        return ("mod", identity(value.forward), identity(value.bprop), identity(value.prepare))
+        who = value.__dict__.get(_WHO)
+        if who is None:
+            who = ("mod", identity(value.forward), identity(value.bprop), identity(value.prepare))
+            object.__setattr__(value, _WHO, who)
+        return who
     return identity(value)
 
 
@@ -117,15 +140,35 @@ def _key(signature, reads: tuple) -> tuple:
     return (signature, reads_key(reads))
 
 
+def _changeable(value) -> tuple | None:
+    """What of a keyword's value can change between calls, flat: a ScoreMod of this library's callbacks
+    only its dicts (the rest is fixed: _fixed_parts), anything else all it reads."""
+    if isinstance(value, ScoreMod) and value.__dict__.get(_FIXED) is not None:
+        return (*value.tensors.keys(), *value.tensors.values(), *value.bprop_tensors.keys(),
+                *value.bprop_tensors.values())
+    if type(value) is types.FunctionType:  # a flex callback: the common case
+        return flat_reads(value)
+    parts = _parts(value)
+    return None if parts is None else tuple([x for part in parts for x in part])
+
+
 def recall(signature, given: tuple) -> Binding | None:
     """The binding kept for this signature and callbacks that read these objects, while the tensors they
     hold keep their versions. given: the call's score_mod keywords' values in SCORE_MOD_NAMES' order."""
-    reads = _reads_of(given)
-    if reads is None:
-        return None
-    kept = _BINDINGS.peek(_key(signature, reads))  # no lock on the hot path: remember() puts a binding again
+    # No lock on the hot path: remember() puts a binding again. The callbacks a binding was made with
+    # find it first, checking only what of them can change; those made anew, by all they read.
+    kept = _BINDINGS.peek((signature, *map(id, given)))
+    if kept is not None:
+        for value, read in kept.checks:
+            now = _changeable(value)
+            if now is None or not same_reads(read, now):
+                kept = None
+                break
     if kept is None:
-        return None
+        reads = _reads_of(given)
+        kept = None if reads is None else _BINDINGS.peek(_key(signature, reads))
+        if kept is None:
+            return None
     for x, version in kept.watched:
         if x._version != version:
             return None
@@ -153,9 +196,12 @@ def remember(signature, options: dict, bound: BoundScoreMod, operands, planned: 
     aux = [x if x.data_ptr() % ALIGNMENT == 0 else aligned_copy(x) for x in aux]
     given = _given(options)
     reads = _reads_of(given)
-    binding = Binding(given, reads, _watched(bound.mod), aux, scalars, may_empty_rows(planned[0], bound), planned)
+    checks = tuple((value, _changeable(value)) for value in given if value is not None)
+    binding = Binding(given, reads, checks, _watched(bound.mod), aux, scalars, may_empty_rows(planned[0], bound),
+                      planned)
     if signature is not None and reads is not None and not needs_gradient(bound.mod):
         _BINDINGS.put(_key(signature, reads), binding)
+        _BINDINGS.put((signature, *map(id, given)), binding)  # (the binding keeps `given` alive)
     return binding
 
 
