@@ -698,15 +698,35 @@ def recording_backends():
         return selection
 
     frontend_common.select_backend = select_spy
+    native = _torch_functional()
+    native_call = None if native is None else native._native_call
+
+    def native_spy(plan, signature, planned, *args, **kwargs):
+        calls.append(("cudnn", "native", planned[0]))
+        return native_call(plan, signature, planned, *args, **kwargs)
+
+    if native is not None:
+        native._native_call = native_spy
     try:
         yield calls
     finally:
+        if native is not None:
+            native._native_call = native_call
         frontend_common.select_backend = select
         for backend, method, previous in reversed(saved):
             if previous is None:
                 delattr(backend, method)
             else:
                 setattr(backend, method, previous)
+
+
+def _torch_functional():
+    """fusedattn.torch.functional where torch is installed (its native operator's calls are recorded)."""
+    try:
+        from fusedattn.torch import functional
+    except ImportError:
+        return None
+    return functional
 
 
 # (case without its seed, device, framework, forced backend) -> (backend name, cfg) of its last run. A call
@@ -717,11 +737,15 @@ _LAST_RUN: dict = {}
 def _what_ran(calls, result) -> tuple:
     """(backend name, cfg) of the call just recorded: the backend whose Python forward ran; else the one
     selection picked (cuDNN on a GPU runs through its native operator, autograd in C++, out of sight);
-    else the one that ran this config before (a call the frontend remembered). (None, None) if unknown."""
+    else cuDNN where its native operator was called (a plan the frontend remembered, maybe from a call of
+    another case that passes the same arguments); else the one that ran this config before. (None, None)
+    if unknown."""
     key = (dataclasses.replace(result.case, seed=0), result.device, result.framework, result.forced)
     forward = [(name, cfg) for name, phase, cfg in calls if phase == "forward"]
     selected = [(name, cfg) for name, phase, cfg in calls if phase == "select"]
-    ran = forward[-1] if forward else selected[-1] if selected else _LAST_RUN.get(key, (None, None))
+    native = [(name, cfg) for name, phase, cfg in calls if phase == "native"]
+    ran = (forward[-1] if forward else selected[-1] if selected else native[-1] if native
+           else _LAST_RUN.get(key, (None, None)))
     if ran[0] is not None:
         _LAST_RUN[key] = ran
     return ran
@@ -730,7 +754,7 @@ def _what_ran(calls, result) -> tuple:
 def _run_problems(calls, result, name) -> list[str]:
     """What is wrong with what ran: a backend other than the selected one, not both passes in Python,
     or no Python run where only cuDNN's native operator can run a call."""
-    ran = {(n, phase) for n, phase, _ in calls if phase != "select"}
+    ran = {(n, phase) for n, phase, _ in calls if phase not in ("select", "native")}
     selected = {n for n, phase, _ in calls if phase == "select"}
     if selected and selected != {name}:
         return [f"selection picked {sorted(selected)}, but {name} ran"]

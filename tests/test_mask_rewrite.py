@@ -372,8 +372,8 @@ def test_a_rewrite_that_made_tensors_is_never_kept():
                            ("rewritten",))
     assert mask_rewrites.recall(("made tensors",), before) is None
     mask_rewrites.remember(("made none",), before, {**before, "mask": "causal", "mask_mod": None}, ("rewritten",))
-    options, signature = mask_rewrites.recall(("made none",), before)
-    assert options == {"mask_mod": None, "mask": "causal"} and signature == ("rewritten",)
+    options, signature, documents = mask_rewrites.recall(("made none",), before)
+    assert options == {"mask_mod": None, "mask": "causal"} and signature == ("rewritten",) and documents is None
 
 
 # ------------------------------------------------------------------ document masks as THD
@@ -477,3 +477,33 @@ def test_a_mask_mod_made_anew_at_each_call_keeps_its_rewrite(monkeypatch):
         want = _torch_run(q, k, v, "bshd", score_mod=_select(sliding(window), torch.where))
         for a, b in zip([got[0], got[1], *got[2]], [want[0], want[1], *want[2]]):
             torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+@torch_side
+def test_a_document_mask_keeps_its_rewrite_and_follows_its_ids(monkeypatch):
+    """A repeat document call (a closure made anew too) reuses its rewrite: the ids are read once; an in-place
+    change that unsorts them runs the mask as a select, and one that sorts them again runs as THD again."""
+    made = _counted_rewrites(monkeypatch)
+    batch, seqlen = 2, 19
+    ids = _document_ids(batch, seqlen, 4)
+
+    def documents(ids):
+        return lambda b, h, q_idx, kv_idx: ids[b, q_idx] == ids[b, kv_idx]
+
+    gen = torch.Generator().manual_seed(31)
+    q, k, v = (torch.randn(batch, seqlen, 2, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+               for _ in range(3))
+    runs = [_torch_run(q, k, v, "bshd", mask_mod=documents(ids)) for _ in range(3)]
+    assert len(made) == 1
+    select = _torch_run(q, k, v, "bshd", score_mod=_select(documents(ids), torch.where))
+    sorted_ids = ids.clone()
+    ids.copy_(ids.flip(1))  # unsorted rows: no longer THD
+    unsorted = _torch_run(q, k, v, "bshd", mask_mod=documents(ids))
+    unsorted_select = _torch_run(q, k, v, "bshd", score_mod=_select(documents(ids), torch.where))
+    ids.copy_(sorted_ids)
+    back = _torch_run(q, k, v, "bshd", mask_mod=documents(ids))
+    assert len(made) == 1
+    for got, want in ((runs[2], select), (unsorted, unsorted_select), (back, select)):
+        for a, b in zip([got[0], got[1], *got[2]], [want[0], want[1], *want[2]]):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+    assert not torch.allclose(unsorted[0], runs[0][0])

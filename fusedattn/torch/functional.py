@@ -38,6 +38,7 @@ from fusedattn.options import (
 )
 from fusedattn.options import settings as settings_of
 from fusedattn.score_mods.core import as_score_mod, bind, needs_gradient
+from fusedattn.score_mods.flex import PartialMask
 from fusedattn.score_mods.mask_rewrite import rewrite_mask
 from fusedattn.selection import ENV_BACKEND, recall_call, remember_call
 from fusedattn.torch import compiled_score_mods, mask_rewrites, score_mod_bindings, trace_time
@@ -134,8 +135,14 @@ def attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | 
         rewrite_key = _signature(q, k, v, None, None, (), options, _score_mod_names(_mod_keywords(options)))
         rewritten = mask_rewrites.recall(rewrite_key, options)
         if rewritten is not None:
-            options, signature = rewritten
-            warm = True
+            options, signature, documents = rewritten
+            if documents is None:
+                warm = True
+            else:
+                result = _document_call(q, k, v, options, documents)
+                if result is not None:
+                    return result
+                options = {**options, "mask_mod": documents.fallback}  # ids not sorted: the mask in the graph
     if warm:
         mods = _mod_keywords(options)
         has_mod = mods is not None
@@ -160,10 +167,13 @@ def attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | 
     compiling = torch.compiler.is_compiling()
     documents = None
     before_rewrite = options
-    if get("mask_mod") is not None and not compiling:
+    if get("mask_mod") is not None and not compiling and not isinstance(get("mask_mod"), PartialMask):
+        # (a PartialMask is what a rewrite kept: rewritten already)
         options, documents = rewrite_mask("torch", q, k, v, options, document_ok=_documents_possible(options))
         get = options.get
         if documents is not None:
+            if rewrite_key is not None:
+                mask_rewrites.remember(rewrite_key, before_rewrite, options, None, documents)
             result = _document_call(q, k, v, options, documents)
             if result is not None:
                 return result

@@ -8,9 +8,11 @@ rewrite is kept here under both (flex.flat_reads as flex.reads_key keys them: ob
 numbers by value). A repeat call, or one with the same closure made anew, then takes the warm path
 with the rewritten options.
 
-Rewrites that made tensors (padding lengths computed from captured tensors on the device) or that
-run documents as THD are not kept: their values can change without the mask_mod reading other
-objects, so those calls rewrite every time.
+A document mask run as THD keeps its rewrite too (which captured tensor holds the ids): the
+boundaries are read from the ids on each call, cached by the tensor's version (torch/documents.py),
+so an in-place change of the ids shows. Rewrites that made tensors (padding lengths computed from
+captured tensors on the device) are not kept: their values can change without the mask_mod reading
+other objects, so those calls rewrite every time.
 """
 
 from __future__ import annotations
@@ -32,26 +34,29 @@ class Rewrite(NamedTuple):
     mask_mod: object  # kept alive: the signature holds its code's id
     reads: tuple  # flat_reads(mask_mod) when the rewrite was made, kept alive: the key holds their ids
     changed: dict  # the options the rewrite set (a PartialMask of the kept conditions, mask, window)
-    signature: tuple  # the rewritten call's plan-cache signature
+    signature: tuple | None  # the rewritten call's plan-cache signature (None for documents)
+    documents: object  # a document mask to run as THD (mask_rewrite.Documents), or None
 
 
 _REWRITES: LRUCache = register("torch.mask_mod.rewrites", LRUCache(CAPACITY))
 
 
-def recall(signature, options: dict) -> tuple[dict, tuple] | None:
-    """(rewritten options, their signature) kept for this call, if its mask_mod still reads the same objects."""
+def recall(signature, options: dict) -> tuple[dict, tuple | None, object] | None:
+    """(rewritten options, their signature, documents or None) kept for this call, if its mask_mod still
+    reads the same objects."""
     reads = flat_reads(options["mask_mod"])
     if reads is None:
         return None
     kept = _REWRITES.peek((signature, reads_key(reads)))  # no lock on the hot path, as score_mod_bindings.recall
     if kept is None:
         return None
-    return {**options, **kept.changed}, kept.signature
+    return {**options, **kept.changed}, kept.signature, kept.documents
 
 
-def remember(signature, before: dict, after: dict, rewritten_signature) -> None:
-    """Keep the rewrite of `before` into `after` (their signatures) for the next call, where it may be kept."""
-    if signature is None or rewritten_signature is None:
+def remember(signature, before: dict, after: dict, rewritten_signature, documents=None) -> None:
+    """Keep the rewrite of `before` into `after` (their signatures; documents: a document mask the rewrite
+    left to run as THD) for the next call, where it may be kept."""
+    if signature is None or (rewritten_signature is None and documents is None):
         return
     mask_mod = before["mask_mod"]
     reads = flat_reads(mask_mod)
@@ -60,4 +65,4 @@ def remember(signature, before: dict, after: dict, rewritten_signature) -> None:
     changed = {name: value for name, value in after.items() if before.get(name, _ABSENT) is not value}
     if any(isinstance(value, torch.Tensor) for value in changed.values()):
         return
-    _REWRITES.put((signature, reads_key(reads)), Rewrite(mask_mod, reads, changed, rewritten_signature))
+    _REWRITES.put((signature, reads_key(reads)), Rewrite(mask_mod, reads, changed, rewritten_signature, documents))
