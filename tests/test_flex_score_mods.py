@@ -693,3 +693,48 @@ def test_a_torch_softcap_derivative_is_one_tanh_backward():
     traced = flex.trace("torch", lambda s, b, h, qi, ki: 20.0 * torch.tanh(s / 20.0), None, torch.device("cpu"))
     ops = [node.op for node in traced.derivative.nodes]
     assert ops.count("tanh_grad") == 1 and "tanh" not in ops, ops
+
+
+_SHIFT = 0.5
+
+
+def _doubled(x):
+    return 2 * x
+
+
+def _read_forms():
+    """Callbacks whose reads take each form: numbers, a module, an array, a helper function, a dict, a
+    list, defaults, a closure cell holding a tuple, a library function's closure."""
+    table = np.arange(4.0)
+    weights = {"w": 2.0}
+    pair = (1.0, 2.0)
+
+    def over_numbers(score, b, h, q_idx, kv_idx):
+        return score * _SHIFT + math.pi
+
+    def over_array(score, b, h, q_idx, kv_idx):
+        return score + table[h] * sm.tanh(score)
+
+    def through_helper(score, b, h, q_idx, kv_idx):
+        return _doubled(score)
+
+    def over_dict_and_pair(score, b, h, q_idx, kv_idx):
+        return score * weights["w"] + pair[0]
+
+    def with_default(score, b, h, q_idx, kv_idx, cap=30.0):
+        return cap * sm.tanh(score / cap)
+
+    return [over_numbers, over_array, through_helper, over_dict_and_pair, with_default,
+            sm.softcap(3.0).forward, sm.sliding_window(4, 0).forward]
+
+
+@pytest.mark.parametrize("index", range(7))
+def test_flat_reads_is_the_flattened_snapshot(index):
+    """flat_reads' shortcut for callbacks that read only leaves gives what flattening the snapshot gives,
+    so keys made either way agree (torch/score_mod_bindings.py)."""
+    from fusedattn.score_mods.flex import _flatten, flat_reads, snapshot
+
+    fn = _read_forms()[index]
+    found: list = []
+    _flatten(snapshot(fn), found)
+    assert flat_reads(fn) == tuple(found)

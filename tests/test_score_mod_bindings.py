@@ -8,6 +8,7 @@ The operator itself is replaced by a recorder: what reaches it is what these tes
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
@@ -226,3 +227,49 @@ def test_a_relative_position_table_made_anew_at_each_call_reuses_its_expansion(o
     assert expanded is not operator[0][1][0]
     distance = (torch.arange(16)[None, :] - torch.arange(16)[:, None]).clamp(-4, 4) + 4
     torch.testing.assert_close(expanded.reshape(2, 16, 16), table[:, distance])
+
+
+def test_generated_call_sequences_pass_what_a_fresh_bind_passes(operator):
+    """Random calls of callbacks made anew or reused, over numbers that are equal but not the same (0.0 and
+    -0.0, 1 and 1.0, 2.5 computed twice) and tensors changed in place: every warm call reaches the operator
+    with the aux values and numbers that the same call bound with every cache empty gives."""
+    from fusedattn.cache import clear_all
+
+    rng = random.Random(8)
+    q = torch.randn(1, 16, 2, 8)
+    numbers = [0.0, -0.0, 1, 1.0, 2.5, float("2.5"), 7]
+    tables = [torch.randn(2) for _ in range(3)]
+
+    def scaled(number):
+        return lambda score, b, h, q_idx, kv_idx: score * number
+
+    def tilted(number, table):
+        return lambda score, b, h, q_idx, kv_idx: score + table[h] * number
+
+    def passed() -> tuple:  # what the last call gave the operator, copied (aux may be views of the tables)
+        _, aux, scalars, _ = operator[-1]
+        return [x.clone() for x in aux], list(scalars)
+
+    steps, made = [], []
+    for _ in range(150):
+        if made and rng.random() < 0.3:
+            mod = rng.choice(made)  # the same function object again
+        elif rng.random() < 0.5:
+            mod = scaled(rng.choice(numbers))
+        else:
+            mod = tilted(rng.choice(numbers), rng.choice(tables))
+        made.append(mod)
+        if rng.random() < 0.1:
+            rng.choice(tables).add_(0.5)  # in place: calls reading it must see the new values
+        _call(q, score_mod=mod)
+        steps.append((mod, [x.clone() for x in tables], passed()))
+    assert len(operator) == 150
+    for mod, state, (aux, scalars) in steps:
+        for table, values in zip(tables, state):
+            table.copy_(values)
+        clear_all()
+        _call(q, score_mod=mod)
+        fresh_aux, fresh_scalars = passed()
+        assert [type(x) for x in scalars] == [type(x) for x in fresh_scalars]
+        assert [(x, math.copysign(1.0, x)) for x in scalars] == [(x, math.copysign(1.0, x)) for x in fresh_scalars]
+        assert len(aux) == len(fresh_aux) and all(torch.equal(a, b) for a, b in zip(aux, fresh_aux))

@@ -408,12 +408,15 @@ def test_a_learnable_table_trains_in_jax_too():
 
 
 @pytest.mark.parametrize("shape", [(2, 1, 1, 1), (2, 3, 1, 1)])
-def test_a_tensor_per_batch_is_declared_over_the_whole_score(shape):
+def test_a_tensor_per_batch_is_declared_over_the_queries(shape):
     """cuDNN 9.19 reads (B, 1, 1, 1) and (B, H, 1, 1) tensors as if each batch had the first one's values; the
-    same memory declared with zero query and key strides is read right (tests/gpu/test_fuzz_gpu.py)."""
+    same values declared (B, ., Sq, 1) with a zero query stride, or (B, ., 1, Skv) for one query, are read
+    right (tests/gpu/test_fuzz_gpu.py)."""
     values = torch.randn(*shape)
     mod = sm.additive_bias(values)
     bound = bind("test", mod, batch=2, heads_q=3, seqlen_q=5, seqlen_kv=7, device="cpu", training=False)
     aux = bound.values["bias"]
-    assert tuple(aux.shape) == (2, values.shape[1], 5, 7) and aux.stride()[2:] == (0, 0)
-    assert torch.equal(aux[:, :, 4, 6], values[:, :, 0, 0])
+    assert tuple(aux.shape) == (2, values.shape[1], 5, 1) and aux.stride()[2] == 0
+    assert torch.equal(aux[:, :, 4, 0], values[:, :, 0, 0])
+    one_query = bind("test", mod, batch=2, heads_q=3, seqlen_q=1, seqlen_kv=7, device="cpu", training=False)
+    assert tuple(one_query.values["bias"].shape) == (2, values.shape[1], 1, 7)

@@ -262,9 +262,10 @@ def _normalize(api: str, name: str, value, full: tuple, device: str | None, trai
         array = ops.astype(array, _ARRAY_DTYPES[dtype])
     if array.shape[0] > 1 and array.shape[2] == array.shape[3] == 1 and full[2] * full[3] > 1:
         # One value per batch (and head): cuDNN 9.19 reads a (B, 1, 1, 1) or (B, H, 1, 1) tensor as if
-        # every batch had the first one's values (measured: fuzz; (1, H, 1, 1) is read right); the same
-        # memory declared (B, ., Sq, Skv) with zero query and key strides is read right.
-        array = ops.broadcast_to(array, tuple(array.shape[:2]) + (full[2], full[3]))
+        # every batch had the first one's values (measured: fuzz; (1, H, 1, 1) is read right). Declared
+        # (B, ., Sq, 1), a zero-stride view or dense (JAX: B*H*Sq values), it is read right
+        # (bench/diag/per_batch_declarations.py); (B, ., 1, Skv) where Sq is 1.
+        array = ops.broadcast_to(array, tuple(array.shape[:2]) + ((full[2], 1) if full[2] > 1 else (1, full[3])))
     if array.shape[2] == 1 and array.shape[3] > 1 and full[2] > 1:
         # One value per key, shared by the queries: cuDNN 9.19's backward reads a (., ., 1, Skv)
         # tensor wrongly (measured); the same memory declared (., ., Sq, Skv) with a zero query

@@ -219,8 +219,27 @@ def snapshot(fn, depth: int = 2) -> tuple | None:
     return (cells, fn.__defaults__, names)
 
 
+def _leaf(value) -> bool:
+    """Whether _value_snapshot gives `value` itself (nothing inside it is read)."""
+    if type(value) in _PLAIN_VALUES:
+        return True
+    if isinstance(value, (dict, list, tuple)):
+        return False
+    return not (callable(value) and hasattr(value, "__code__") and not library_function(value))
+
+
 def flat_reads(fn) -> tuple | None:
     """snapshot(fn) flattened to its objects, to compare item by item with `is` (None as snapshot's)."""
+    if type(fn) is types.FunctionType and fn.__defaults__ is None:
+        # The common case (a user's callback over numbers, tensors and modules) without building the
+        # snapshot: its flat form is the cells' contents, the defaults (None) and the names' values.
+        closure = fn.__closure__
+        reads = [] if closure is None else [c.cell_contents for c in closure]
+        reads.append(None)
+        if not library_function(fn):
+            reads.extend(map(fn.__globals__.get, fn.__code__.co_names))
+        if all(map(_leaf, reads)):
+            return tuple(reads)
     taken = snapshot(fn)
     if taken is None:
         return None

@@ -91,8 +91,8 @@ def test_fuzz_through_the_selection_on_cuda():
 @pytest.mark.parametrize("shape", ["b111", "bh11", "b1q1", "b11k", "bhq1", "1h11", "bhqk"])
 def test_a_score_mod_tensor_per_batch_is_read_per_batch(shape):
     """Found by the fuzzer: cuDNN 9.19 read a (B, 1, 1, 1) or (B, H, 1, 1) score_mod tensor as if each batch
-    had the first one's values (out off by up to 2.3); score_mods.core gives it zero-stride query and key
-    dims. Every broadcast shape of an added tensor, forward, LSE and gradients against float64."""
+    had the first one's values (out off by up to 2.3); score_mods.core declares it (B, ., Sq, 1). Every
+    broadcast shape of an added tensor, forward, LSE and gradients against float64."""
     fc.assert_case_passes(fc.Case(layout="sbhd", dtype="float16", batch=2, seqlen_q=127, seqlen_kv=127, heads_q=8,
                                   heads_kv=2, head_dim=160, head_dim_v=160, mask="causal", window=(56, 0),
                                   softmax_type="off_by_one", score_mod=("additive_bias", shape, False), scale=1.703,

@@ -586,11 +586,13 @@ def _score_mod_options(name: str) -> dict:
     if name == "aux_arrays":
         return {"score_mod": scaled_with_key_bias, "score_mod_bprop": scaled_with_key_bias_bprop,
                 "score_mod_tensors": _aux(90)}
+    if name in ("per_batch", "per_batch_head"):  # read by cuDNN as the first batch's without zero strides
+        return {"score_mod": sm.additive_bias(jnp.asarray(normal(92, (B, H if name == "per_batch_head" else 1, 1, 1))))}
     return {"score_mod": distance_penalty, "score_mod_tensors": {"shrink": 0.3}}
 
 
 @pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
-@pytest.mark.parametrize("name", ["softcap", "aux_arrays", "python_scalar"])
+@pytest.mark.parametrize("name", ["softcap", "aux_arrays", "python_scalar", "per_batch", "per_batch_head"])
 def test_score_mod(cudnn_calls, name, jit):
     q, k, v = qkv(91, hkv=H, scale_q=3.0)  # larger scores, so the softcap bites
     options = {"mask": "causal", **_score_mod_options(name)}
