@@ -273,3 +273,19 @@ def test_generated_call_sequences_pass_what_a_fresh_bind_passes(operator):
         assert [type(x) for x in scalars] == [type(x) for x in fresh_scalars]
         assert [(x, math.copysign(1.0, x)) for x in scalars] == [(x, math.copysign(1.0, x)) for x in fresh_scalars]
         assert len(aux) == len(fresh_aux) and all(torch.equal(a, b) for a, b in zip(aux, fresh_aux))
+
+
+def test_a_copy_of_a_score_mod_leaves_the_kept_signature_part_behind(operator):
+    """What the bindings keep on a ScoreMod names this process's objects by id: a copy or a pickle (here
+    its state) carries the fields only, and the copy still finds the binding by its callbacks and dicts."""
+    import copy
+
+    q = torch.randn(1, 16, 2, 8)
+    mod = sm.softcap(20.0)
+    _call(q, score_mod=mod)
+    assert any(name.startswith("_binding") for name in vars(mod))
+    assert not any(name.startswith("_binding") for name in mod.__getstate__())
+    twin = copy.copy(mod)
+    assert not any(name.startswith("_binding") for name in vars(twin))
+    _call(q, score_mod=twin)
+    assert operator[1][2] is operator[0][2]

@@ -255,13 +255,13 @@ def relative_position_bias(table) -> ScoreMod:
         seqlen_q, seqlen_kv = full[2], full[3]
         values = tensors.pop("table")
         version = (seqlen_q, seqlen_kv, getattr(values, "_version", None), getattr(values, "requires_grad", None))
-        kept = _EXPANDED.get(id(values)) if version[2] is not None else None
+        if version[2] is None:  # no version to key by (not a torch tensor): expanded at each bind
+            return {**tensors, "bias": _expand_table(values, reach, shape[0], seqlen_q, seqlen_kv)}
+        kept = _EXPANDED.get(id(values))
+        if kept is None:
+            weakref.finalize(values, _EXPANDED.pop, id(values), None)
         if kept is None or kept[0] != version:
-            if kept is None and version[2] is not None:
-                weakref.finalize(values, _EXPANDED.pop, id(values), None)
-            kept = (version, _expand_table(values, reach, shape[0], seqlen_q, seqlen_kv))
-            if version[2] is not None:
-                _EXPANDED[id(values)] = kept
+            kept = _EXPANDED[id(values)] = (version, _expand_table(values, reach, shape[0], seqlen_q, seqlen_kv))
         return {**tensors, "bias": kept[1]}
 
     def as_bias(tensors, full, like):  # fresh each call: it carries the gradient's graph

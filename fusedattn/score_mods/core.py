@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -78,6 +78,11 @@ class ScoreMod:
 
     def __repr__(self) -> str:
         return f"ScoreMod({self.name})"
+
+    def __getstate__(self) -> dict:
+        # Only the fields: what other modules keep on a mod for this process (torch/score_mod_bindings.py's
+        # signature part holds ids) stays behind in a copy or a pickle.
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 def eager(fn: Callable, name: str | None = None) -> ScoreMod:

@@ -164,17 +164,25 @@ def _all(builder: Builder, expr: Expr, conditions: list[int]) -> int:
 _PLAIN_VALUES = frozenset((int, float, bool, str, type(None)))  # read as themselves: no items, no reads
 
 
+def _expands(value, depth: int) -> bool:
+    """Whether _value_snapshot looks inside `value` (a helper function's reads, a container's items)
+    rather than giving it as it is."""
+    if type(value) in _PLAIN_VALUES:
+        return False
+    if isinstance(value, (dict, list, tuple)):
+        return len(value) <= 64
+    return depth > 0 and callable(value) and hasattr(value, "__code__") and not library_function(value)
+
+
 def _value_snapshot(value, depth: int):
     """What of a value the trace depends on: helper functions' own reads, containers' items."""
-    if type(value) in _PLAIN_VALUES:
+    if not _expands(value, depth):
         return value
-    if callable(value) and hasattr(value, "__code__") and depth > 0 and not library_function(value):
-        return ("function", value, snapshot(value, depth - 1))
-    if isinstance(value, dict) and len(value) <= 64:
+    if isinstance(value, dict):
         return ("dict", value, tuple((k, _value_snapshot(v, 0)) for k, v in value.items()))
-    if isinstance(value, (list, tuple)) and len(value) <= 64:
+    if isinstance(value, (list, tuple)):
         return ("sequence", value, tuple(_value_snapshot(v, 0) for v in value))
-    return value
+    return ("function", value, snapshot(value, depth - 1))
 
 
 _LIBRARIES = frozenset(("fusedattn", "torch", "jax", "numpy"))
@@ -191,7 +199,10 @@ def library_function(fn) -> bool:
     return found
 
 
-def snapshot(fn, depth: int = 2) -> tuple | None:
+_DEPTH = 2  # how deep snapshots follow helper functions
+
+
+def snapshot(fn, depth: int = _DEPTH) -> tuple | None:
     """The objects fn reads besides its arguments, compared by identity (helper functions it calls
     and items of dicts and lists it reads, two levels deep; only its closure for a function of this
     library or a framework); None if fn is not a plain function."""
@@ -219,15 +230,6 @@ def snapshot(fn, depth: int = 2) -> tuple | None:
     return (cells, fn.__defaults__, names)
 
 
-def _leaf(value) -> bool:
-    """Whether _value_snapshot gives `value` itself (nothing inside it is read)."""
-    if type(value) in _PLAIN_VALUES:
-        return True
-    if isinstance(value, (dict, list, tuple)):
-        return False
-    return not (callable(value) and hasattr(value, "__code__") and not library_function(value))
-
-
 def flat_reads(fn) -> tuple | None:
     """snapshot(fn) flattened to its objects, to compare item by item with `is` (None as snapshot's)."""
     if type(fn) is types.FunctionType and fn.__defaults__ is None:
@@ -238,7 +240,7 @@ def flat_reads(fn) -> tuple | None:
         reads.append(None)
         if not library_function(fn):
             reads.extend(map(fn.__globals__.get, fn.__code__.co_names))
-        if all(map(_leaf, reads)):
+        if not any([_expands(x, _DEPTH) for x in reads]):
             return tuple(reads)
     taken = snapshot(fn)
     if taken is None:

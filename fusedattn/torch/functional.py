@@ -130,19 +130,13 @@ def attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | 
     # (mask_rewrites). Any other call, and any miss, goes on below.
     eager = not torch.compiler.is_compiling() and not _explaining.get()
     warm = eager and _WARM_KEYWORDS.issuperset(options)
-    rewrite_key = signature = None
+    rewrite_key = signature = documents = None
     if eager and not warm and options.get("mask_mod") is not None and _MASK_WARM_KEYWORDS.issuperset(options):
         rewrite_key = _signature(q, k, v, None, None, (), options, _score_mod_names(_mod_keywords(options)))
         rewritten = mask_rewrites.recall(rewrite_key, options)
         if rewritten is not None:
-            options, signature, documents = rewritten
-            if documents is None:
-                warm = True
-            else:
-                result = _document_call(q, k, v, options, documents)
-                if result is not None:
-                    return result
-                options = {**options, "mask_mod": documents.fallback}  # ids not sorted: the mask in the graph
+            options, signature, documents = rewritten  # a document mask runs as THD below
+            warm = documents is None
     if warm:
         mods = _mod_keywords(options)
         has_mod = mods is not None
@@ -165,19 +159,18 @@ def attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | 
         alibi_slopes = options["alibi_slopes"] = torch.as_tensor(
             host_slopes(f"{API}: alibi_slopes", alibi_slopes), device=q.device)
     compiling = torch.compiler.is_compiling()
-    documents = None
     before_rewrite = options
-    if get("mask_mod") is not None and not compiling and not isinstance(get("mask_mod"), PartialMask):
-        # (a PartialMask is what a rewrite kept: rewritten already)
+    if (documents is None and get("mask_mod") is not None and not compiling
+            and not isinstance(get("mask_mod"), PartialMask)):  # (a PartialMask is what a rewrite kept)
         options, documents = rewrite_mask("torch", q, k, v, options, document_ok=_documents_possible(options))
         get = options.get
-        if documents is not None:
-            if rewrite_key is not None:
-                mask_rewrites.remember(rewrite_key, before_rewrite, options, None, documents)
-            result = _document_call(q, k, v, options, documents)
-            if result is not None:
-                return result
-            options["mask_mod"] = documents.fallback  # ids not sorted: the mask runs in the graph
+        if documents is not None and rewrite_key is not None:
+            mask_rewrites.remember(rewrite_key, before_rewrite, options, None, documents)
+    if documents is not None:  # rewritten now or kept: the options are this call's own dict
+        result = _document_call(q, k, v, options, documents)
+        if result is not None:
+            return result
+        options["mask_mod"] = documents.fallback  # ids not sorted: the mask runs in the graph
     mods = _mod_keywords(options)
     has_mod = mods is not None
     if compiling:
@@ -200,9 +193,9 @@ def attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | 
             None if alibi_slopes is not None or (given and not trusted) else _signature(*signed))
         if rewrite_key is not None and documents is None:
             mask_rewrites.remember(rewrite_key, before_rewrite, options, signature)
-    # the warm path: one operator call, autograd in C++
+    # the warm path: one operator call, autograd in C++ (a warm call's binding was looked up above)
     if has_mod:
-        binding = _kept_binding(signature, mods)
+        binding = None if warm else _kept_binding(signature, mods)
         if binding is not None:
             return _native_call(binding.planned[2], signature, binding.planned, q, k, v, sink, bias, binding,
                                 options)

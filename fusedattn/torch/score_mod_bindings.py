@@ -55,8 +55,8 @@ def _callable_reads(fn) -> tuple | None:
     """What a callback reads (flex.flat_reads): a plain function or a bound method is named by its code
     (flex.identity) in the signature, so its reads are what tells two of them apart; None for another
     callable (its state cannot be known: such calls bind every time)."""
-    if fn is None or (type(fn) is types.FunctionType and fn.__closure__ is None and library_function(fn)):
-        return ()  # a built-in's module-level callback: it reads only this library's names
+    if fn is None:
+        return ()
     if type(fn) is types.FunctionType or inspect.ismethod(fn):
         return flat_reads(fn)
     return None
@@ -69,10 +69,7 @@ def _parts(value) -> tuple | None:
         fixed = value.__dict__.get(_FIXED)
         if fixed is None:
             fixed = _fixed_parts(value)
-        if fixed is False:
-            return None
-        return (*fixed, (*value.tensors.keys(), *value.tensors.values()),
-                (*value.bprop_tensors.keys(), *value.bprop_tensors.values()))
+        return None if fixed is False else (*fixed, *_dict_parts(value))
     if isinstance(value, dict):
         return ((*value.keys(), *value.values()),)
     if isinstance(value, PartialMask):
@@ -80,6 +77,11 @@ def _parts(value) -> tuple | None:
         return None if inner is None else ((value.kept, *inner),)
     reads = _callable_reads(value)
     return None if reads is None else (reads,)
+
+
+def _dict_parts(mod: ScoreMod) -> tuple:
+    """A ScoreMod's dicts as two flat parts: the part of its reads that can change between calls."""
+    return (*mod.tensors.keys(), *mod.tensors.values()), (*mod.bprop_tensors.keys(), *mod.bprop_tensors.values())
 
 
 _FIXED, _WHO = "_binding_fixed_parts", "_binding_signature_part"  # kept on a ScoreMod (frozen: they cannot change)
@@ -144,8 +146,8 @@ def _changeable(value) -> tuple | None:
     """What of a keyword's value can change between calls, flat: a ScoreMod of this library's callbacks
     only its dicts (the rest is fixed: _fixed_parts), anything else all it reads."""
     if isinstance(value, ScoreMod) and value.__dict__.get(_FIXED) is not None:
-        return (*value.tensors.keys(), *value.tensors.values(), *value.bprop_tensors.keys(),
-                *value.bprop_tensors.values())
+        tensors, bprop_tensors = _dict_parts(value)
+        return tensors + bprop_tensors
     if type(value) is types.FunctionType:  # a flex callback: the common case
         return flat_reads(value)
     parts = _parts(value)
