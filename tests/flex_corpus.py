@@ -72,6 +72,11 @@ def head_scale(array, B, H, S):
     return (lambda s, b, h, q, kv: s * scale[h]), None
 
 
+def head_temperature(array, B, H, S):
+    temperature = array(_rng("head_temperature").uniform(0.5, 2.0, H).astype(np.float32))
+    return (lambda s, b, h, q, kv: s / temperature[h]), None
+
+
 def causal(array, B, H, S):
     return None, (lambda b, h, q, kv: q >= kv)
 
@@ -163,9 +168,9 @@ def window_document_softcap(array, B, H, S):
 
 CORPUS = {fn.__name__: fn for fn in (
     softcap, softcap_tight, alibi, alibi_causal, relative_linear, relative_table, t5_buckets, head_bias, query_bias,
-    head_scale, causal, causal_shifted, prefix_lm, sliding_window, sliding_window_both, document, document_causal,
-    dilated, padding, tanh_gated, leaky, clipped, softplus, block_position, head_parity, softcap_causal, softcap_alibi,
-    window_document_softcap,
+    head_scale, head_temperature, causal, causal_shifted, prefix_lm, sliding_window, sliding_window_both, document,
+    document_causal, dilated, padding, tanh_gated, leaky, clipped, softplus, block_position, head_parity,
+    softcap_causal, softcap_alibi, window_document_softcap,
 )}
 # Entries whose graph has a dense (., ., Sq, Skv) gather from a captured table.
 DENSE = frozenset({"relative_table", "t5_buckets"})

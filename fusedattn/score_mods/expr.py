@@ -17,12 +17,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-__all__ = ["Node", "Expr", "Builder", "ExprError", "INPUTS", "INDEX_INPUTS", "UNARY", "BINARY", "COMPARE",
-           "LOGICAL", "evaluate", "evaluate_numbers", "ancestors", "dependencies", "result_kind"]
+__all__ = ["Node", "Expr", "Builder", "ExprError", "INPUTS", "INDEX_INPUTS", "FORWARD_VALUE", "UNARY", "BINARY",
+           "COMPARE", "LOGICAL", "evaluate", "evaluate_numbers", "NUMBER_OPS", "ancestors", "dependencies",
+           "result_kind"]
 
 INPUTS = ("score", "b", "h", "q_idx", "kv_idx", "dscore")
 INDEX_INPUTS = ("b", "h", "q_idx", "kv_idx")  # in the order of the score's axes (B, Hq, Sq, Skv)
 FLOAT, INT, BOOL = "float", "int", "bool"
+FORWARD_VALUE = "forward"  # a derivative's leaf: a value the forward's graph computed (see Node)
 
 UNARY = ("neg", "abs", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "sin", "cos", "floor", "ceil", "trunc",
          "erf", "sign", "reciprocal")
@@ -44,7 +46,9 @@ class Node:
 
     input: attr = (name,);  scalar: attr = (slot,), its value in Expr.scalars;
     load: attr = (captured slot,), args = one index node per axis of the captured tensor;
-    cast: attr = (kind,).
+    cast: attr = (kind,);
+    forward (in a derivative only): attr = (node,), the value of that node of the forward's Expr, which
+    the forward's graph has computed already (cuDNN runs both callbacks in one backward graph).
     """
 
     op: str
@@ -134,6 +138,10 @@ class Builder:
         self.scalars.append(value)
         return self._add(Node("scalar", (), (len(self.scalars) - 1,), kind))
 
+    def forward(self, node: int, kind: str) -> int:
+        """The value of node `node` of the forward's Expr (in a derivative)."""
+        return self._add(Node(FORWARD_VALUE, (), (node,), kind))
+
     def load(self, array, index: list[int], kind: str) -> int:
         """array[index...]: one index node per axis of a captured tensor."""
         shape = tuple(getattr(array, "shape", ()))
@@ -169,20 +177,29 @@ class Builder:
                 copied[number] = self.op(n.op, *args, attr=n.attr)
         return copied[expr.output if node is None else node]
 
-    def finish(self, output: int) -> Expr:
-        """The Expr of `output`: unused nodes dropped, scalar and captured slots renumbered in use order."""
+    def numbering(self, output: int, shared: dict | None = None) -> dict[int, int]:
+        """Builder node -> its number in finish(output, shared): the nodes output needs, in order."""
         needed: set[int] = set()
         stack = [output]
         while stack:
             number = stack.pop()
             if number not in needed:
                 needed.add(number)
-                stack.extend(self.nodes[number].args)
-        renumber: dict[int, int] = {}
+                if not (shared and number in shared):
+                    stack.extend(self.nodes[number].args)
+        return {number: i for i, number in enumerate(sorted(needed))}
+
+    def finish(self, output: int, shared: dict | None = None) -> Expr:
+        """The Expr of `output`: unused nodes dropped, scalar and captured slots renumbered in use order.
+        shared: builder node -> forward Expr node, for a derivative: those nodes become `forward` leaves."""
+        renumber = self.numbering(output, shared)
         nodes, scalars, captured, captured_new = [], [], [], {}
-        for number in sorted(needed):
+        for number in renumber:
             node = self.nodes[number]
             attr = node.attr
+            if shared and number in shared:
+                nodes.append(Node(FORWARD_VALUE, (), (shared[number],), node.kind))
+                continue
             if node.op == "scalar":
                 scalars.append(self.scalars[attr[0]])
                 attr = (len(scalars) - 1,)
@@ -191,7 +208,6 @@ class Builder:
                     captured_new[attr[0]] = len(captured)
                     captured.append(self.captured[attr[0]])
                 attr = (captured_new[attr[0]],)
-            renumber[number] = len(nodes)
             nodes.append(Node(node.op, tuple(renumber[a] for a in node.args), attr, node.kind))
         nodes_t = tuple(nodes)
         key = (nodes_t, renumber[output], tuple(_describe_captured(a) for a in captured))
@@ -215,6 +231,8 @@ def dependencies(expr: Expr) -> list[frozenset]:
     for node in expr.nodes:
         if node.op == "input":
             own = frozenset(node.attr)
+        elif node.op == FORWARD_VALUE:
+            own = frozenset({"score"})  # only values made from the score are shared
         elif node.op == "load":
             own = frozenset({"captured"}).union(*(deps[a] for a in node.args))
         else:
@@ -273,6 +291,7 @@ def _as_float(ops, x, dtype: str):
 def evaluate(expr: Expr, ops, env: dict, dtype: str = "float32", values: tuple | None = None, only=None):
     """The Expr on arrays of one framework: env maps input names to arrays (broadcasting).
 
+    A derivative's forward values come from env["forward"]: {forward node: array}.
     Everything is computed in `dtype` (ints and bools as exact floats, as the cuDNN lowering
     does), so int division and remainders follow the op names, not a framework's int rules.
     values: the scalar slots (default the traced ones). only: a node number to stop at.
@@ -281,7 +300,7 @@ def evaluate(expr: Expr, ops, env: dict, dtype: str = "float32", values: tuple |
     table = _math(ops)
     scalars = expr.scalars if values is None else values
     results: dict = {}
-    like = next(iter(env.values()))
+    like = next(v for name, v in env.items() if name != FORWARD_VALUE)
     stop = expr.output if only is None else only
     for number in ancestors(expr, stop):
         node = expr.nodes[number]
@@ -290,6 +309,8 @@ def evaluate(expr: Expr, ops, env: dict, dtype: str = "float32", values: tuple |
             value = _as_float(ops, env[node.attr[0]], dtype)
         elif node.op == "scalar":
             value = ops.full((), scalars[node.attr[0]], like, "bool" if node.kind == BOOL else dtype)
+        elif node.op == FORWARD_VALUE:
+            value = env[FORWARD_VALUE][node.attr[0]]
         elif node.op == "load":
             array = expr.captured[node.attr[0]]
             index = tuple(_as_index(ops, i) for i in args)
@@ -322,7 +343,7 @@ def _cast(ops, table, x, kind: str, dtype: str):
     return table["trunc"](x) if kind == INT else x
 
 
-_NUMBER_OPS = {
+NUMBER_OPS = {
     "neg": lambda x: -x, "abs": abs, "exp": math.exp, "log": math.log, "sqrt": math.sqrt,
     "rsqrt": lambda x: 1.0 / math.sqrt(x), "tanh": math.tanh, "sigmoid": lambda x: 1.0 / (1.0 + math.exp(-x)),
     "sin": math.sin, "cos": math.cos, "floor": math.floor, "ceil": math.ceil, "trunc": math.trunc, "erf": math.erf,
@@ -349,8 +370,8 @@ def evaluate_numbers(expr: Expr, node: int) -> float:
             value = expr.scalars[n.attr[0]]
         elif n.op == "cast":
             value = bool(args[0]) if n.attr[0] == BOOL else math.trunc(args[0]) if n.attr[0] == INT else args[0]
-        elif n.op in _NUMBER_OPS:
-            value = _NUMBER_OPS[n.op](*args)
+        elif n.op in NUMBER_OPS:
+            value = NUMBER_OPS[n.op](*args)
         else:
             raise ExprError(f"op {n.op!r} of numbers only")
         results[number] = value

@@ -31,6 +31,7 @@ from fusedattn.score_mods.core import MASKED, ScoreMod
 from fusedattn.score_mods.expr import BOOL, FLOAT, INDEX_INPUTS, Builder, Expr, ExprError, dependencies
 from fusedattn.score_mods.lower_cudnn import CONSTANTS, LOWERING_VERSION, aux_name, lowered, scalar_name
 from fusedattn.score_mods.mask_forms import MaskForms, mask_forms
+from fusedattn.score_mods.simplify import simplified, simplified_with_map
 from fusedattn.xp import namespace
 
 __all__ = ["flex_score_mod", "is_flex_score_mod", "Traced", "trace", "trace_mask", "PartialMask", "SCORE_ARGS",
@@ -79,18 +80,22 @@ def _modded(where, score_mod, mask_mod):
     return modded
 
 
-def _derivative_fn(framework: str, fn):
+def _joint_fn(framework: str, fn):
+    """fn's score and its derivative applied to dscore, from one function: traced once, the forward's ops
+    are recorded once and the derivative reads their values (the backward graph reuses the forward's)."""
     if framework == "torch":
         import torch
 
-        def derivative(score, dscore, b, h, q_idx, kv_idx):
-            return torch.func.vjp(lambda s: fn(s, b, h, q_idx, kv_idx), score)[1](dscore)[0]
+        def joint(score, dscore, b, h, q_idx, kv_idx):
+            out, pullback = torch.func.vjp(lambda s: fn(s, b, h, q_idx, kv_idx), score)
+            return out, pullback(dscore)[0]
     else:
         import jax
 
-        def derivative(score, dscore, b, h, q_idx, kv_idx):
-            return jax.vjp(lambda s: fn(s, b, h, q_idx, kv_idx), score)[1](dscore)[0]
-    return derivative
+        def joint(score, dscore, b, h, q_idx, kv_idx):
+            out, pullback = jax.vjp(lambda s: fn(s, b, h, q_idx, kv_idx), score)
+            return out, pullback(dscore)[0]
+    return joint
 
 
 def _added_term(expr: Expr) -> tuple[int, float] | None:
@@ -108,51 +113,90 @@ def _added_term(expr: Expr) -> tuple[int, float] | None:
 
 
 def _tracer(framework: str, device):
+    """A function (builder, fn, names) -> result nodes: fn traced into builder by its framework."""
     if framework == "torch":
-        from fusedattn.score_mods.trace_torch import trace_torch
+        from fusedattn.score_mods.trace_torch import trace_torch_into
 
-        return lambda fn, names: trace_torch(fn, names, device)
-    from fusedattn.score_mods.trace_jax import trace_jax
+        return lambda builder, fn, names: trace_torch_into(builder, fn, names, device)
+    from fusedattn.score_mods.trace_jax import trace_jax_into
 
-    return trace_jax
+    return trace_jax_into
+
+
+def _traced_alone(trace, fn, names: list[str]) -> tuple[Builder, int]:
+    builder = Builder()
+    results = trace(builder, fn, names)
+    if len(results) != 1:
+        raise ExprError(f"expected one result, got {len(results)}")
+    return builder, results[0]
 
 
 def _trace_mask_now(framework: str, mask_mod, device) -> MaskForms:
-    expr = _tracer(framework, device)(mask_mod, list(MASK_ARGS))
-    if expr.nodes[expr.output].kind != BOOL:  # a 0/1 mask: nonzero keeps
-        builder = Builder()
-        expr = builder.finish(builder.op("cast", builder.include(expr), attr=(BOOL,)))
-    return mask_forms(expr)
+    builder, output = _traced_alone(_tracer(framework, device), mask_mod, list(MASK_ARGS))
+    if builder.kind(output) != BOOL:  # a 0/1 mask: nonzero keeps
+        output = builder.op("cast", output, attr=(BOOL,))
+    return mask_forms(builder.finish(output))
+
+
+def _trace_score_mod(trace, framework: str, score_mod, builder: Builder) -> tuple[int, int]:
+    """score_mod's score and derivative traced together into builder (their nodes)."""
+    try:
+        results = trace(builder, _joint_fn(framework, score_mod), ["score", "dscore", *SCORE_ARGS[1:]])
+    except ExprError:
+        _trace_forward_alone(trace, score_mod)  # the forward's own error first, where it has one
+        raise
+    if len(results) != 2 or builder.kind(results[0]) != FLOAT:
+        _trace_forward_alone(trace, score_mod)
+        raise ExprError("expected the score_mod to return one float score")
+    return results[0], results[1]
+
+
+def _trace_forward_alone(trace, score_mod) -> None:
+    """Raises what is wrong with score_mod's forward: its trace's error, or a score that is not a float."""
+    builder, output = _traced_alone(trace, score_mod, list(SCORE_ARGS))
+    if builder.kind(output) != FLOAT:
+        raise ExprError(f"expected the score_mod to return a float score, got a {builder.kind(output)}")
 
 
 def _trace_now(framework: str, score_mod, mask_mod, device, kept) -> Traced:
     """score_mod and the kept conditions of mask_mod (all when kept is None) as one forward and one
-    derivative: where(mask, score_mod(score), -inf) and where(mask, d score_mod/d score * dscore, 0)."""
-    tracer = _tracer(framework, device)
-    forward, derivative = Builder(), Builder()
-    score, dscore = forward.input("score", FLOAT), derivative.input("dscore", FLOAT)
-    plain_derivative = True
+    derivative: where(mask, score_mod(score), -inf) and where(mask, d score_mod/d score * dscore, 0).
+    Both are built in one Builder, so the derivative can read the forward's values instead of
+    recomputing them (measured: recomputing x = s / cap costs softcap's backward 6-10%)."""
+    builder = Builder()
+    score = builder.input("score", FLOAT)
+    dscore = given_dscore = builder.input("dscore", FLOAT)
     if score_mod is not None:
-        modded = tracer(score_mod, list(SCORE_ARGS))
-        if modded.nodes[modded.output].kind != FLOAT:
-            raise ExprError(f"expected the score_mod to return a float score, got a "
-                            f"{modded.nodes[modded.output].kind}")
-        score = forward.include(modded)
-        derived = tracer(_derivative_fn(framework, score_mod), ["score", "dscore", "b", "h", "q_idx", "kv_idx"])
-        plain_derivative = derived.is_input("dscore")
-        dscore = derivative.include(derived)
+        score, dscore = _trace_score_mod(_tracer(framework, device), framework, score_mod, builder)
+    plain_derivative = dscore == given_dscore
     if mask_mod is not None:
         forms = trace_mask(framework, mask_mod, device)
         conditions = [n for i, (n, _) in enumerate(forms.conditions) if kept is None or i in kept]
         if conditions:
-            score = forward.op("where", _all(forward, forms.expr, conditions), score, forward.scalar(-math.inf))
-            dscore = derivative.op("where", _all(derivative, forms.expr, conditions), dscore,
-                                   derivative.scalar(0.0))
+            condition = _all(builder, forms.expr, conditions)
+            score = builder.op("where", condition, score, builder.scalar(-math.inf))
+            dscore = builder.op("where", condition, dscore, builder.scalar(0.0))
             plain_derivative = False
-    forward_expr = forward.finish(score)
-    derivative_expr = None if plain_derivative else derivative.finish(dscore)
+    forward_expr, derivative_expr = _split(builder, score, None if plain_derivative else dscore)
     return Traced(forward_expr, plan_aux(forward_expr), derivative_expr,
                   None if derivative_expr is None else plan_aux(derivative_expr), _added_term(forward_expr))
+
+
+def _split(builder: Builder, score: int, dscore: int | None) -> tuple[Expr, Expr | None]:
+    """The simplified forward, and the simplified derivative reading the forward's values of the score
+    (`forward` leaves) where the forward's graph computes them."""
+    traced_forward = builder.finish(score)
+    forward, kept = simplified_with_map(traced_forward)
+    if dscore is None:
+        return forward, None
+    in_forward = builder.numbering(score)
+    of_score = dependencies(traced_forward)
+    shared = {number: kept[n] for number, n in in_forward.items()
+              if builder.nodes[number].op not in _LEAVES and "score" in of_score[n] and n in kept}
+    return forward, simplified(builder.finish(dscore, shared), forward)
+
+
+_LEAVES = frozenset({"input", "scalar", "load"})
 
 
 def _all(builder: Builder, expr: Expr, conditions: list[int]) -> int:

@@ -13,14 +13,20 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from fusedattn.score_mods.aux_plan import AuxPlan
-from fusedattn.score_mods.expr import BOOL, COMPARE, Expr
+from fusedattn.score_mods.expr import BOOL, COMPARE, FORWARD_VALUE, Expr
 from fusedattn.score_mods.graph_ops import col_index, data_type, row_index
 
-__all__ = ["lowered", "scalar_name", "aux_name", "CONSTANTS", "SAVED_SCORE", "LOWERING_VERSION"]
+__all__ = ["lowered", "scalar_name", "aux_name", "forward_value_name", "CONSTANTS", "SAVED_SCORE",
+           "LOWERING_VERSION"]
 
 LOWERING_VERSION = 2  # part of a flex mod's key: a graph built by another lowering is never reused
 CONSTANTS = {"k.zero": 0.0, "k.one": 1.0, "k.minus_one": -1.0}
 SAVED_SCORE = "f.score"  # the forward's score, kept for the derivative's graph
+
+
+def forward_value_name(node: int) -> str:
+    """Where the forward's callback keeps a node's value for the derivative's `forward` leaves."""
+    return f"f.node{node}"
 _UNARY = {"neg": "neg", "abs": "abs", "exp": "exp", "log": "log", "sqrt": "sqrt", "rsqrt": "rsqrt",
           "tanh": "tanh", "sigmoid": "sigmoid", "sin": "sin", "cos": "cos", "floor": "floor", "ceil": "ceil",
           "erf": "erf", "reciprocal": "reciprocal"}
@@ -140,6 +146,8 @@ def _node_value(low: _Lowering, expr: Expr, number: int, values: dict, prefix: s
     op = node.op
     if op == "input":
         return inputs(node.attr[0])
+    if op == FORWARD_VALUE:  # computed by the forward's callback in this same (backward) graph
+        return low.chain(low.t[forward_value_name(node.attr[0])])
     if op == "scalar":
         return low.t[scalar_name(prefix, node.attr[0])]
     if op == "cast":
@@ -189,7 +197,8 @@ def lowered(expr: Expr, plan: AuxPlan, prefix: str, derivative: bool) -> Callabl
     """A cuDNN callback (graph, start, tensors) -> tensor computing `expr`.
 
     start is the score (forward) or dLoss/d(output) (derivative: the score then comes from
-    the forward's callback, which keeps it under SAVED_SCORE; both callbacks share tensors).
+    the forward's callback, which keeps it under SAVED_SCORE and every node's value under
+    forward_value_name, which the derivative's `forward` leaves read; both callbacks share tensors).
     """
     aux_of = {entry.node: number for number, entry in enumerate(plan.aux)}
 
@@ -212,6 +221,8 @@ def lowered(expr: Expr, plan: AuxPlan, prefix: str, derivative: bool) -> Callabl
                 values[number] = low.as_bool(aux, "float") if expr.nodes[number].kind == BOOL else aux
             else:
                 values[number] = _node_value(low, expr, number, values, prefix, inputs)
+            if not derivative:
+                tensors[forward_value_name(number)] = values[number]
         result = values[expr.output]
         return low.as_float(result, expr.nodes[expr.output].kind)
 

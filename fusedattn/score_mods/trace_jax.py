@@ -17,7 +17,7 @@ import numpy as np
 
 from fusedattn.score_mods.expr import BOOL, FLOAT, INT, Builder, Expr, ExprError
 
-__all__ = ["trace_jax"]
+__all__ = ["trace_jax", "trace_jax_into"]
 
 _SAME = {"add": "add", "add_any": "add", "sub": "sub", "mul": "mul", "neg": "neg", "abs": "abs", "exp": "exp",
          "log": "log", "sqrt": "sqrt", "rsqrt": "rsqrt", "tanh": "tanh", "logistic": "sigmoid", "sin": "sin",
@@ -160,6 +160,15 @@ class _Translator:
 
 def trace_jax(fn, names: list[str]) -> Expr:
     """fn(*inputs named `names`) traced by make_jaxpr into an Expr (names from expr.INPUTS)."""
+    builder = Builder()
+    results = trace_jax_into(builder, fn, names)
+    if len(results) != 1:
+        raise ExprError(f"expected one result, got {len(results)}")
+    return builder.finish(results[0])
+
+
+def trace_jax_into(builder: Builder, fn, names: list[str]) -> list[int]:
+    """fn traced into builder (inputs shared with what it holds by name): the node of each result."""
     stand_ins = [jnp.zeros((), jnp.float32 if n in ("score", "dscore") else jnp.int32) for n in names]
     try:
         # A fresh wrapper each time: JAX caches traces by function, and would miss a changed global.
@@ -171,10 +180,5 @@ def trace_jax(fn, names: list[str]) -> Expr:
         if "Concretization" in type(error).__name__ or "traced array" in text or "Tracer" in text:
             text = "Python control flow on a traced value; write conditions with jnp.where"
         raise ExprError(f"JAX could not trace the function ({type(error).__name__}: {text})") from None
-    builder = Builder()
-    translator = _Translator(builder)
     inputs = [builder.input(n, FLOAT if n in ("score", "dscore") else INT) for n in names]
-    outputs = translator.run(closed.jaxpr, closed.consts, inputs)
-    if len(outputs) != 1:
-        raise ExprError(f"expected one result, got {len(outputs)}")
-    return builder.finish(outputs[0])
+    return _Translator(builder).run(closed.jaxpr, closed.consts, inputs)

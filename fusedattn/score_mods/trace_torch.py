@@ -16,7 +16,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from fusedattn.score_mods.expr import BOOL, FLOAT, INT, Builder, Expr, ExprError
 
-__all__ = ["trace_torch"]
+__all__ = ["trace_torch", "trace_torch_into"]
 
 _SAME = {"neg": "neg", "abs": "abs", "exp": "exp", "log": "log", "sqrt": "sqrt", "rsqrt": "rsqrt", "tanh": "tanh",
          "sigmoid": "sigmoid", "sin": "sin", "cos": "cos", "floor": "floor", "ceil": "ceil", "trunc": "trunc",
@@ -51,7 +51,7 @@ class _Translator:
         self.inputs = list(inputs)
         self.values: dict = {}  # fx node -> our node number, or ("captured", tensor)
 
-    def run(self) -> int:
+    def run(self) -> list[int]:
         placeholders = iter(self.inputs)
         for node in self.module.graph.nodes:
             if node.op == "placeholder":
@@ -63,11 +63,7 @@ class _Translator:
                 self.values[node] = self.call(node)
             elif node.op == "output":
                 result = node.args[0]
-                if isinstance(result, (tuple, list)):
-                    if len(result) != 1:
-                        raise ExprError(f"expected one result, got {len(result)}")
-                    result = result[0]
-                return self.value(result)
+                return [self.value(r) for r in (result if isinstance(result, (tuple, list)) else [result])]
             else:
                 raise ExprError(f"unexpected traced node {node.op!r}")
         raise ExprError("the traced graph has no output")
@@ -196,6 +192,15 @@ def _stand_ins(names: list[str], device):
 def trace_torch(fn, names: list[str], device=None) -> Expr:
     """fn(*inputs named `names`) traced by make_fx into an Expr (names from expr.INPUTS); the
     stand-ins live on `device` (q's), beside the tensors fn captures."""
+    builder = Builder()
+    results = trace_torch_into(builder, fn, names, device)
+    if len(results) != 1:
+        raise ExprError(f"expected one result, got {len(results)}")
+    return builder.finish(results[0])
+
+
+def trace_torch_into(builder: Builder, fn, names: list[str], device=None) -> list[int]:
+    """fn traced into builder (inputs shared with what it holds by name): the node of each result."""
     try:
         stand_ins = _stand_ins(names, device)
         # make_fx reads fn's signature: give it exactly the stand-ins (a bound method has one more).
@@ -208,8 +213,5 @@ def trace_torch(fn, names: list[str], device=None) -> Expr:
             text = ("Python control flow or int()/float()/.item() on a traced value; write conditions with "
                     "torch.where")
         raise ExprError(f"torch could not trace the function ({type(error).__name__}: {text})") from None
-    builder = Builder()
     kinds = [FLOAT if n in ("score", "dscore") else INT for n in names]
-    output = _Translator(module, builder, list(zip(names, kinds))).run()
-    return builder.finish(output)
-
+    return _Translator(module, builder, list(zip(names, kinds))).run()
