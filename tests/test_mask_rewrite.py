@@ -414,6 +414,23 @@ def test_a_document_mask_runs_as_thd_and_agrees(layout, causal, monkeypatch):
 
 
 @torch_side
+@pytest.mark.parametrize("layout", ["bshd", "bhsd", "sbhd"])
+def test_tokens_round_trip_and_bshd_is_one_view(layout):
+    """A document call's tokens: (B*S, H, D) batch-major from every dense layout and back; for BSHD one
+    view of the same memory (its backward is one node), also for q sliced from a packed QKV tensor."""
+    batch, seqlen, heads, dim = 3, 5, 2, 4
+    packed = torch.randn(batch, seqlen, 3, heads, dim)
+    bshd = packed[:, :, 0]  # not contiguous
+    x = {"bshd": bshd, "bhsd": bshd.transpose(1, 2), "sbhd": bshd.transpose(0, 1)}[layout]
+    tokens = documents_thd.to_tokens(x, layout)
+    assert tokens.shape == (batch * seqlen, heads, dim)
+    torch.testing.assert_close(tokens, bshd.reshape(batch * seqlen, heads, dim), rtol=0, atol=0)
+    torch.testing.assert_close(documents_thd.from_tokens(tokens, layout, batch), x, rtol=0, atol=0)
+    if layout == "bshd":
+        assert tokens.data_ptr() == x.data_ptr() and tokens._base is not None
+
+
+@torch_side
 def test_one_dimensional_document_ids_and_a_changed_tensor():
     seqlen = 17
     ids = torch.tensor([0] * 5 + [1] * 9 + [2] * 3)

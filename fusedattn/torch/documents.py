@@ -50,12 +50,18 @@ def boundaries(ids: torch.Tensor, batch: int, seqlen: int):
 
 
 def to_tokens(x: torch.Tensor, layout: str) -> torch.Tensor:
-    """(B*S, H, D) tokens, batch-major, from a dense layout."""
+    """(B*S, H, D) tokens, batch-major, from a dense layout. BSHD (the default) is one view: every op
+    here is also a node of the backward, and at S=1024 four of them per tensor cost the host more than
+    the kernels take (measured on an H100, bench/diag/document_host.py)."""
+    if layout == "bshd":
+        return x.flatten(0, 1)
     x = to_bhsd(x, layout).transpose(1, 2)
     return x.reshape(-1, x.shape[2], x.shape[3])
 
 
 def from_tokens(x: torch.Tensor, layout: str, batch: int) -> torch.Tensor:
+    if layout == "bshd":
+        return x.unflatten(0, (batch, -1))
     return from_bhsd(x.reshape(batch, -1, x.shape[1], x.shape[2]).transpose(1, 2), layout)
 
 
