@@ -13,7 +13,7 @@ flex_module = pytest.importorskip("torch.nn.attention.flex_attention")
 
 from flex_corpus import CORPUS, torch_array  # noqa: E402
 
-from fusedattn.torch import flex_attention  # noqa: E402
+from fusedattn.torch import block_masks, flex_attention  # noqa: E402
 
 B, H, S, D = 2, 4, 24, 16
 
@@ -59,6 +59,78 @@ def test_gqa_scale_and_plain_output():
     _close("out", ours, theirs)
 
 
+# ------------------------------------------------------------------ block tables
+
+def _as_compiled_flex(q, k, v, block_mask, mask_mod, scale):
+    """What compiled FlexAttention computes with a BlockMask, written out densely in float64: a key is
+    seen when its block is listed full, or listed partial and mask_mod keeps it; a row seeing no key
+    gives 0. Returns (out, lse); out is differentiable."""
+    batch, heads, length, _ = q.shape
+    key_len = k.shape[2]
+    (bq, bkv), table = block_mask.BLOCK_SIZE, block_mask.to_dense().bool()
+    full = torch.zeros_like(table)
+    if block_mask.full_kv_num_blocks is not None:
+        for b, h, i in torch.cartesian_prod(*map(torch.arange, block_mask.full_kv_num_blocks.shape)):
+            n = int(block_mask.full_kv_num_blocks[b, h, i])
+            full[b, h, i, block_mask.full_kv_indices[b, h, i, :n].long()] = True
+    qi, ki = torch.arange(length).view(-1, 1), torch.arange(key_len).view(1, -1)
+    b, h = torch.arange(batch).view(-1, 1, 1, 1), torch.arange(heads).view(1, -1, 1, 1)
+    blocks = (slice(None), slice(None), qi // bq, ki // bkv)
+    wanted = torch.ones(batch, heads, length, key_len, dtype=torch.bool) if mask_mod is None else (
+        mask_mod(b, h, qi, ki).expand(batch, heads, length, key_len))
+    keep = full.expand(batch, heads, *full.shape[2:])[blocks] | (
+        table.expand(batch, heads, *table.shape[2:])[blocks] & wanted)
+    scores = torch.where(keep, (q @ k.transpose(-1, -2)) * scale, -torch.inf)
+    lse = torch.logsumexp(scores, dim=-1)
+    weights = torch.where(keep, torch.exp(scores - torch.where(lse.isinf(), 0.0, lse).unsqueeze(-1)), 0.0)
+    return weights @ v, lse
+
+
+def _block_cases(length: int):
+    causal = lambda b, h, qi, ki: qi >= ki  # noqa: E731
+    blocks = -(-length // 128)
+    one_block = flex_module.BlockMask.from_kv_blocks(  # every query row sees key block 0 only
+        torch.ones(1, 1, blocks, dtype=torch.int32), torch.zeros(1, 1, blocks, blocks, dtype=torch.int32),
+        seq_lengths=(length, length))
+    counts = torch.arange(1, blocks + 1, dtype=torch.int32).view(1, 1, -1)
+    indices = torch.arange(blocks, dtype=torch.int32).expand(1, 1, blocks, blocks).contiguous()
+    whole_diagonal = flex_module.BlockMask.from_kv_blocks(  # causal's diagonal blocks listed as full
+        torch.zeros_like(counts), indices, counts, indices, seq_lengths=(length, length), mask_mod=causal)
+    return {"from create_block_mask": (flex_module.create_block_mask(causal, B, None, length, length, device="cpu"),
+                                       causal, True),
+            "from_kv_blocks, no mask_mod": (one_block, None, False),
+            "full blocks the mask_mod masks partly": (whole_diagonal, causal, False)}
+
+
+@pytest.mark.parametrize("length", [200, 256])
+@pytest.mark.parametrize("case", ["from create_block_mask", "from_kv_blocks, no mask_mod",
+                                  "full blocks the mask_mod masks partly"])
+def test_a_block_table_means_what_compiled_flex_attention_computes(case, length):
+    block_mask, mask_mod, agrees = _block_cases(length)[case]
+    assert (block_masks.table_issue(block_mask, mask_mod, B, H, length, length) is None) == agrees
+    gen = torch.Generator().manual_seed(21)
+    q, k, v = (torch.randn(B, H, length, D, generator=gen, dtype=torch.float64, requires_grad=True)
+               for _ in range(3))
+    out, lse = _run(flex_attention, (q, k, v), block_mask=block_mask)
+    want, want_lse = _as_compiled_flex(q, k, v, block_mask, mask_mod, D ** -0.5)
+    _close("out", out, want)
+    _close("lse", lse, want_lse)
+    dout = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    for name, got, expected in zip("qkv", torch.autograd.grad(out, (q, k, v), dout),
+                                   torch.autograd.grad(want, (q, k, v), dout)):
+        _close(f"d{name}", got, expected)
+
+
+def test_a_block_table_that_agrees_is_checked_once_and_leaves_the_mask_mod(monkeypatch):
+    block_mask, mask_mod, _ = _block_cases(200)["from create_block_mask"]
+    checks = []
+    original = block_masks.table_issue
+    monkeypatch.setattr(block_masks, "table_issue", lambda *a: checks.append(1) or original(*a))
+    assert block_masks.mask_of_block_mask(block_mask, mask_mod, B, H, 200, 200) is mask_mod
+    assert block_masks.mask_of_block_mask(block_mask, mask_mod, B, H, 200, 200) is mask_mod
+    assert len(checks) == 1
+
+
 @pytest.mark.parametrize("call, match", [
     (lambda q, k, v: flex_attention(q[0], k, v), "query: expected a 4-D tensor"),
     (lambda q, k, v: flex_attention(q, k[:, :2], v[:, :2]), "enable_gqa: expected True"),
@@ -66,6 +138,9 @@ def test_gqa_scale_and_plain_output():
     (lambda q, k, v: flex_attention(q, k, v, block_mask=flex_module.create_block_mask(
         lambda b, h, qi, ki: qi >= ki, None, None, S + 128, S + 128, device="cpu")),
      "block_mask: expected one made for"),
+    (lambda q, k, v: flex_attention(q, k, v, block_mask=flex_module.create_block_mask(
+        lambda b, h, qi, ki: qi >= ki, B + 1, None, S, S, device="cpu")),
+     "block_mask: expected one made for B in"),
 ])
 def test_bad_arguments_raise_clear_errors(call, match):
     with pytest.raises(ValueError, match=match):

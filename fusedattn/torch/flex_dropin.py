@@ -3,7 +3,8 @@
 A thin translation into `fusedattn.torch.attention` with layout "bhsd": the score_mod is the
 user's own function (traced and fused, its derivative derived: see fusedattn/score_mods/flex.py),
 and a BlockMask contributes its mask_mod (its block sparsity is FlexAttention's way to skip
-work; here the mask runs in the graph). Swap it in for a model that calls FlexAttention:
+work; cuDNN's own masks skip it here), and its block table too where that table says more than
+the mask_mod (torch/block_masks.py). Swap it in for a model that calls FlexAttention:
 
     >>> from fusedattn.torch import flex_attention
     >>> out = flex_attention(q, k, v, score_mod=my_score_mod, block_mask=my_block_mask)
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from fusedattn.torch.block_masks import mask_of_block_mask
 from fusedattn.torch.functional import attention
 
 __all__ = ["flex_attention"]
@@ -27,8 +29,11 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     Args:
         query: (B, Hq, L, E). key: (B, Hkv, S, E). value: (B, Hkv, S, Ev).
         score_mod: score_mod(score, b, h, q_idx, kv_idx) -> score, in torch, as for FlexAttention.
-        block_mask: a FlexAttention BlockMask (from create_block_mask) for (L, S); its mask_mod
-            masks the keys where it is False. A row with no visible key gives 0 (LSE -inf).
+        block_mask: a FlexAttention BlockMask for (L, S), as compiled FlexAttention reads it: its
+            mask_mod masks the keys where it is False, and a table that lists other blocks than
+            create_block_mask(mask_mod) would (from_kv_blocks, full blocks that mask_mod masks
+            partly) is applied as well (checked once per BlockMask, not while torch.compile traces).
+            A row with no visible key gives 0 (LSE -inf).
         scale: multiplies q kᵀ; default 1/sqrt(E).
         enable_gqa: allow Hkv < Hq with Hq a multiple of Hkv.
         return_lse: also return the log-sum-exp of the (modified) scores, (B, Hq, L), float32.
@@ -57,6 +62,12 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
                              "build it with create_block_mask(mask_mod, B, H, L, S)")
         if getattr(mask_mod, "__name__", "") == "noop_mask":  # FlexAttention's "no mask": nothing to trace
             mask_mod = None
+        table = tuple(block_mask.kv_num_blocks.shape[:2])
+        if table[0] not in (1, query.shape[0]) or table[1] not in (1, heads_q):
+            raise ValueError(f"{API}: block_mask: expected one made for B in (1, {query.shape[0]}) and H in (1, "
+                             f"{heads_q}), got B={table[0]}, H={table[1]}")
+        if not torch.compiler.is_compiling():  # its table is read on the host: once per BlockMask
+            mask_mod = mask_of_block_mask(block_mask, mask_mod, query.shape[0], heads_q, *wanted)
     result = attention(query, key, value, layout="bhsd", scale=scale, score_mod=score_mod, mask_mod=mask_mod,
                        return_lse=return_lse)
     if return_lse:
