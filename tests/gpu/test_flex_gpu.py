@@ -172,3 +172,23 @@ def test_warm_native_mask_mod_calls_never_wait_for_the_device(name):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("case", ["from create_block_mask", "from_kv_blocks, no mask_mod",
+                                  "full blocks the mask_mod masks partly"])
+def test_flex_attention_reads_a_block_mask_as_compiled_flex_attention_does(case):
+    """The drop-in against torch.compile(flex_attention) on the GPU with the same BlockMask, both against
+    a dense float64 reading of the table (the yardstick: compiled flex's own bf16 error)."""
+    from test_flex_dropin import _as_compiled_flex, _block_cases
+    from torch.nn.attention.flex_attention import flex_attention as torch_flex
+
+    length = 256
+    block_mask, mask_mod, _ = _block_cases(length)[case]
+    block_mask = block_mask.to("cuda")
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v = (torch.randn(2, 4, length, 64, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    ours, _ = fat.flex_attention(q, k, v, block_mask=block_mask, return_lse=True)
+    theirs, _ = torch.compile(torch_flex)(q, k, v, block_mask=block_mask, return_lse=True)
+    exact, _ = _as_compiled_flex(*(x.double().cpu() for x in (q, k, v)), block_mask.to("cpu"), mask_mod, 64 ** -0.5)
+    assert_close_to_exact("compiled flex's out", theirs, ours, exact)  # the reading of the table is theirs
+    assert_close_to_exact("out", ours, theirs, exact)
