@@ -12,11 +12,12 @@ owner must tolerate a cleared (or evicted) entry at any time: the next use rebui
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
-__all__ = ["LRUCache", "registry", "register", "clear_all", "sizes"]
+__all__ = ["LRUCache", "registry", "register", "clear_all", "sizes", "kept_while_alive"]
 
 V = TypeVar("V")
 
@@ -158,3 +159,14 @@ def sizes() -> dict[str, tuple[int, int]]:
     with _registry_lock:
         caches = list(registry.items())
     return {name: (len(cache), cache.maxsize) for name, cache in caches}
+
+
+def kept_while_alive(cache: LRUCache, key: Hashable, owner, make: Callable[[], V]) -> V:
+    """make()'s result for `owner`, kept in cache under key (which names owner by id) while owner lives:
+    a new object at a reused id is never given another's result. owner is held weakly."""
+    hit = cache.get(key)
+    if hit is not None and hit[0]() is owner:
+        return hit[1]
+    value = make()
+    cache.put(key, (weakref.ref(owner), value))
+    return value

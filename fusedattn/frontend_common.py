@@ -16,13 +16,14 @@ from fusedattn.arguments import (
     infer_max_seqlens,
 )
 from fusedattn.config import standard_alibi_slopes
-from fusedattn.layout import offsets_violated, split_packed
+from fusedattn.layout import dense_to_tokens, lse_tokens_to_dense, offsets_violated, split_packed, tokens_to_dense
 from fusedattn.options import TENSORS
 from fusedattn.score_mods.core import bind, needs_gradient
 from fusedattn.selection import NoBackendError, select_backend
 from fusedattn.xp import namespace
 
-__all__ = ["AttentionResult", "pick_outputs", "prepare_call", "PreparedCall", "TENSOR_ARGUMENTS", "on_backend_only",
+__all__ = ["AttentionResult", "pick_outputs", "documents_possible", "call_as_thd",
+           "prepare_call", "PreparedCall", "TENSOR_ARGUMENTS", "on_backend_only",
            "UnreadOffsetsCheck", "check_unread_offsets", "poisoned", "guard_inputs"]
 
 
@@ -44,6 +45,26 @@ def pick_outputs(cfg, out, lse, max_logit):
     if not (cfg.return_lse or cfg.return_max_logit):
         return out
     return AttentionResult(out, lse if cfg.return_lse else None, max_logit if cfg.return_max_logit else None)
+
+
+def documents_possible(options: dict) -> bool:
+    """Whether a document mask_mod may run as THD: nothing else in the call needs the dense layout."""
+    get = options.get
+    return (get("score_mod") is None and get("bias") is None and get("alibi_slopes") is None
+            and not get("return_max_logit"))
+
+
+def call_as_thd(attention, q, k, v, options: dict, offsets, longest: int, batch: int):
+    """attention() of a document-masked dense call run as THD, one sequence per document (offsets: the
+    documents' cu_seqlens over the B*S tokens), its results back in q's layout."""
+    layout = options.get("layout") or "bshd"
+    tokens = [dense_to_tokens(x, layout) for x in (q, k, v)]
+    result = attention(*tokens, **{**options, "layout": "thd", "cu_seqlens_q": offsets, "cu_seqlens_kv": offsets,
+                                   "max_seqlen_q": longest, "max_seqlen_kv": longest})
+    if isinstance(result, AttentionResult):
+        return AttentionResult(tokens_to_dense(result.out, layout, batch), lse_tokens_to_dense(result.lse, batch),
+                               result.max_logit)
+    return tokens_to_dense(result, layout, batch) if hasattr(result, "shape") else result  # (explain's config)
 
 
 # The tensor arguments of a call: q, k, v and the tensor options (backends get them in this order,

@@ -19,6 +19,9 @@ __all__ = [
     "split_packed",
     "to_bhsd",
     "from_bhsd",
+    "dense_to_tokens",
+    "tokens_to_dense",
+    "lse_tokens_to_dense",
     "sequence_starts",
     "thd_to_padded",
     "padded_to_thd",
@@ -118,6 +121,32 @@ def from_bhsd(x, base):
     if base is Layout.BHSD:
         return x
     raise ValueError(f"from_bhsd: expected layout bshd, sbhd or bhsd, got {base.value!r}")
+
+
+def dense_to_tokens(x, base):
+    """(B*S, H, D) tokens, batch-major, from a bshd/sbhd/bhsd tensor (documents run as THD). BSHD is one
+    reshape (a view where the memory allows): every op here is also a node of torch's backward."""
+    ops = namespace(x)
+    if Layout.parse(base, "layout") is not Layout.BSHD:
+        x = ops.moveaxis(to_bhsd(x, base), 1, 2)
+    return ops.reshape(x, (-1, *x.shape[2:]))
+
+
+def tokens_to_dense(x, base, batch: int):
+    """Inverse of `dense_to_tokens` for `batch` rows."""
+    ops = namespace(x)
+    x = ops.reshape(x, (batch, -1, *x.shape[1:]))
+    if Layout.parse(base, "layout") is Layout.BSHD:
+        return x
+    return from_bhsd(ops.moveaxis(x, 1, 2), base)
+
+
+def lse_tokens_to_dense(lse, batch: int):
+    """A THD call's LSE (T, Hq) as the dense layouts' (B, Hq, S); None stays None."""
+    if lse is None:
+        return None
+    ops = namespace(lse)
+    return ops.moveaxis(ops.reshape(lse, (batch, -1, lse.shape[1])), 1, 2)
 
 
 def sequence_starts(cu_seqlens, padded_offsets=None):

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from fusedattn.cache import LRUCache
+from fusedattn.cache import LRUCache, kept_while_alive
 
 TIMEOUT = 5.0  # seconds; a deadlock fails the test instead of hanging it
 
@@ -279,3 +279,17 @@ def test_clear_during_a_build_drops_its_result():
     worker.join(5)
     assert results == ["stale"]  # the caller still gets its value
     assert "k" not in cache  # but the cleared cache does not keep it
+
+
+def test_kept_while_alive_gives_a_result_to_its_own_owner_only():
+    class Owner:
+        pass
+
+    cache, made = LRUCache(4), []
+    first, second = Owner(), Owner()
+    make = lambda: made.append(1) or len(made)  # noqa: E731
+    assert kept_while_alive(cache, "key", first, make) == 1
+    assert kept_while_alive(cache, "key", first, make) == 1  # kept
+    assert kept_while_alive(cache, "key", second, make) == 2  # another object under the same key (a reused id)
+    del second
+    assert kept_while_alive(cache, "key", Owner(), make) == 3  # its owner gone: never given to a newcomer

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import warnings
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -109,6 +110,38 @@ def test_a_block_table_means_what_compiled_flex_attention_computes(case, length)
     block_mask, mask_mod, agrees = _block_cases(length)[case]
     assert (block_masks.table_issue(block_mask, mask_mod, B, H, length, length) is None) == agrees
     gen = torch.Generator().manual_seed(21)
+    q, k, v = (torch.randn(B, H, length, D, generator=gen, dtype=torch.float64, requires_grad=True)
+               for _ in range(3))
+    out, lse = _run(flex_attention, (q, k, v), block_mask=block_mask)
+    want, want_lse = _as_compiled_flex(q, k, v, block_mask, mask_mod, D ** -0.5)
+    _close("out", out, want)
+    _close("lse", lse, want_lse)
+    dout = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    for name, got, expected in zip("qkv", torch.autograd.grad(out, (q, k, v), dout),
+                                   torch.autograd.grad(want, (q, k, v), dout)):
+        _close(f"d{name}", got, expected)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_block_tables_mean_what_compiled_flex_attention_computes(seed):
+    """Tables drawn at random (each block left out, partial or full; per batch and head or broadcast),
+    with or without a mask_mod, lengths on and off the block size."""
+    rng = np.random.default_rng(seed)
+    length, block = int(rng.choice([64, 100, 128])), 32
+    blocks = -(-length // block)
+    batch_dims = (int(rng.choice([1, B])), int(rng.choice([1, H])))
+    kind = rng.integers(0, 3, (*batch_dims, blocks, blocks))  # 0 left out, 1 partial, 2 full
+
+    def listed(which):
+        counts = torch.tensor((kind == which).sum(-1), dtype=torch.int32)
+        order = np.argsort(kind != which, axis=-1, kind="stable")  # the listed blocks first
+        return counts, torch.tensor(order, dtype=torch.int32)
+
+    mask_mod = [None, lambda b, h, qi, ki: qi >= ki, lambda b, h, qi, ki: (qi + ki + h) % 3 != 0][seed % 3]
+    block_mask = flex_module.BlockMask.from_kv_blocks(*listed(1), *listed(2), BLOCK_SIZE=block,
+                                                      seq_lengths=(length, length),
+                                                      **({} if mask_mod is None else {"mask_mod": mask_mod}))
+    gen = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(B, H, length, D, generator=gen, dtype=torch.float64, requires_grad=True)
                for _ in range(3))
     out, lse = _run(flex_attention, (q, k, v), block_mask=block_mask)

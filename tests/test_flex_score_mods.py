@@ -398,6 +398,31 @@ def test_generated_callbacks_lower_to_their_values_and_derivatives(framework, da
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_abs_of_the_score_has_its_derivative(framework, x64):
+    """torch differentiates abs through sgn, JAX through a select: both trace."""
+    lowered_matches_user(framework, lambda s, b, h, q_idx, kv_idx: s - 0.2 * abs(s), None, 5, 7)
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("function, values", [
+    (lambda s, b, h, q_idx, kv_idx: (q_idx - kv_idx) * 0.1, lambda q_idx, kv_idx: (q_idx - kv_idx) * 0.1),
+    (lambda s, b, h, q_idx, kv_idx: s * 0.0 + 2.5, lambda q_idx, kv_idx: 2.5)])
+def test_a_score_mod_free_of_the_score_keeps_the_scores_shape(framework, function, values, x64):
+    """Its forward and its derivative (0) are whole (B, H, Sq, Skv) tensors, not a number or an index row
+    (also with JAX's float64, where its result is float64 and the score's stand-in float32)."""
+    mod, bound = bind_flex(framework, function, None, 5, 7)
+    assert mod.forward is not None, mod.issue
+    shape = (B, H, 5, 7)
+    tensors = graph_values(bound)
+    got = run_eager(namespace(framework), mod.forward, normal(framework, 1, shape), tensors, "float64")
+    want = values(*index_arrays(framework, shape)[2:])
+    np.testing.assert_allclose(as_numpy(got), np.broadcast_to(as_numpy(want), shape), rtol=1e-6)
+    assert mod.bprop is not None
+    derivative = run_eager(namespace(framework), mod.bprop, normal(framework, 2, shape), tensors, "float64")
+    assert np.shape(as_numpy(derivative)) == shape and not np.any(as_numpy(derivative))
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_softcap_caps_share_a_key_and_differ_in_values(framework):
     (wide, _), (tight, _) = corpus_entry(framework, "softcap"), corpus_entry(framework, "softcap_tight")
     assert flex.trace(framework, wide, None).forward.key == flex.trace(framework, tight, None).forward.key

@@ -378,6 +378,13 @@ def test_a_rewrite_that_made_tensors_is_never_kept():
 
 # ------------------------------------------------------------------ document masks as THD
 
+def _counted(monkeypatch, module, name: str) -> list:
+    """A list that gets one item per call of module.name (which still runs)."""
+    calls, original = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a: calls.append(1) or original(*a))
+    return calls
+
+
 def _document_ids(batch, seqlen, seed, sort=True):
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 4, (batch, seqlen), generator=gen)
@@ -390,9 +397,7 @@ def _document_ids(batch, seqlen, seed, sort=True):
 def test_a_document_mask_runs_as_thd_and_agrees(layout, causal, monkeypatch):
     batch, seqlen = 3, 23
     ids = _document_ids(batch, seqlen, 5)
-    reads = []
-    original = documents_thd._read
-    monkeypatch.setattr(documents_thd, "_read", lambda *a: reads.append(1) or original(*a))
+    reads = _counted(monkeypatch, documents_thd, "_read")
 
     def mask_mod(b, h, q_idx, kv_idx):
         same = ids[b, q_idx] == ids[b, kv_idx]
@@ -413,20 +418,29 @@ def test_a_document_mask_runs_as_thd_and_agrees(layout, causal, monkeypatch):
         torch.testing.assert_close(c, a, rtol=0, atol=0)
 
 
-@torch_side
+@pytest.mark.parametrize("framework", [pytest.param("torch", marks=torch_side), "jax"])
 @pytest.mark.parametrize("layout", ["bshd", "bhsd", "sbhd"])
-def test_tokens_round_trip_and_bshd_is_one_view(layout):
-    """A document call's tokens: (B*S, H, D) batch-major from every dense layout and back; for BSHD one
-    view of the same memory (its backward is one node), also for q sliced from a packed QKV tensor."""
+def test_tokens_round_trip_and_bshd_is_one_view(framework, layout):
+    """A document call's tokens: (B*S, H, D) batch-major from every dense layout and back (and its LSE);
+    for BSHD in torch one view of the same memory (its backward is one node), also for q sliced from a
+    packed QKV tensor."""
+    from fusedattn.layout import dense_to_tokens, lse_tokens_to_dense, tokens_to_dense
+
     batch, seqlen, heads, dim = 3, 5, 2, 4
-    packed = torch.randn(batch, seqlen, 3, heads, dim)
+    packed = np.random.default_rng(0).standard_normal((batch, seqlen, 3, heads, dim))
+    packed = torch.tensor(packed) if framework == "torch" else jnp.asarray(packed)
     bshd = packed[:, :, 0]  # not contiguous
-    x = {"bshd": bshd, "bhsd": bshd.transpose(1, 2), "sbhd": bshd.transpose(0, 1)}[layout]
-    tokens = documents_thd.to_tokens(x, layout)
+    moved = {"bshd": (1, 1), "bhsd": (2, 1), "sbhd": (1, 0)}[layout]
+    x = bshd if layout == "bshd" else (bshd.movedim if framework == "torch" else
+                                       lambda *a: jnp.moveaxis(bshd, *a))(*moved)
+    tokens = dense_to_tokens(x, layout)
     assert tokens.shape == (batch * seqlen, heads, dim)
-    torch.testing.assert_close(tokens, bshd.reshape(batch * seqlen, heads, dim), rtol=0, atol=0)
-    torch.testing.assert_close(documents_thd.from_tokens(tokens, layout, batch), x, rtol=0, atol=0)
-    if layout == "bshd":
+    np.testing.assert_array_equal(np.asarray(tokens), np.asarray(bshd).reshape(batch * seqlen, heads, dim))
+    np.testing.assert_array_equal(np.asarray(tokens_to_dense(tokens, layout, batch)), np.asarray(x))
+    lse = tokens[:, :, 0]  # (T, H): row t = b * S + s
+    np.testing.assert_array_equal(np.asarray(lse_tokens_to_dense(lse, batch)),
+                                  np.moveaxis(np.asarray(bshd)[..., 0], 1, 2))
+    if framework == "torch" and layout == "bshd":
         assert tokens.data_ptr() == x.data_ptr() and tokens._base is not None
 
 
@@ -465,6 +479,97 @@ def test_unsorted_document_ids_run_in_the_graph_and_agree():
     for a, b in zip([native[0], native[1], *native[2]], [select[0], select[1], *select[2]]):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
     assert documents_thd.boundaries(ids, batch, seqlen) is None
+
+
+@pytest.fixture
+def x64():
+    with jax.enable_x64(True):
+        yield
+
+
+def _jax_run(q, k, v, layout, **options):
+    """(out, lse, (dq, dk, dv)) of a JAX call, the loss reading out and LSE, as _torch_run."""
+    def loss(q, k, v):
+        result = fj.attention(q, k, v, layout=layout, return_lse=True, **options)
+        lse = jnp.where(jnp.isfinite(result.lse), result.lse, 0.0)
+        return (result.out * jnp.cos(result.out)).sum() + (lse * jnp.sin(lse)).sum(), result
+
+    (_, result), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    return result.out, result.lse, grads
+
+
+def _jax_documents(batch: int, seqlen: int, seed: int, sort: bool = True) -> np.ndarray:
+    ids = np.random.default_rng(seed).integers(0, 4, (batch, seqlen))
+    return np.sort(ids, axis=1) if sort else ids
+
+
+def _assert_runs_agree(*runs):
+    """Outputs to float64 roundings; the LSE and the gradients through it to float32's (the LSE is float32
+    by design, and XLA rounds it at other places under jit)."""
+    first = runs[0]
+    for other in runs[1:]:
+        np.testing.assert_allclose(np.asarray(first[0]), np.asarray(other[0]), rtol=1e-9, atol=1e-9)
+        for a, b in zip([first[1], *first[2]], [other[1], *other[2]]):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("layout", ["bshd", "bhsd", "sbhd"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_jax_document_mask_runs_as_thd_and_agrees(layout, causal, jit, monkeypatch, x64):
+    """Concrete (captured) ids: the call runs as THD, eager and under jit, out, LSE and gradients as the
+    mask written as a select."""
+    import fusedattn.jax.functional as jax_functional
+
+    batch, seqlen = 3, 23
+    ids = jnp.asarray(_jax_documents(batch, seqlen, 5))
+    thd = _counted(monkeypatch, jax_functional, "call_as_thd")
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        same = ids[b, q_idx] == ids[b, kv_idx]
+        return same & (q_idx >= kv_idx) if causal else same
+
+    shape = _shape(layout, batch, seqlen, 2)
+    q, k, v = (jnp.asarray(np.random.default_rng(i).standard_normal(shape)) for i in range(3))
+    run = jax.jit(_jax_run, static_argnums=3, static_argnames=("mask_mod", "score_mod")) if jit else _jax_run
+    native = run(q, k, v, layout, mask_mod=mask_mod)
+    assert thd, "the document mask did not run as THD"
+    select = _jax_run(q, k, v, layout, score_mod=_select(mask_mod, jnp.where))
+    _assert_runs_agree(native, select)
+
+
+def test_jax_document_offsets_found_in_one_jit_trace_serve_the_next():
+    """The first call of the ids is traced by jit; a second trace (other shapes) reuses the kept offsets:
+    they must be concrete, not the first trace's tracer."""
+    ids = jnp.asarray(_jax_documents(2, 15, 12))
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return ids[b, q_idx] == ids[b, kv_idx]
+
+    run = jax.jit(lambda q, k, v: fj.attention(q, k, v, mask_mod=mask_mod))
+    for dim in (8, 16):
+        q = jnp.asarray(np.random.default_rng(dim).standard_normal((2, 15, 2, dim)), jnp.float32)
+        want = fj.attention(q, q, q, score_mod=_select(mask_mod, jnp.where))
+        np.testing.assert_allclose(np.asarray(run(q, q, q)), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_jax_document_ids_that_are_traced_or_unsorted_stay_a_select(monkeypatch, x64):
+    import fusedattn.jax.functional as jax_functional
+
+    thd = _counted(monkeypatch, jax_functional, "call_as_thd")
+    q, k, v = (jnp.asarray(np.random.default_rng(i).standard_normal((2, 15, 2, 8))) for i in range(3))
+
+    def same_document(ids):
+        return lambda b, h, q_idx, kv_idx: ids[b, q_idx] == ids[b, kv_idx]
+
+    unsorted = jnp.asarray(_jax_documents(2, 15, 9, sort=False))
+    native = _jax_run(q, k, v, "bshd", mask_mod=same_document(unsorted))
+    _assert_runs_agree(native, _jax_run(q, k, v, "bshd", score_mod=_select(same_document(unsorted), jnp.where)))
+
+    sorted_ids = jnp.asarray(_jax_documents(2, 15, 10))
+    traced = jax.jit(lambda ids, q, k, v: _jax_run(q, k, v, "bshd", mask_mod=same_document(ids)))(sorted_ids, q, k, v)
+    _assert_runs_agree(traced, _jax_run(q, k, v, "bshd", score_mod=_select(same_document(sorted_ids), jnp.where)))
+    assert thd == []
 
 
 def test_a_document_mask_is_recognized_in_jax_too():

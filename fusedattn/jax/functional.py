@@ -13,13 +13,16 @@ from fusedattn.backends import get_backend
 from fusedattn.backends.base import ARRAY_NAMES, DIFFERENTIABLE, AttentionInputs, AttentionOutputs, no_lse_gradient
 from fusedattn.frontend_common import (
     TENSOR_ARGUMENTS,
+    call_as_thd,
     check_unread_offsets,
+    documents_possible,
     on_backend_only,
     pick_outputs,
     prepare_call,
     slopes_are_standard,
 )
 from fusedattn.jax import cudnn_call, small_seq_call, torch_bridge
+from fusedattn.jax import documents as documents_thd
 from fusedattn.jax.offset_guard import guard_inputs, poisoned
 from fusedattn.jax.partition import find_split
 from fusedattn.jax.shard_guard import batched, check_shard_axes, guard_whole
@@ -200,8 +203,13 @@ def attention(q, k=None, v=None, **options):
         >>> grads = jax.grad(lambda q: attention(q, k, v).sum())(q)
     """
     check_keywords(API, options, "jax")
-    if options.get("mask_mod") is not None:  # its causal, window and padding parts as native masks
-        options, _ = rewrite_mask("jax", q, k, v, options, document_ok=False)
+    if options.get("mask_mod") is not None:  # its causal, window, padding and document parts as native masks
+        options, documents = rewrite_mask("jax", q, k, v, options, document_ok=documents_possible(options))
+        if documents is not None:
+            found = documents_thd.boundaries(documents.ids, documents.batch, documents.seqlen)
+            if found is not None:
+                return call_as_thd(attention, q, k, v, options, *found, documents.batch)
+            options = {**options, "mask_mod": documents.fallback}  # traced or unsorted ids: a select
     get = options.get
     alibi_slopes = get("alibi_slopes")
     slopes = host_slopes(f"{API}: alibi_slopes", alibi_slopes)

@@ -94,7 +94,7 @@ def _joint_fn(framework: str, fn):
 
         def joint(score, dscore, b, h, q_idx, kv_idx):
             out, pullback = jax.vjp(lambda s: fn(s, b, h, q_idx, kv_idx), score)
-            return out, pullback(dscore)[0]
+            return out, pullback(dscore.astype(out.dtype))[0]  # out is float64 where x64 made it so
     return joint
 
 

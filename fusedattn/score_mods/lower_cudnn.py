@@ -223,7 +223,7 @@ def lowered(expr: Expr, plan: AuxPlan, prefix: str, derivative: bool) -> Callabl
                 values[number] = _node_value(low, expr, number, values, prefix, inputs)
             if not derivative:
                 tensors[forward_value_name(number)] = values[number]
-        result = values[expr.output]
-        return low.as_float(result, expr.nodes[expr.output].kind)
+        result = low.as_float(values[expr.output], expr.nodes[expr.output].kind)
+        return low.lead(result)  # a result free of the score (a number, an aux tensor) still has its shape
 
     return callback

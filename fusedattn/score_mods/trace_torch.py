@@ -20,7 +20,7 @@ __all__ = ["trace_torch", "trace_torch_into"]
 
 _SAME = {"neg": "neg", "abs": "abs", "exp": "exp", "log": "log", "sqrt": "sqrt", "rsqrt": "rsqrt", "tanh": "tanh",
          "sigmoid": "sigmoid", "sin": "sin", "cos": "cos", "floor": "floor", "ceil": "ceil", "trunc": "trunc",
-         "erf": "erf", "sign": "sign", "reciprocal": "reciprocal",
+         "erf": "erf", "sign": "sign", "sgn": "sign", "reciprocal": "reciprocal",
          "add": "add", "sub": "sub", "mul": "mul", "maximum": "max", "minimum": "min", "pow": "pow",
          "floor_divide": "floordiv", "remainder": "mod", "fmod": "rem",
          "eq": "eq", "ne": "ne", "lt": "lt", "le": "le", "gt": "gt", "ge": "ge",

@@ -16,11 +16,9 @@ row of queries at a time), and is kept while the BlockMask lives.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
-from fusedattn.cache import LRUCache, register
+from fusedattn.cache import LRUCache, kept_while_alive, register
 
 __all__ = ["mask_of_block_mask", "table_issue"]
 
@@ -83,13 +81,12 @@ def mask_of_block_mask(block_mask, mask_mod, batch: int, heads: int, query_len: 
     (None for no mask) when the table agrees with it, else one that applies the table as well."""
     key = (id(block_mask), id(mask_mod), batch, heads, query_len, key_len,
            *(getattr(t, "_version", None) for t in (block_mask.kv_num_blocks, block_mask.kv_indices)))
-    kept = _CHECKED.get(key)
-    if kept is not None and kept[0]() is block_mask:
-        return kept[1]
-    issue = table_issue(block_mask, mask_mod, batch, heads, query_len, key_len)
-    result = mask_mod if issue is None else _with_table(block_mask, mask_mod, batch, heads, key_len)
-    _CHECKED.put(key, (weakref.ref(block_mask), result))
-    return result
+
+    def checked():
+        issue = table_issue(block_mask, mask_mod, batch, heads, query_len, key_len)
+        return mask_mod if issue is None else _with_table(block_mask, mask_mod, batch, heads, key_len)
+
+    return kept_while_alive(_CHECKED, key, block_mask, checked)
 
 
 def _with_table(block_mask, mask_mod, batch: int, heads: int, key_len: int):

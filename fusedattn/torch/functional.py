@@ -18,7 +18,9 @@ from fusedattn.config import AttentionConfig
 from fusedattn.frontend_common import (
     TENSOR_ARGUMENTS,
     AttentionResult,
+    call_as_thd,
     check_unread_offsets,
+    documents_possible,
     guard_inputs,
     on_backend_only,
     pick_outputs,
@@ -162,7 +164,7 @@ def attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | 
     before_rewrite = options
     if (documents is None and get("mask_mod") is not None and not compiling
             and not isinstance(get("mask_mod"), PartialMask)):  # (a PartialMask is what a rewrite kept)
-        options, documents = rewrite_mask("torch", q, k, v, options, document_ok=_documents_possible(options))
+        options, documents = rewrite_mask("torch", q, k, v, options, document_ok=documents_possible(options))
         get = options.get
         if documents is not None and rewrite_key is not None:
             mask_rewrites.remember(rewrite_key, before_rewrite, options, None, documents)
@@ -269,30 +271,11 @@ def attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | 
 describe_arguments(attention, "torch")
 
 
-def _documents_possible(options: dict) -> bool:
-    """Whether a document mask_mod may run as THD: nothing else that needs the dense layout."""
-    get = options.get
-    return (get("score_mod") is None and get("bias") is None and get("alibi_slopes") is None
-            and not get("return_max_logit"))
-
-
 def _document_call(q, k, v, options: dict, documents):
     """The call as THD, one sequence per document (fusedattn.torch.documents); None when the ids are
     not sorted along each row."""
-    layout, batch = options.get("layout") or "bshd", documents.batch
-    found = documents_thd.boundaries(documents.ids, batch, documents.seqlen)
-    if found is None:
-        return None
-    offsets, longest = found
-    tokens = [documents_thd.to_tokens(x, layout) for x in (q, k, v)]
-    result = attention(*tokens, **{**options, "layout": "thd", "cu_seqlens_q": offsets, "cu_seqlens_kv": offsets,
-                                   "max_seqlen_q": longest, "max_seqlen_kv": longest})
-    if isinstance(result, _Configured):  # explain()
-        return result
-    if isinstance(result, AttentionResult):
-        return AttentionResult(documents_thd.from_tokens(result.out, layout, batch),
-                               documents_thd.lse_from_tokens(result.lse, batch), result.max_logit)
-    return documents_thd.from_tokens(result, layout, batch)
+    found = documents_thd.boundaries(documents.ids, documents.batch, documents.seqlen)
+    return None if found is None else call_as_thd(attention, q, k, v, options, *found, documents.batch)
 
 
 # explain(): the call goes through attention's own cold path and stops once it is configured.
