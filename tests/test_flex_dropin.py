@@ -103,13 +103,9 @@ def _block_cases(length: int):
             "full blocks the mask_mod masks partly": (whole_diagonal, causal, False)}
 
 
-@pytest.mark.parametrize("length", [200, 256])
-@pytest.mark.parametrize("case", ["from create_block_mask", "from_kv_blocks, no mask_mod",
-                                  "full blocks the mask_mod masks partly"])
-def test_a_block_table_means_what_compiled_flex_attention_computes(case, length):
-    block_mask, mask_mod, agrees = _block_cases(length)[case]
-    assert (block_masks.table_issue(block_mask, mask_mod, B, H, length, length) is None) == agrees
-    gen = torch.Generator().manual_seed(21)
+def _agrees_with_compiled_flex(block_mask, mask_mod, length: int, seed: int) -> None:
+    """The drop-in's out, LSE and dq, dk, dv against _as_compiled_flex on fresh float64 inputs."""
+    gen = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(B, H, length, D, generator=gen, dtype=torch.float64, requires_grad=True)
                for _ in range(3))
     out, lse = _run(flex_attention, (q, k, v), block_mask=block_mask)
@@ -120,6 +116,15 @@ def test_a_block_table_means_what_compiled_flex_attention_computes(case, length)
     for name, got, expected in zip("qkv", torch.autograd.grad(out, (q, k, v), dout),
                                    torch.autograd.grad(want, (q, k, v), dout)):
         _close(f"d{name}", got, expected)
+
+
+@pytest.mark.parametrize("length", [200, 256])
+@pytest.mark.parametrize("case", ["from create_block_mask", "from_kv_blocks, no mask_mod",
+                                  "full blocks the mask_mod masks partly"])
+def test_a_block_table_means_what_compiled_flex_attention_computes(case, length):
+    block_mask, mask_mod, agrees = _block_cases(length)[case]
+    assert (block_masks.table_issue(block_mask, mask_mod, B, H, length, length) is None) == agrees
+    _agrees_with_compiled_flex(block_mask, mask_mod, length, seed=21)
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -141,17 +146,7 @@ def test_random_block_tables_mean_what_compiled_flex_attention_computes(seed):
     block_mask = flex_module.BlockMask.from_kv_blocks(*listed(1), *listed(2), BLOCK_SIZE=block,
                                                       seq_lengths=(length, length),
                                                       **({} if mask_mod is None else {"mask_mod": mask_mod}))
-    gen = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(B, H, length, D, generator=gen, dtype=torch.float64, requires_grad=True)
-               for _ in range(3))
-    out, lse = _run(flex_attention, (q, k, v), block_mask=block_mask)
-    want, want_lse = _as_compiled_flex(q, k, v, block_mask, mask_mod, D ** -0.5)
-    _close("out", out, want)
-    _close("lse", lse, want_lse)
-    dout = torch.randn(out.shape, generator=gen, dtype=torch.float64)
-    for name, got, expected in zip("qkv", torch.autograd.grad(out, (q, k, v), dout),
-                                   torch.autograd.grad(want, (q, k, v), dout)):
-        _close(f"d{name}", got, expected)
+    _agrees_with_compiled_flex(block_mask, mask_mod, length, seed)
 
 
 def test_a_block_table_that_agrees_is_checked_once_and_leaves_the_mask_mod(monkeypatch):
