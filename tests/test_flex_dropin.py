@@ -149,6 +149,17 @@ def test_random_block_tables_mean_what_compiled_flex_attention_computes(seed):
     _agrees_with_compiled_flex(block_mask, mask_mod, length, seed)
 
 
+def test_a_table_applied_densely_warns_once_with_its_memory():
+    block_mask, _, _ = _block_cases(200)["from_kv_blocks, no mask_mod"]
+    with pytest.warns(UserWarning, match=r"dense \(B, H, L, S\) = \(2, 4, 200, 200\) mask, 1.22 MiB per call"):
+        flex_attention(*(torch.randn(B, H, 200, D, dtype=torch.float64) for _ in range(3)), block_mask=block_mask)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the verdict is kept: no second warning
+        flex_attention(*(torch.randn(B, H, 200, D, dtype=torch.float64) for _ in range(3)), block_mask=block_mask)
+        consistent, _, _ = _block_cases(200)["from create_block_mask"]
+        flex_attention(*(torch.randn(B, H, 200, D, dtype=torch.float64) for _ in range(3)), block_mask=consistent)
+
+
 def test_a_block_table_that_agrees_is_checked_once_and_leaves_the_mask_mod(monkeypatch):
     block_mask, mask_mod, _ = _block_cases(200)["from create_block_mask"]
     checks = []

@@ -8,13 +8,16 @@ cuDNN's own masks where it can). A table made otherwise (BlockMask.from_kv_block
 or adjusted mask, a table built for another mask_mod) can mean something else: a full block
 where mask_mod is False somewhere, or a block left out where it is True. Such a table is
 applied too, so the result is what compiled FlexAttention computes, never the mask_mod alone:
-a `(B, H, L, S)` gather cuDNN reads as a dense tensor (explain says so).
+a `(B, H, L, S)` gather cuDNN reads as a dense tensor (a warning, once per BlockMask, gives
+its memory).
 
 The check evaluates mask_mod over every (b, h, q_idx, kv_idx) once per BlockMask (one block
 row of queries at a time), and is kept while the BlockMask lives.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 
@@ -84,7 +87,13 @@ def mask_of_block_mask(block_mask, mask_mod, batch: int, heads: int, query_len: 
 
     def checked():
         issue = table_issue(block_mask, mask_mod, batch, heads, query_len, key_len)
-        return mask_mod if issue is None else _with_table(block_mask, mask_mod, batch, heads, key_len)
+        if issue is None:
+            return mask_mod
+        size = batch * heads * query_len * key_len * 4 / 2**20
+        warnings.warn(f"flex_attention: block_mask: its block table says more than its mask_mod ({issue}); it is "
+                      f"applied as a dense (B, H, L, S) = ({batch}, {heads}, {query_len}, {key_len}) mask, {size:.3g} "
+                      "MiB per call", stacklevel=4)
+        return _with_table(block_mask, mask_mod, batch, heads, key_len)
 
     return kept_while_alive(_CHECKED, key, block_mask, checked)
 
