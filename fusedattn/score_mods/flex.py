@@ -4,9 +4,10 @@
     attention(q, k, v, mask_mod=lambda b, h, q_idx, kv_idx: q_idx - kv_idx <= 256)
 
 The function is traced once by the framework's own tracer (trace_torch / trace_jax) into
-our expression graph, and its derivative in the score is traced the same way through the
-framework's vjp, so nobody writes a backward. Both are lowered to cuDNN callbacks
-(lower_cudnn); the pieces that read captured tensors become aux tensors (aux_plan). The
+our expression graph, together with its derivative in the score through the framework's vjp
+(one trace: the derivative reads the forward's values), so nobody writes a backward. Both are
+made lean (simplify) and lowered to cuDNN callbacks (lower_cudnn); the pieces that read
+captured tensors become aux tensors (aux_plan). The
 reference backend calls the user's functions themselves on broadcast index arrays: the
 ground truth the lowered graph is tested against.
 
