@@ -196,6 +196,25 @@ def test_a_built_in_made_anew_at_each_call_reuses_its_binding(operator):
     torch.testing.assert_close(operator[5][1][0].reshape(-1), slopes)
 
 
+def test_a_composition_made_anew_at_each_call_reuses_its_binding(operator):
+    """compose(...) written in a model's forward: a new composition of new mods each call, the same mod."""
+    q = torch.randn(1, 16, 2, 8)
+    slopes = torch.rand(2)
+    for cap in (20.0, 20.0, 9.0):
+        _call(q, score_mod=sm.compose(sm.alibi(slopes), sm.softcap(cap)))
+    assert operator[1][2] is operator[0][2] and operator[1][1][0] is operator[0][1][0]
+    assert 9.0 in operator[2][2] and 20.0 not in operator[2][2]
+    slopes.mul_(2.0)  # an in-place change of a part's tensor: bound anew
+    _call(q, score_mod=sm.compose(sm.alibi(slopes), sm.softcap(9.0)))
+    torch.testing.assert_close(operator[3][1][0].reshape(-1), slopes)
+    _call(q, score_mod=sm.compose(sm.softcap(9.0), sm.alibi(slopes)))  # another order: another mod
+    assert operator[4][2] is not operator[3][2]
+    from fusedattn.torch.score_mod_bindings import signature_part
+
+    assert (signature_part(sm.compose(sm.alibi(slopes), sm.softcap(1.0)))
+            != signature_part(sm.compose(sm.softcap(1.0), sm.alibi(slopes))))
+
+
 def test_a_bound_method_follows_its_object(operator):
     q = torch.randn(1, 16, 2, 8)
 

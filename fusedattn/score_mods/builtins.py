@@ -328,4 +328,5 @@ def compose(*mods: ScoreMod) -> ScoreMod:
                     bprop if has_graph and any(m.bprop is not None for m in mods) else None, tensors,
                     eager=eager if all(m.eager is not None for m in mods) else None, prepare=prepare,
                     name=" then ".join(m.name for m in mods),
-                    masks=any(m.masks for m in mods) or (None if any(m.masks is None for m in mods) else False))
+                    masks=any(m.masks for m in mods) or (None if any(m.masks is None for m in mods) else False),
+                    parts=tuple(mods))

@@ -75,6 +75,9 @@ class ScoreMod:
     # where(..., -inf)), so a row can lose every key; False: it only computes with its values (which
     # may still be large, see torch/score_mod_bindings.py); None: not known.
     masks: bool | None = None
+    # The mods a composition applies in turn (score_mods.compose): its callbacks read nothing else,
+    # so a composition made anew of equal mods is the same mod (torch/score_mod_bindings.py).
+    parts: tuple = ()
 
     def __repr__(self) -> str:
         return f"ScoreMod({self.name})"

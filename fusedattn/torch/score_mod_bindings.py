@@ -91,6 +91,14 @@ def _fixed_parts(mod: ScoreMod) -> tuple | bool:
     """The parts of a ScoreMod's reads besides its dicts (see _parts): its callbacks' reads and its own
     fields, or False where a callback's cannot be known. Kept on the mod where its callbacks are this
     library's (their closures never rebind); a user's function can read other globals at any call."""
+    if mod.parts:  # a composition: what its mods' callbacks read, not the mods (made anew at each call)
+        inner = [m.__dict__.get(_FIXED) or _fixed_parts(m) for m in mod.parts]
+        if False in inner:
+            return False
+        fixed = (*[part for parts in inner for part in parts], (mod.masks, mod.structure, mod.issue, *mod.host))
+        if all(_FIXED in m.__dict__ for m in mod.parts):
+            object.__setattr__(mod, _FIXED, fixed)
+        return fixed
     callbacks = (mod.forward, mod.bprop, mod.prepare)
     reads = tuple(map(_callable_reads, callbacks))
     if None in reads:
@@ -109,7 +117,8 @@ def signature_part(value) -> tuple:
     if isinstance(value, ScoreMod):
         who = value.__dict__.get(_WHO)
         if who is None:
-            who = ("mod", identity(value.forward), identity(value.bprop), identity(value.prepare))
+            who = (("compose", *map(signature_part, value.parts)) if value.parts else
+                   ("mod", identity(value.forward), identity(value.bprop), identity(value.prepare)))
             object.__setattr__(value, _WHO, who)
         return who
     return identity(value)
