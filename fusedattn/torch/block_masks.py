@@ -36,14 +36,14 @@ def _dense(counts: torch.Tensor, indices: torch.Tensor, kv_blocks: int) -> torch
     return dense.scatter_(-1, columns, True)[..., :kv_blocks]
 
 
-def _tables(block_mask, batch: int, heads: int, kv_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(listed, full): (B, H, nq, nkv) bool tables, broadcast to the call's batch and heads."""
+def _tables(block_mask, batch: int, heads: int, kv_blocks: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(listed, full): (B, H, nq, nkv) bool tables on the call's device, broadcast to its batch and heads."""
     listed = _dense(block_mask.kv_num_blocks, block_mask.kv_indices, kv_blocks)
     full = torch.zeros_like(listed)
     if block_mask.full_kv_num_blocks is not None:
         full = _dense(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, kv_blocks)
     shape = (batch, heads, *listed.shape[2:])
-    return (listed | full).expand(shape), full.expand(shape)
+    return (listed | full).to(device).expand(shape), full.to(device).expand(shape)
 
 
 def _per_block(keep: torch.Tensor, pad: int, kv_blocks: int, block_kv: int, filler: bool) -> torch.Tensor:
@@ -52,12 +52,14 @@ def _per_block(keep: torch.Tensor, pad: int, kv_blocks: int, block_kv: int, fill
     return padded.view(*keep.shape[:3], kv_blocks, block_kv)
 
 
-def table_issue(block_mask, mask_mod, batch: int, heads: int, query_len: int, key_len: int) -> str | None:
-    """None when the block table is the one mask_mod implies (it only skips work), else what differs."""
+def table_issue(block_mask, mask_mod, batch: int, heads: int, query_len: int, key_len: int,
+                device=None) -> str | None:
+    """None when the block table is the one mask_mod implies (it only skips work), else what differs.
+    mask_mod runs on `device` (the query's; default the table's), beside the tensors it captures."""
     block_q, block_kv = block_mask.BLOCK_SIZE
     kv_blocks = -(-key_len // block_kv)
-    listed, full = _tables(block_mask, batch, heads, kv_blocks)
-    device = listed.device
+    device = block_mask.kv_num_blocks.device if device is None else device
+    listed, full = _tables(block_mask, batch, heads, kv_blocks, device)
     b = torch.arange(batch, device=device).view(-1, 1, 1, 1)
     h = torch.arange(heads, device=device).view(1, -1, 1, 1)
     kv = torch.arange(key_len, device=device).view(1, 1, 1, -1)
@@ -79,28 +81,30 @@ def table_issue(block_mask, mask_mod, batch: int, heads: int, query_len: int, ke
     return None
 
 
-def mask_of_block_mask(block_mask, mask_mod, batch: int, heads: int, query_len: int, key_len: int):
+def mask_of_block_mask(block_mask, mask_mod, batch: int, heads: int, query_len: int, key_len: int, device=None):
     """The mask_mod that gives what compiled FlexAttention computes with this BlockMask: mask_mod itself
-    (None for no mask) when the table agrees with it, else one that applies the table as well."""
-    key = (id(block_mask), id(mask_mod), batch, heads, query_len, key_len,
+    (None for no mask) when the table agrees with it, else one that applies the table as well.
+    device: the query's (mask_mod and the applied table live there)."""
+    key = (id(block_mask), id(mask_mod), batch, heads, query_len, key_len, str(device),
            *(getattr(t, "_version", None) for t in (block_mask.kv_num_blocks, block_mask.kv_indices)))
 
     def checked():
-        issue = table_issue(block_mask, mask_mod, batch, heads, query_len, key_len)
+        issue = table_issue(block_mask, mask_mod, batch, heads, query_len, key_len, device)
         if issue is None:
             return mask_mod
         size = batch * heads * query_len * key_len * 4 / 2**20
         warnings.warn(f"flex_attention: block_mask: its block table says more than its mask_mod ({issue}); it is "
                       f"applied as a dense (B, H, L, S) = ({batch}, {heads}, {query_len}, {key_len}) mask, {size:.3g} "
                       "MiB per call", stacklevel=4)
-        return _with_table(block_mask, mask_mod, batch, heads, key_len)
+        return _with_table(block_mask, mask_mod, batch, heads, key_len, device)
 
     return kept_while_alive(_CHECKED, key, block_mask, checked)
 
 
-def _with_table(block_mask, mask_mod, batch: int, heads: int, key_len: int):
+def _with_table(block_mask, mask_mod, batch: int, heads: int, key_len: int, device):
     block_q, block_kv = block_mask.BLOCK_SIZE
-    listed, full = (t.contiguous() for t in _tables(block_mask, batch, heads, -(-key_len // block_kv)))
+    device = block_mask.kv_num_blocks.device if device is None else device
+    listed, full = (t.contiguous() for t in _tables(block_mask, batch, heads, -(-key_len // block_kv), device))
 
     def block_table_mask(b, h, q_idx, kv_idx):  # full blocks whole, listed ones where mask_mod holds
         i, j = q_idx // block_q, kv_idx // block_kv

@@ -67,7 +67,7 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
             raise ValueError(f"{API}: block_mask: expected one made for B in (1, {query.shape[0]}) and H in (1, "
                              f"{heads_q}), got B={table[0]}, H={table[1]}")
         if not torch.compiler.is_compiling():  # its table is read on the host: once per BlockMask
-            mask_mod = mask_of_block_mask(block_mask, mask_mod, query.shape[0], heads_q, *wanted)
+            mask_mod = mask_of_block_mask(block_mask, mask_mod, query.shape[0], heads_q, *wanted, query.device)
     result = attention(query, key, value, layout="bhsd", scale=scale, score_mod=score_mod, mask_mod=mask_mod,
                        return_lse=return_lse)
     if return_lse:
