@@ -1,5 +1,5 @@
 """The Python of warm calls alone, with the native operator stubbed (any host, CPU tensors): a plain
-call, score_mods made once and made anew at each call, and a causal mask_mod, B1 S16 H2 D8, median
+call, score_mods and compositions made once and made anew at each call, and a causal mask_mod, B1 S16 H2 D8, median
 of 7 loops of 500 calls. Run it on two hosts to compare their Python speed (bench/diag/score_mod_split.py
 gives the GPU host's whole host time)."""
 
@@ -31,6 +31,7 @@ def closure(cap):
 def rows(q: torch.Tensor) -> dict:
     slopes = torch.rand(q.shape[2])
     once, builtin = closure(20.0), sm.softcap(20.0)
+    composed = sm.compose(sm.alibi(slopes), sm.softcap(20.0))
 
     def alibi(score, b, h, q_idx, kv_idx):
         return score + slopes[h] * (kv_idx - q_idx)
@@ -45,6 +46,9 @@ def rows(q: torch.Tensor) -> dict:
             "built-in made once": lambda: fat.attention(q, q, q, mask="causal", score_mod=builtin),
             "built-in made each call": lambda: fat.attention(q, q, q, mask="causal", score_mod=sm.softcap(20.0)),
             "causal() made each call": lambda: fat.attention(q, q, q, score_mod=sm.causal()),
+            "compose made once": lambda: fat.attention(q, q, q, mask="causal", score_mod=composed),
+            "compose made each call": lambda: fat.attention(q, q, q, mask="causal",
+                                                            score_mod=sm.compose(sm.alibi(slopes), sm.softcap(20.0))),
             "causal mask_mod": lambda: fat.attention(q, q, q, mask_mod=causal)}
 
 
