@@ -22,6 +22,7 @@ __all__ = [
     "dense_to_tokens",
     "tokens_to_dense",
     "lse_tokens_to_dense",
+    "document_offsets",
     "sequence_starts",
     "thd_to_padded",
     "padded_to_thd",
@@ -147,6 +148,13 @@ def lse_tokens_to_dense(lse, batch: int):
         return None
     ops = namespace(lse)
     return ops.moveaxis(ops.reshape(lse, (batch, -1, lse.shape[1])), 1, 2)
+
+
+def document_offsets(starts: np.ndarray) -> tuple[np.ndarray, int]:
+    """(cu_seqlens int32, longest) of the documents over B*S tokens, from a flat (B*S,) bool array that is
+    True where a document starts (every row's first token among them)."""
+    offsets = np.append(np.flatnonzero(starts), starts.size).astype(np.int32)
+    return offsets, int(np.diff(offsets).max())
 
 
 def sequence_starts(cu_seqlens, padded_offsets=None):

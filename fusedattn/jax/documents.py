@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fusedattn.cache import LRUCache, kept_while_alive, register
+from fusedattn.layout import document_offsets
 
 __all__ = ["boundaries"]
 
@@ -28,8 +29,7 @@ def _read(ids, batch: int, seqlen: int):
         return None
     starts = np.ones(rows.shape, dtype=bool)
     starts[:, 1:] = rows[:, 1:] != rows[:, :-1]
-    offsets = np.append(np.flatnonzero(starts), batch * seqlen).astype(np.int32)
-    return offsets, int(np.diff(offsets).max())
+    return document_offsets(starts.reshape(-1))
 
 
 def boundaries(ids, batch: int, seqlen: int):

@@ -291,7 +291,6 @@ def _as_float(ops, x, dtype: str):
 def evaluate(expr: Expr, ops, env: dict, dtype: str = "float32", values: tuple | None = None, only=None):
     """The Expr on arrays of one framework: env maps input names to arrays (broadcasting).
 
-    A derivative's forward values come from env["forward"]: {forward node: array}.
     Everything is computed in `dtype` (ints and bools as exact floats, as the cuDNN lowering
     does), so int division and remainders follow the op names, not a framework's int rules.
     values: the scalar slots (default the traced ones). only: a node number to stop at.
@@ -300,7 +299,7 @@ def evaluate(expr: Expr, ops, env: dict, dtype: str = "float32", values: tuple |
     table = _math(ops)
     scalars = expr.scalars if values is None else values
     results: dict = {}
-    like = next(v for name, v in env.items() if name != FORWARD_VALUE)
+    like = next(iter(env.values()))
     stop = expr.output if only is None else only
     for number in ancestors(expr, stop):
         node = expr.nodes[number]
@@ -309,8 +308,6 @@ def evaluate(expr: Expr, ops, env: dict, dtype: str = "float32", values: tuple |
             value = _as_float(ops, env[node.attr[0]], dtype)
         elif node.op == "scalar":
             value = ops.full((), scalars[node.attr[0]], like, "bool" if node.kind == BOOL else dtype)
-        elif node.op == FORWARD_VALUE:
-            value = env[FORWARD_VALUE][node.attr[0]]
         elif node.op == "load":
             array = expr.captured[node.attr[0]]
             index = tuple(_as_index(ops, i) for i in args)

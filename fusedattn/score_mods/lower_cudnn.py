@@ -22,11 +22,6 @@ __all__ = ["lowered", "scalar_name", "aux_name", "forward_value_name", "CONSTANT
 LOWERING_VERSION = 2  # part of a flex mod's key: a graph built by another lowering is never reused
 CONSTANTS = {"k.zero": 0.0, "k.one": 1.0, "k.minus_one": -1.0}
 SAVED_SCORE = "f.score"  # the forward's score, kept for the derivative's graph
-
-
-def forward_value_name(node: int) -> str:
-    """Where the forward's callback keeps a node's value for the derivative's `forward` leaves."""
-    return f"f.node{node}"
 _UNARY = {"neg": "neg", "abs": "abs", "exp": "exp", "log": "log", "sqrt": "sqrt", "rsqrt": "rsqrt",
           "tanh": "tanh", "sigmoid": "sigmoid", "sin": "sin", "cos": "cos", "floor": "floor", "ceil": "ceil",
           "erf": "erf", "reciprocal": "reciprocal"}
@@ -38,6 +33,11 @@ _COMPARE = {"lt": "cmp_lt", "le": "cmp_le", "gt": "cmp_gt", "ge": "cmp_ge", "eq"
 
 def scalar_name(prefix: str, slot: int) -> str:
     return f"{prefix}s{slot}"
+
+
+def forward_value_name(node: int) -> str:
+    """Where the forward's callback keeps a node's value for the derivative's `forward` leaves."""
+    return f"f.node{node}"
 
 
 def aux_name(prefix: str, number: int) -> str:

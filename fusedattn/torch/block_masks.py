@@ -84,7 +84,8 @@ def table_issue(block_mask, mask_mod, batch: int, heads: int, query_len: int, ke
 def mask_of_block_mask(block_mask, mask_mod, batch: int, heads: int, query_len: int, key_len: int, device=None):
     """The mask_mod that gives what compiled FlexAttention computes with this BlockMask: mask_mod itself
     (None for no mask) when the table agrees with it, else one that applies the table as well.
-    device: the query's (mask_mod and the applied table live there)."""
+    device: the query's (mask_mod and the applied table live there; default the table's)."""
+    device = block_mask.kv_num_blocks.device if device is None else device
     key = (id(block_mask), id(mask_mod), batch, heads, query_len, key_len, str(device),
            *(getattr(t, "_version", None) for t in (block_mask.kv_num_blocks, block_mask.kv_indices)))
 
@@ -103,7 +104,6 @@ def mask_of_block_mask(block_mask, mask_mod, batch: int, heads: int, query_len: 
 
 def _with_table(block_mask, mask_mod, batch: int, heads: int, key_len: int, device):
     block_q, block_kv = block_mask.BLOCK_SIZE
-    device = block_mask.kv_num_blocks.device if device is None else device
     listed, full = (t.contiguous() for t in _tables(block_mask, batch, heads, -(-key_len // block_kv), device))
 
     def block_table_mask(b, h, q_idx, kv_idx):  # full blocks whole, listed ones where mask_mod holds

@@ -10,10 +10,10 @@ as a select in the graph.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from fusedattn.cache import LRUCache, kept_while_alive, register
+from fusedattn.layout import document_offsets
 
 __all__ = ["boundaries"]
 
@@ -29,9 +29,7 @@ def _read(ids: torch.Tensor, batch: int, seqlen: int):
     host = torch.cat([starts.reshape(-1), sorted_]).cpu().numpy()  # the one read
     if not host[-1]:
         return None
-    first = np.flatnonzero(host[:-1])
-    offsets = np.append(first, batch * seqlen).astype(np.int32)
-    longest = int(np.diff(offsets).max())
+    offsets, longest = document_offsets(host[:-1])
     return torch.from_numpy(offsets).to(ids.device, non_blocking=True), longest
 
 
