@@ -103,11 +103,11 @@ def _block_cases(length: int):
             "full blocks the mask_mod masks partly": (whole_diagonal, causal, False)}
 
 
-def _agrees_with_compiled_flex(block_mask, mask_mod, length: int, seed: int) -> None:
+def _agrees_with_compiled_flex(block_mask, mask_mod, length: int, seed: int, key_len: int | None = None) -> None:
     """The drop-in's out, LSE and dq, dk, dv against _as_compiled_flex on fresh float64 inputs."""
     gen = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(B, H, length, D, generator=gen, dtype=torch.float64, requires_grad=True)
-               for _ in range(3))
+    q, k, v = (torch.randn(B, H, n, D, generator=gen, dtype=torch.float64, requires_grad=True)
+               for n in (length, key_len or length, key_len or length))
     out, lse = _run(flex_attention, (q, k, v), block_mask=block_mask)
     want, want_lse = _as_compiled_flex(q, k, v, block_mask, mask_mod, D ** -0.5)
     _close("out", out, want)
@@ -130,12 +130,13 @@ def test_a_block_table_means_what_compiled_flex_attention_computes(case, length)
 @pytest.mark.parametrize("seed", range(12))
 def test_random_block_tables_mean_what_compiled_flex_attention_computes(seed):
     """Tables drawn at random (each block left out, partial or full; per batch and head or broadcast),
-    with or without a mask_mod, lengths on and off the block size."""
+    with or without a mask_mod, lengths on and off the block size, queries and keys of other lengths and
+    block sizes (odd seeds)."""
     rng = np.random.default_rng(seed)
     length, block = int(rng.choice([64, 100, 128])), 32
-    blocks = -(-length // block)
+    key_len, key_block = (int(rng.choice([40, 96, 150])), 64) if seed % 2 else (length, block)
     batch_dims = (int(rng.choice([1, B])), int(rng.choice([1, H])))
-    kind = rng.integers(0, 3, (*batch_dims, blocks, blocks))  # 0 left out, 1 partial, 2 full
+    kind = rng.integers(0, 3, (*batch_dims, -(-length // block), -(-key_len // key_block)))  # left out/partial/full
 
     def listed(which):
         counts = torch.tensor((kind == which).sum(-1), dtype=torch.int32)
@@ -143,10 +144,10 @@ def test_random_block_tables_mean_what_compiled_flex_attention_computes(seed):
         return counts, torch.tensor(order, dtype=torch.int32)
 
     mask_mod = [None, lambda b, h, qi, ki: qi >= ki, lambda b, h, qi, ki: (qi + ki + h) % 3 != 0][seed % 3]
-    block_mask = flex_module.BlockMask.from_kv_blocks(*listed(1), *listed(2), BLOCK_SIZE=block,
-                                                      seq_lengths=(length, length),
+    block_mask = flex_module.BlockMask.from_kv_blocks(*listed(1), *listed(2), BLOCK_SIZE=(block, key_block),
+                                                      seq_lengths=(length, key_len),
                                                       **({} if mask_mod is None else {"mask_mod": mask_mod}))
-    _agrees_with_compiled_flex(block_mask, mask_mod, length, seed)
+    _agrees_with_compiled_flex(block_mask, mask_mod, length, seed, key_len)
 
 
 def test_a_table_applied_densely_warns_once_with_its_memory():
