@@ -30,6 +30,7 @@ from fusedattn.cache import LRUCache, register
 from fusedattn.score_mods.aux_plan import Aux, AuxPlan, aux_signature, index_grid, materialize, plan_aux
 from fusedattn.score_mods.core import MASKED, ScoreMod
 from fusedattn.score_mods.expr import BOOL, FLOAT, INDEX_INPUTS, Builder, Expr, ExprError, dependencies
+from fusedattn.score_mods.index_bounds import check_indices
 from fusedattn.score_mods.lower_cudnn import CONSTANTS, LOWERING_VERSION, aux_name, lowered, scalar_name
 from fusedattn.score_mods.mask_forms import MaskForms, mask_forms
 from fusedattn.score_mods.simplify import simplified, simplified_with_map
@@ -436,6 +437,8 @@ def flex_score_mod(api: str, framework: str, score_mod=None, mask_mod=None, devi
         swapped = {id(a): values[f"{_CAPTURED}{i}"] for i, a in enumerate(originals)
                    if values.get(f"{_CAPTURED}{i}", a) is not a}
         values = {n: v for n, v in values.items() if not n.startswith(_CAPTURED)}
+        for _, expr, _ in exprs:
+            check_indices(f"{api}: {label}", expr, shape)
         ops = namespace(like)
         grid = index_grid(ops, like, shape)
         made: dict = {}  # the derivative often needs the forward's aux again (a mask's condition)
