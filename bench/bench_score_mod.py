@@ -13,10 +13,14 @@ Modifications, applied to the scaled scores (scale = 1/sqrt(D)):
   softcap   20 * tanh(s / 20)  (a cap low enough to change bf16 outputs)
   alibi     s - slope[h] * |q_idx - kv_idx| with fusedattn.standard_alibi_slopes(16), not causal
   relpos    s + table[h, clip(kv_idx - q_idx, -128, 128) + 128] for a (16, 257) bf16 table
-  causal    keys after the query masked, written as a score_mod (ours: mask="none" plus causal())
+  causal    keys after the query masked: ours score_mods.causal() (a flex-form built-in: runs as mask="causal")
   document  4 contiguous documents of seeded random lengths per batch row; queries see their own document only
+  The built-ins (score_mods.softcap, alibi, relative_position_bias, causal, document_mask) are written in
+  flex form themselves: traced, derivative derived.
   <mod>_flex  ours given FlexAttention's own function for softcap, alibi or relpos (traced by fusedattn, its
-            derivative derived): the portable path against the hand-written built-in above
+            derivative derived)
+  softcap_native  the softcap as cuDNN graph callbacks with a hand-written derivative (examples/native_softcap.py,
+            the expert path): what the traced forms are measured against
 FlexAttention's mask_mod given to ours as it is (mask_mod=; fusedattn maps its conditions onto cuDNN's own masks,
 so masked tiles are skipped; params.mask_mod_native records what it ran as):
   causal_flex          q_idx >= kv_idx (flex_causal)
@@ -66,6 +70,9 @@ from functools import partial
 
 import torch
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+from native_softcap import native_softcap  # noqa: E402 (the expert path's softcap, beside the traced ones)
+
 try:  # python -m bench.bench_score_mod
     from . import bench_cudnn, common
 except ImportError:  # python bench/bench_score_mod.py
@@ -80,7 +87,7 @@ BATCH, HEADS = 4, 16
 # "<x>_flex" mask_mod rows (MASK_MODS): ours runs FlexAttention's mask_mod, flex the BlockMask of that same function.
 MASK_MODS = ("causal_flex", "window_flex", "document_flex", "softcap_causal_flex")
 MODS = ("softcap", "alibi", "relpos", "causal", "document", "softcap_flex", "alibi_flex", "relpos_flex",
-        *MASK_MODS, "softcap_jax")
+        *MASK_MODS, "softcap_jax", "softcap_native")
 PEERS = ("flex_compiled", "cudnn_plain")
 RATIO_PEERS = ("flex_compiled",)  # the ratio compares implementations of the modification only
 SOFTCAP = 20.0
@@ -232,6 +239,8 @@ class Modifications:
                                 **({"relpos_reach": RELPOS_REACH} if base == "relpos" else {}))
         if case.mod == "softcap":
             return self._scored("softcap", score_mods.softcap(SOFTCAP))
+        if case.mod == "softcap_native":
+            return self._scored("softcap", native_softcap(SOFTCAP))
         if case.mod == "alibi":
             return self._scored("alibi", score_mods.alibi(self.slopes))
         if case.mod == "relpos":

@@ -484,13 +484,17 @@ def naive_score_mod(case: Case, tensors: dict) -> Callable | None:
     """The case's score_mod as naive_attention takes it: fn(s, b, h, q_idx, kv_idx), written here from
     each built-in's documented math (fusedattn/score_mods/builtins.py), in the tensors' precision.
     q_idx (Sq, 1) and kv_idx (1, Skv) are positions in the sequence, as in the library."""
-    twins = [_twin(case, i, part, tensors) for i, part in enumerate(case.score_mod_parts())]
-    if not twins:
+    parts = case.score_mod_parts()
+    if not parts:
         return None
+    twins = [_twin(case, i, part, tensors) for i, part in enumerate(parts) if part[0] not in _MASK_KINDS]
+    masks = [_mask(i, part, tensors) for i, part in enumerate(parts) if part[0] in _MASK_KINDS]
 
     def score_mod(s, b, h, q_idx, kv_idx):
         for twin in twins:
             s = twin(s, b, h, q_idx, kv_idx)
+        for mask in masks:  # masks apply after every score modification, wherever compose lists them
+            s = torch.where(mask(b, h, q_idx, kv_idx), s, MASKED)
         return s
 
     return score_mod
@@ -513,20 +517,6 @@ def _twin(case: Case, i: int, part: tuple, tensors: dict) -> Callable:
     if kind == "clamp":  # clipped to [low, high], no gradient where clipped
         low, high = part[1], part[2]
         return lambda s, b, h, qi, ki: s.clamp(low, high)
-    if kind == "causal":  # keys after the query masked, top-left
-        return lambda s, b, h, qi, ki: torch.where(ki <= qi, s, MASKED)
-    if kind == "sliding_window":  # key >= query - left and key <= query + right; -1 unbounded
-        left, right = part[1], part[2]
-
-        def window(s, b, h, qi, ki):
-            keep = torch.ones(torch.broadcast_shapes(qi.shape, ki.shape), dtype=torch.bool)
-            if left >= 0:
-                keep = keep & (qi <= ki + left)
-            if right >= 0:
-                keep = keep & (ki <= qi + right)
-            return torch.where(keep, s, MASKED)
-
-        return window
     if kind == "alibi":  # s - slope[(b,) h] * |q_idx - kv_idx|, positions not diagonal-aligned
         slopes = tensors[f"sm{i}_slopes"]
         return lambda s, b, h, qi, ki: s - (slopes[h] if slopes.dim() == 1 else slopes[b, h]) * (qi - ki).abs()
@@ -537,8 +527,31 @@ def _twin(case: Case, i: int, part: tuple, tensors: dict) -> Callable:
         values = _as_learned_bias(case, part, tensors[f"sm{i}_bias"])
         grid = (case.batch, case.heads_q, case.seqlen_q, case.seqlen_kv)
         return lambda s, b, h, qi, ki: s + values.expand(grid)[b, h][qi, ki]
+    raise AssertionError(f"unknown score_mod kind {kind!r}")
+
+
+_MASK_KINDS = ("causal", "sliding_window", "document_mask")
+
+
+def _mask(i: int, part: tuple, tensors: dict) -> Callable:
+    """Which keys a mask built-in keeps, as a boolean of (b, h, q_idx, kv_idx)."""
+    kind = part[0]
+    if kind == "causal":  # keys after the query masked, top-left
+        return lambda b, h, qi, ki: ki <= qi
+    if kind == "sliding_window":  # key >= query - left and key <= query + right; -1 unbounded
+        left, right = part[1], part[2]
+
+        def window(b, h, qi, ki):
+            keep = torch.ones(torch.broadcast_shapes(qi.shape, ki.shape), dtype=torch.bool)
+            if left >= 0:
+                keep = keep & (qi <= ki + left)
+            if right >= 0:
+                keep = keep & (ki <= qi + right)
+            return keep
+
+        return window
     q_ids, kv_ids = tensors[f"sm{i}_q_ids"], tensors[f"sm{i}_kv_ids"]  # document_mask: same document only
-    return lambda s, b, h, qi, ki: torch.where(q_ids[b][qi] == kv_ids[b][ki], s, MASKED)
+    return lambda b, h, qi, ki: q_ids[b][qi] == kv_ids[b][ki]
 
 
 # ----------------------------------------------------------------------------- running a call

@@ -776,10 +776,11 @@ def _read_forms():
         return cap * sm.tanh(score / cap)
 
     return [over_numbers, over_array, through_helper, over_dict_and_pair, with_default,
-            sm.softcap(3.0).forward, sm.sliding_window(4, 0).forward]
+            sm.softcap(3.0).flex[0], sm.sliding_window(4, 0).flex[1],
+            sm.compose(sm.softcap(3.0), sm.alibi([0.5, 0.25]), sm.causal()).flex[0]]
 
 
-@pytest.mark.parametrize("index", range(7))
+@pytest.mark.parametrize("index", range(8))
 def test_flat_reads_is_the_flattened_snapshot(index):
     """flat_reads' shortcut for callbacks that read only leaves gives what flattening the snapshot gives,
     so keys made either way agree (torch/score_mod_bindings.py)."""

@@ -28,7 +28,9 @@ from fusedattn.score_mods.core import as_score_mod, bind
 
 
 def _recipe(mod):
-    return bind("test", mod, batch=1, heads_q=2, seqlen_q=4, seqlen_kv=4, device="cpu", training=True).recipe
+    mod = as_score_mod("test", mod, framework="torch", device="cpu")  # (a built-in: traced)
+    return bind("test", mod, batch=1, heads_q=2, seqlen_q=4, seqlen_kv=4, device="cpu", training=True,
+                like=torch.empty(1)).recipe
 
 
 def _half(graph, score, tensors):

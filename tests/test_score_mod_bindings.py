@@ -79,11 +79,20 @@ def test_an_in_place_change_of_a_captured_tensor_binds_again(operator):
 
 def test_a_score_mod_object_with_a_new_value_in_its_dict_binds_again(operator):
     q = torch.randn(1, 16, 2, 8)
-    mod = sm.softcap(30.0)
+
+    def capped(graph, score, tensors):
+        return graph.mul(a=graph.tanh(input=graph.div(a=score, b=tensors["cap"])), b=tensors["cap"])
+
+    def capped_bprop(graph, dscore, tensors):
+        return dscore  # (the values bound are what this test reads)
+
+    mod = sm.ScoreMod(capped, capped_bprop, {"cap": 30.0})
     _call(q, score_mod=mod)
     mod.tensors["cap"] = 7.0
     _call(q, score_mod=mod)
     assert 30.0 in operator[0][2] and 7.0 in operator[1][2]
+    with pytest.raises(TypeError):  # a built-in's numbers are its function's: a new one is a new built-in
+        sm.softcap(30.0).tensors["cap"] = 7.0
 
 
 def test_a_callable_object_binds_every_call(operator):
@@ -116,8 +125,7 @@ _INFINITE = torch.tensor([0.0, -float("inf"), 1.0, 2.0])
 def test_the_empty_row_fix_is_asked_for_exactly_when_a_row_can_lose_every_key(mod, empty):
     cfg = AttentionConfig(dtype="bfloat16", layout="bshd", batch=2, seqlen_q=40, seqlen_kv=48, heads_q=4,
                           heads_kv=4, head_dim_qk=64, head_dim_v=64, mask="none", device="cuda")
-    if not isinstance(mod, sm.ScoreMod):
-        mod = as_score_mod("test", mod, framework="torch", device=torch.device("cpu"))
+    mod = as_score_mod("test", mod, framework="torch", device=torch.device("cpu"))  # (a built-in: traced)
     bound = bind("test", mod, batch=2, heads_q=4, seqlen_q=40, seqlen_kv=48, device="cpu", training=False,
                  like=torch.empty(1))
     assert may_empty_rows(cfg, bound) is empty
@@ -300,7 +308,7 @@ def test_a_copy_of_a_score_mod_leaves_the_kept_signature_part_behind(operator):
     import copy
 
     q = torch.randn(1, 16, 2, 8)
-    mod = sm.softcap(20.0)
+    mod = sm.additive_bias(torch.randn(1, 2, 16, 16))  # (a flex-form built-in is called as its functions)
     _call(q, score_mod=mod)
     assert any(name.startswith("_binding") for name in vars(mod))
     assert not any(name.startswith("_binding") for name in mod.__getstate__())

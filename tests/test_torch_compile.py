@@ -189,7 +189,7 @@ def test_touching_a_score_mods_reads_makes_a_compiled_graph_follow_a_new_number(
     def flex(score, b, h, q_idx, kv_idx):
         return state["cap"] * torch.tanh(score / state["cap"])
 
-    builtin = sm.softcap(5.0)
+    builtins = [sm.softcap(5.0)]  # a built-in's numbers are its own: a new number is a new built-in
 
     @torch._dynamo.assume_constant_result
     def baked(score_mod):  # stands in for compiled_score_mods.plan: reads the numbers once, at trace time
@@ -202,13 +202,14 @@ def test_touching_a_score_mods_reads_makes_a_compiled_graph_follow_a_new_number(
         return x * baked(score_mod)
 
     x = torch.ones(2)
-    for mod, change, want in ((flex, lambda: state.update(cap=7.0), 7.0),
-                              (builtin, lambda: builtin.tensors.update(cap=11.0), 11.0)):
+    for mod, change, want in ((lambda: flex, lambda: state.update(cap=7.0), 7.0),
+                              (lambda: builtins[0], lambda: builtins.append(sm.softcap(11.0)) or builtins.pop(0),
+                               11.0)):
         torch._dynamo.reset()
         compiled = torch.compile(step, fullgraph=True, backend="eager")
-        first = compiled(x, mod)
+        first = compiled(x, mod())
         change()
-        assert float(compiled(x, mod)[0]) == want != float(first[0])
+        assert float(compiled(x, mod())[0]) == want != float(first[0])
 
 
 def test_score_mods_of_other_kinds_stay_out_of_the_graph():

@@ -29,6 +29,7 @@ from fusedattn.jax.shard_guard import batched, check_shard_axes, guard_whole
 from fusedattn.layout import layout_spec
 from fusedattn.options import SCORE_MOD_NAMES, TENSORS, check_keywords, describe_arguments
 from fusedattn.options import settings as settings_of
+from fusedattn.score_mods.builtins import flex_keywords
 from fusedattn.score_mods.core import as_score_mod
 from fusedattn.score_mods.mask_rewrite import rewrite_mask
 from fusedattn.xp.jax_ops import OPS
@@ -203,6 +204,7 @@ def attention(q, k=None, v=None, **options):
         >>> grads = jax.grad(lambda q: attention(q, k, v).sum())(q)
     """
     check_keywords(API, options, "jax")
+    options = flex_keywords(options)  # a built-in in flex form: its score_mod and mask_mod
     if options.get("mask_mod") is not None:  # its causal, window, padding and document parts as native masks
         options, documents = rewrite_mask("jax", q, k, v, options, document_ok=documents_possible(options))
         if documents is not None:

@@ -1,19 +1,24 @@
-"""Built-in score_mods: graph callbacks with their derivatives and eager twins.
+"""Built-in score_mods, written once in flex form: plain functions of the score and the positions
+(score_mods.portable's math), traced, lowered and differentiated as a user's callbacks are, in torch
+and JAX alike; their masks run as the backends' own masks (causal, windows, documents as THD).
 
 Every number a built-in takes travels as a runtime scalar, so changing it (a new cap, a
-new window) reuses the built graph. Masks write `MASKED`; a row left with no visible key
-gives output 0 and LSE -inf.
+new window) reuses the built graph. A row left with no visible key gives output 0 and LSE -inf.
+additive_bias stays a cuDNN-native callback: a tensor added as it is.
 """
 
 from __future__ import annotations
 
-import weakref
+import dataclasses
+import functools
+import types
 
-from fusedattn.score_mods.core import MASKED, ScoreMod
-from fusedattn.score_mods.graph_ops import both, col_index, compare, data_type, index_plus, keep_where, row_index
+from fusedattn.options import SCORE_MOD_NAMES
+from fusedattn.score_mods.core import ScoreMod
+from fusedattn.score_mods.portable import abs, clip, tanh, where  # noqa: A004 (portable abs)
 
 __all__ = ["softcap", "clamp", "causal", "sliding_window", "alibi", "relative_position_bias", "additive_bias",
-           "document_mask", "compose"]
+           "document_mask", "compose", "compose_native", "flex_keywords"]
 
 
 def _number(api: str, name: str, value, *, integer: bool = False, positive: bool = False):
@@ -24,38 +29,26 @@ def _number(api: str, name: str, value, *, integer: bool = False, positive: bool
     return value
 
 
-# ----------------------------------------------------------------------------- softcap
+def _defined(name: str, score_mod=None, mask_mod=None, tensors: dict | None = None) -> ScoreMod:
+    """A built-in written once in flex form: score_mod(score, b, h, q_idx, kv_idx) and/or
+    mask_mod(b, h, q_idx, kv_idx), closures over the numbers and tensors in `tensors` (kept on the mod
+    too: what a call's binding watches). Traced, lowered and differentiated as a user's callbacks are,
+    in torch and JAX alike; a mask part runs as the backends' own masks where it is one. The mapping is
+    read-only: the functions read their own numbers, so a new value is a new built-in."""
+    return ScoreMod(None, tensors=types.MappingProxyType(dict(tensors or {})), name=name, masks=mask_mod is not None,
+                    flex=(score_mod, mask_mod))
 
-def _softcap_forward(graph, score, tensors):
-    x = graph.div(a=score, b=tensors["cap"])
-    tensors["softcap_input"] = x  # for the derivative
-    return graph.mul(a=graph.tanh(input=x), b=tensors["cap"])
 
-
-def _softcap_bprop(graph, dscore, tensors):
-    # d/ds cap * tanh(s / cap) = 1 - tanh(s / cap)^2
-    return graph.tanh_backward(loss=dscore, input=tensors["softcap_input"])
-
+# ----------------------------------------------------------------------------- softcap, clamp
 
 def softcap(cap: float) -> ScoreMod:
     """cap * tanh(score / cap): bounds scores to (-cap, cap) smoothly (Gemma 2, Grok)."""
     cap = float(_number("softcap", "cap", cap, positive=True))
-    return ScoreMod(_softcap_forward, _softcap_bprop, {"cap": cap}, masks=False,
-                    eager=lambda ops, s, b, h, qi, ki, t: t["cap"] * ops.module.tanh(s / t["cap"]),
-                    name=f"softcap({cap:g})")
 
+    def softcap_mod(score, b, h, q_idx, kv_idx):
+        return cap * tanh(score / cap)
 
-# ----------------------------------------------------------------------------- clamp
-
-def _clamp_forward(graph, score, tensors):
-    tensors["clamp_input"] = score  # for the derivative
-    return graph.max(input0=graph.min(input0=score, input1=tensors["high"]), input1=tensors["low"])
-
-
-def _clamp_bprop(graph, dscore, tensors):
-    score = tensors["clamp_input"]
-    inside = both(graph, compare(graph, "gt", score, tensors["low"]), compare(graph, "lt", score, tensors["high"]))
-    return keep_where(graph, dscore, inside, tensors["zero"])
+    return _defined(f"softcap({cap:g})", softcap_mod, tensors={"cap": cap})
 
 
 def clamp(low: float, high: float) -> ScoreMod:
@@ -65,40 +58,24 @@ def clamp(low: float, high: float) -> ScoreMod:
     if not low < high:
         raise ValueError(f"score_mods.clamp: low, high: expected low < high, got {low!r}, {high!r}")
 
-    def eager(ops, s, b, h, qi, ki, t):
-        return ops.clip(s, t["low"], t["high"])
+    def clamp_mod(score, b, h, q_idx, kv_idx):
+        return clip(score, low, high)
 
-    return ScoreMod(_clamp_forward, _clamp_bprop, {"low": low, "high": high, "zero": 0.0}, eager=eager, masks=False,
-                    name=f"clamp({low:g}, {high:g})")
+    return _defined(f"clamp({low:g}, {high:g})", clamp_mod, tensors={"low": low, "high": high})
 
 
 # ----------------------------------------------------------------------------- masks
 
-def _causal_forward(graph, score, tensors):
-    keep = compare(graph, "le", col_index(graph, score), row_index(graph, score))
-    return keep_where(graph, score, keep, tensors["masked"])
+def _causal_mask(b, h, q_idx, kv_idx):
+    return kv_idx <= q_idx
 
 
 def causal() -> ScoreMod:
     """Keys after the query are masked (top-left diagonal, per sequence for packed layouts).
 
-    The same as mask='causal', written as a score_mod; combine it with others by compose().
+    The same as mask='causal' (and run as it); combine it with others by compose().
     """
-    return ScoreMod(_causal_forward, None, {"masked": MASKED},
-                    eager=lambda ops, s, b, h, qi, ki, t: ops.where(ki <= qi, s, MASKED), name="causal()")
-
-
-def _window_forward(left: bool, right: bool):
-    def forward(graph, score, tensors):
-        row, col = row_index(graph, score), col_index(graph, score)
-        keep = None
-        if left:  # key >= query - left
-            keep = compare(graph, "le", row, index_plus(graph, col, tensors["left"]))
-        if right:  # key <= query + right
-            keep = both(graph, keep, compare(graph, "le", col, index_plus(graph, row, tensors["right"])))
-        return keep_where(graph, score, keep, tensors["masked"])
-
-    return forward
+    return _defined("causal()", mask_mod=_causal_mask)
 
 
 def sliding_window(left: int, right: int = 0) -> ScoreMod:
@@ -108,99 +85,84 @@ def sliding_window(left: int, right: int = 0) -> ScoreMod:
     if left < -1 or right < -1 or (left == -1 and right == -1):
         raise ValueError(f"score_mods.sliding_window: left, right: expected ints >= 0 (or -1 = unbounded, not "
                          f"both), got {left}, {right}")
-    tensors = {"masked": MASKED}
-    if left >= 0:
-        tensors["left"] = left
-    if right >= 0:
-        tensors["right"] = right
+    tensors = {name: bound for name, bound in (("left", left), ("right", right)) if bound >= 0}
 
-    def eager(ops, s, b, h, qi, ki, t):
-        keep = None
-        if "left" in t:
-            keep = qi <= ki + t["left"]
-        if "right" in t:
-            near = ki <= qi + t["right"]
-            keep = near if keep is None else ops.logical_and(keep, near)
-        return ops.where(keep, s, MASKED)
+    if left < 0:
+        def window_mask(b, h, q_idx, kv_idx):
+            return kv_idx - q_idx <= right
+    elif right < 0:
+        def window_mask(b, h, q_idx, kv_idx):
+            return q_idx - kv_idx <= left
+    else:
+        def window_mask(b, h, q_idx, kv_idx):
+            return (q_idx - kv_idx <= left) & (kv_idx - q_idx <= right)
 
-    return ScoreMod(_window_forward(left >= 0, right >= 0), None, tensors, eager=eager,
-                    name=f"sliding_window({left}, {right})")
-
-
-def _document_forward(graph, score, tensors):
-    # Spread both sides' ids over the score's shape (scale a tensor of ones, made from the key
-    # index so it does not read the score), then compare the two full-shape tensors.
-    col = col_index(graph, score)
-    ones = graph.cmp_le(input=col, comparison=col, compute_data_type=data_type(graph, "FLOAT"))
-    ones.set_data_type(data_type(graph, "INT32"))
-    spread = []
-    for name in ("query_ids", "key_ids"):
-        ids = graph.scale(input=ones, scale=tensors[name], compute_data_type=data_type(graph, "FLOAT"))
-        ids.set_data_type(data_type(graph, "INT32"))
-        spread.append(ids)
-    return keep_where(graph, score, compare(graph, "eq", *spread), tensors["masked"])
+    return _defined(f"sliding_window({left}, {right})", mask_mod=window_mask, tensors=tensors)
 
 
 def document_mask(segment_ids, kv_segment_ids=None) -> ScoreMod:
     """Queries see only keys of their own document: segment_ids (B, Sq) (and kv_segment_ids
-    (B, Skv), default the same) give each token's document number (integers)."""
-    kv_segment_ids = segment_ids if kv_segment_ids is None else kv_segment_ids
-    for name, ids in (("segment_ids", segment_ids), ("kv_segment_ids", kv_segment_ids)):
+    (B, Skv), default the same) give each token's document number (integers). With one ids tensor
+    sorted along each row, the call runs as THD: each document its own sequence."""
+    kv_ids = segment_ids if kv_segment_ids is None else kv_segment_ids
+    for name, ids in (("segment_ids", segment_ids), ("kv_segment_ids", kv_ids)):
         if len(getattr(ids, "shape", ())) != 2:
             raise ValueError(f"score_mods.document_mask: {name}: expected a (B, S) integer tensor, got "
                              f"{getattr(ids, 'shape', type(ids).__name__)}")
+    q_ids = segment_ids
 
-    def prepare(tensors, full, like):
-        seqlen_q, seqlen_kv = full[2], full[3]
-        q_ids, kv_ids = tensors.pop("segment_ids"), tensors.pop("kv_segment_ids")
-        if q_ids.shape[1] != seqlen_q or kv_ids.shape[1] != seqlen_kv:
-            raise ValueError(f"score_mods.document_mask: segment_ids: expected (B, Sq={seqlen_q}) and (B, "
-                             f"Skv={seqlen_kv}), got {tuple(q_ids.shape)} and {tuple(kv_ids.shape)}")
-        from fusedattn.xp import namespace
+    def document(b, h, q_idx, kv_idx):
+        return q_ids[b, q_idx] == kv_ids[b, kv_idx]
 
-        ops = namespace(q_ids)
-        as_int = lambda ids, shape: ops.reshape(ops.astype(ids, "int32"), shape)  # noqa: E731
-        return {**tensors, "query_ids": as_int(q_ids, (q_ids.shape[0], 1, seqlen_q, 1)),
-                "key_ids": as_int(kv_ids, (kv_ids.shape[0], 1, 1, seqlen_kv))}
-
-    return ScoreMod(_document_forward, None,
-                    {"segment_ids": segment_ids, "kv_segment_ids": kv_segment_ids, "masked": MASKED},
-                    prepare=prepare, name="document_mask()",
-                    eager=lambda ops, s, b, h, qi, ki, t: ops.where(t["query_ids"] == t["key_ids"], s, MASKED))
+    return _defined("document_mask()", mask_mod=document,
+                    tensors={"segment_ids": segment_ids, "kv_segment_ids": kv_ids})
 
 
 # ----------------------------------------------------------------------------- additive terms
 
-def _alibi_forward(graph, score, tensors):
-    distance = graph.abs(input=graph.sub(a=row_index(graph, score), b=col_index(graph, score)))
-    return graph.sub(a=score, b=graph.mul(a=distance, b=tensors["slopes"]))
+def _select(values, index):
+    """values[index] for a runtime index, as a chain of selects over numbers."""
+    value = values[-1]
+    for i in range(len(values) - 2, -1, -1):
+        value = where(index == i, values[i], value)
+    return value
+
+
+def _host_slope(slopes):
+    """slopes[b, h] (or slopes[h]) from a host array, framework-free: selects over its numbers (runtime
+    scalars; the result depends on b and h alone, so it is one small aux tensor)."""
+    table = tuple(tuple(map(float, row)) for row in (slopes if slopes.ndim == 2 else [slopes]))
+    batched = slopes.ndim == 2
+
+    def host_slope(b, h):
+        rows = [_select(row, h) for row in table]
+        return _select(rows, b) if batched else rows[0]
+
+    return host_slope
 
 
 def alibi(slopes) -> ScoreMod:
     """score - slope[h] * |q_idx - kv_idx| with per-head slopes (Hq,) or (B, Hq), any values: a tensor,
-    or a list/tuple/NumPy array such as fusedattn.standard_alibi_slopes(Hq) (made an array of q's
-    framework and device when the call binds it)."""
+    or a list/tuple/NumPy array such as fusedattn.standard_alibi_slopes(Hq)."""
     from fusedattn.arguments import host_slopes
 
     host = host_slopes("score_mods.alibi: slopes", slopes)
-    slopes = host if host is not None else slopes
-    shape = tuple(getattr(slopes, "shape", ()))
+    shape = tuple(getattr(slopes if host is None else host, "shape", ()))
     if len(shape) not in (1, 2):
         raise ValueError(f"score_mods.alibi: slopes: expected a (Hq,) or (B, Hq) float tensor, got {shape or slopes!r}")
+    if host is not None:
+        slope = _host_slope(host)
+    elif len(shape) == 1:
+        def slope(b, h):
+            return slopes[h]
+    else:
+        def slope(b, h):
+            return slopes[b, h]
 
-    def prepare(tensors, full, like):
-        from fusedattn.xp import namespace
+    def alibi_mod(score, b, h, q_idx, kv_idx):
+        return score - slope(b, h) * abs(q_idx - kv_idx)
 
-        values = tensors["slopes"]
-        ops = namespace(values)
-        shaped = ops.reshape(ops.astype(values, "float32"), (-1 if len(shape) == 2 else 1, shape[-1], 1, 1))
-        return {**tensors, "slopes": shaped}
-
-    def eager(ops, s, b, h, qi, ki, t):
-        return s - t["slopes"] * ops.astype(ops.abs(qi - ki), ops.dtype_name(s))
-
-    return ScoreMod(_alibi_forward, None, {"slopes": slopes}, eager=eager, prepare=prepare, masks=False, name="alibi()",
-                    host=("slopes",))
+    return _defined("alibi()", alibi_mod, tensors={"slopes": slopes if host is None else tuple(host.flat)})
 
 
 def _add_bias_forward(graph, score, tensors):
@@ -220,30 +182,13 @@ def additive_bias(bias) -> ScoreMod:
                     as_bias=lambda tensors, full, like: tensors["bias"])
 
 
-def _expand_table(values, reach: int, heads: int, seqlen_q: int, seqlen_kv: int):
-    """table[h, clip(kv - q, -reach, reach) + reach] as a (1, H, Sq, Skv) array (differentiable)."""
-    from fusedattn.xp import namespace
-
-    ops = namespace(values)
-    distance = (ops.reshape(ops.arange(seqlen_kv, like=values, dtype="int64"), (1, seqlen_kv))
-                - ops.reshape(ops.arange(seqlen_q, like=values, dtype="int64"), (seqlen_q, 1)))
-    index = ops.clip(distance, -reach, reach) + reach
-    return ops.reshape(ops.take(values, ops.reshape(index, (-1,)), axis=1), (1, heads, seqlen_q, seqlen_kv))
-
-
-# id(torch table) -> (its version and the lengths, its expansion), dropped when the table dies; kept by
-# the table, not the ScoreMod, so one made anew at each call reads nothing new (torch/score_mod_bindings.py
-# keys its binding by what the callbacks read).
-_EXPANDED: dict = {}
-
-
 def relative_position_bias(table) -> ScoreMod:
     """score + table[h, clip(kv_idx - q_idx, -M, M) + M] for a (Hq, 2M + 1) table.
 
-    cuDNN graphs cannot gather, so each call expands the table to a (1, Hq, Sq, Skv)
-    bias in the table's dtype (kept while the table and the lengths stay the same). A table
-    that needs a gradient is learnable: the call then passes the expanded table as `bias=`
-    (which has a gradient), and the table gets it through the expansion.
+    cuDNN graphs cannot gather, so each call expands the table to a (1, Hq, Sq, Skv) bias (kept while
+    the table and the lengths stay the same; explain says so, with its size). A table that needs a
+    gradient is learnable: the call passes the expanded table as `bias=` (which has a gradient), and
+    the table gets it through the expansion.
     """
     shape = tuple(getattr(table, "shape", ()))
     if len(shape) != 2 or shape[1] % 2 != 1:
@@ -251,24 +196,10 @@ def relative_position_bias(table) -> ScoreMod:
                          f"{shape or type(table).__name__}")
     reach = shape[1] // 2
 
-    def prepare(tensors, full, like):
-        seqlen_q, seqlen_kv = full[2], full[3]
-        values = tensors.pop("table")
-        version = (seqlen_q, seqlen_kv, getattr(values, "_version", None), getattr(values, "requires_grad", None))
-        if version[2] is None:  # no version to key by (not a torch tensor): expanded at each bind
-            return {**tensors, "bias": _expand_table(values, reach, shape[0], seqlen_q, seqlen_kv)}
-        kept = _EXPANDED.get(id(values))
-        if kept is None:
-            weakref.finalize(values, _EXPANDED.pop, id(values), None)
-        if kept is None or kept[0] != version:
-            kept = _EXPANDED[id(values)] = (version, _expand_table(values, reach, shape[0], seqlen_q, seqlen_kv))
-        return {**tensors, "bias": kept[1]}
+    def relative_position(score, b, h, q_idx, kv_idx):
+        return score + table[h, clip(kv_idx - q_idx, -reach, reach) + reach]
 
-    def as_bias(tensors, full, like):  # fresh each call: it carries the gradient's graph
-        return _expand_table(tensors["table"], reach, shape[0], full[2], full[3])
-
-    return ScoreMod(_add_bias_forward, None, {"table": table}, eager=_add_bias_eager, prepare=prepare, masks=False,
-                    as_bias=as_bias, name="relative_position_bias()")
+    return _defined("relative_position_bias()", relative_position, tensors={"table": table})
 
 
 # ----------------------------------------------------------------------------- composition
@@ -290,10 +221,45 @@ class _Prefixed(dict):
         return self._prefix + name in self._shared
 
 
+def _then(first, second):
+    def then(score, b, h, q_idx, kv_idx):
+        return second(first(score, b, h, q_idx, kv_idx), b, h, q_idx, kv_idx)
+
+    return then
+
+
+def _and(first, second):
+    def both_masks(b, h, q_idx, kv_idx):
+        return first(b, h, q_idx, kv_idx) & second(b, h, q_idx, kv_idx)
+
+    return both_masks
+
+
+def _joined(functions: list, join):
+    present = [fn for fn in functions if fn is not None]
+    return None if not present else functools.reduce(join, present)
+
+
 def compose(*mods: ScoreMod) -> ScoreMod:
-    """Apply mods in order (the first sees the raw score); derivatives chain in reverse."""
+    """Apply mods in order (the first sees the raw score); derivatives chain in reverse. Masks apply
+    after every score modification, wherever they stand in the list (a masked score stays masked)."""
     if not mods or not all(isinstance(m, ScoreMod) for m in mods):
         raise ValueError(f"score_mods.compose: expected ScoreMod arguments, got {mods!r}")
+    prefixes = [f"{i}." for i in range(len(mods))]
+    tensors = {prefix + name: value for mod, prefix in zip(mods, prefixes)
+               for name, value in {**mod.tensors, **mod.bprop_tensors}.items()}
+    name = " then ".join(m.name for m in mods)
+    if all(m.flex for m in mods):  # written in flex form: one flex score_mod and one mask_mod
+        score_mod = _joined([m.flex[0] for m in mods], _then)
+        mask_mod = _joined([m.flex[1] for m in mods], _and)
+        return dataclasses.replace(_defined(name, score_mod, mask_mod, tensors), parts=tuple(mods))
+    # With a cuDNN-native part: each flex-form part is traced for the call's framework (resolve).
+    return ScoreMod(None, tensors=tensors, name=name, parts=tuple(mods),
+                    masks=any(m.masks for m in mods) or (None if any(m.masks is None for m in mods) else False))
+
+
+def compose_native(*mods: ScoreMod) -> ScoreMod:
+    """compose() of mods that all have graph callbacks (resolve gives flex-form parts theirs)."""
     prefixes = [f"{i}." for i in range(len(mods))]
 
     def forward(graph, score, tensors):
@@ -330,3 +296,22 @@ def compose(*mods: ScoreMod) -> ScoreMod:
                     name=" then ".join(m.name for m in mods),
                     masks=any(m.masks for m in mods) or (None if any(m.masks is None for m in mods) else False),
                     parts=tuple(mods))
+
+
+def flex_keywords(options: dict) -> dict:
+    """The call's keywords with a flex-form built-in given as score_mod replaced by the score_mod and
+    mask_mod it is (a mask_mod given beside it joins its mask), so its masks reach mask_rewrite and the
+    warm paths see the functions; the same dict when there is none."""
+    mod = options.get("score_mod")
+    if type(mod) is not ScoreMod or not mod.flex or any(
+            options.get(name) is not None for name in SCORE_MOD_NAMES if name not in ("score_mod", "mask_mod")):
+        return options  # (extra keywords beside a ScoreMod: as_score_mod names the error)
+    score_mod, mask_mod = mod.flex
+    given = options.get("mask_mod")
+    if given is not None:
+        mask_mod = given if mask_mod is None else _and(mask_mod, given)
+    options = dict(options)
+    options["score_mod"] = score_mod
+    options["mask_mod"] = mask_mod
+    return {name: value for name, value in options.items() if value is not None or name not in
+            ("score_mod", "mask_mod")}

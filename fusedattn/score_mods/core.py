@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
@@ -78,6 +78,9 @@ class ScoreMod:
     # The mods a composition applies in turn (score_mods.compose): its callbacks read nothing else,
     # so a composition made anew of equal mods is the same mod (torch/score_mod_bindings.py).
     parts: tuple = ()
+    # A built-in defined in flex form (builtins.py): (score_mod, mask_mod), flex-style functions (either may
+    # be None). The frontends call them as those keywords (flex_keywords), so its masks become native masks.
+    flex: tuple = ()
 
     def __repr__(self) -> str:
         return f"ScoreMod({self.name})"
@@ -187,7 +190,7 @@ def as_score_mod(api: str, score_mod, score_mod_bprop=None, score_mod_tensors=No
         if given:
             raise ValueError(f"{api}: {given[0]}: expected None with a ScoreMod (it carries its own callbacks and "
                              f"tensors), got {type(extras[given[0]]).__name__}")
-        return score_mod
+        return _resolved(api, score_mod, framework, device)
     if not callable(score_mod):
         raise ValueError(f"{api}: score_mod: expected a callable score_mod(score, b, h, q_idx, kv_idx), a "
                          "cuDNN-native score_mod(graph, score, tensors) or a fusedattn.score_mods.ScoreMod, got "
@@ -202,6 +205,21 @@ def as_score_mod(api: str, score_mod, score_mod_bprop=None, score_mod_tensors=No
     return ScoreMod(forward=score_mod, bprop=score_mod_bprop, tensors=dict(score_mod_tensors or {}),
                     bprop_tensors=dict(score_mod_bprop_tensors or {}),
                     name=getattr(score_mod, "__name__", type(score_mod).__name__))
+
+
+def _resolved(api: str, mod: ScoreMod, framework: str, device) -> ScoreMod:
+    """A ScoreMod with graph callbacks: a flex-form built-in traced for this framework (named as the
+    built-in), a composition of such with cuDNN-native mods composed of their traced forms."""
+    if mod.flex:
+        from fusedattn.score_mods.flex import flex_score_mod
+
+        return replace(flex_score_mod(api, framework, *mod.flex, device), name=mod.name)
+    if mod.forward is None and mod.parts:
+        from fusedattn.score_mods.builtins import compose_native
+
+        return replace(compose_native(*(_resolved(api, part, framework, device) for part in mod.parts)),
+                       parts=mod.parts)
+    return mod
 
 
 _ARRAY_DTYPES = {"float16": "float16", "bfloat16": "bfloat16", "float32": "float32", "float64": "float32",

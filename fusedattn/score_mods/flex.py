@@ -38,7 +38,7 @@ from fusedattn.xp import namespace
 
 __all__ = ["flex_score_mod", "is_flex_score_mod", "Traced", "trace", "trace_mask", "PartialMask", "SCORE_ARGS",
            "MASK_ARGS", "snapshot", "same_objects", "flat_reads", "same_reads", "reads_key", "identity",
-           "library_function"]
+           "library_function", "fixed_reads"]
 
 SCORE_ARGS = ("score", "b", "h", "q_idx", "kv_idx")
 MASK_ARGS = ("b", "h", "q_idx", "kv_idx")
@@ -210,20 +210,31 @@ def _all(builder: Builder, expr: Expr, conditions: list[int]) -> int:
 _PLAIN_VALUES = frozenset((int, float, bool, str, type(None)))  # read as themselves: no items, no reads
 
 
+def _library_closure(value) -> bool:
+    """A closure of this library (a built-in's function, or one joining others: score_mods.compose)."""
+    return type(value) is types.FunctionType and value.__closure__ is not None and library_function(value)
+
+
 def _expands(value, depth: int) -> bool:
-    """Whether _value_snapshot looks inside `value` (a helper function's reads, a container's items)
-    rather than giving it as it is."""
+    """Whether _value_snapshot looks inside `value` (a helper function's reads, a container's items, a
+    library closure's cells) rather than giving it as it is."""
     if type(value) in _PLAIN_VALUES:
         return False
     if isinstance(value, (dict, list, tuple)):
         return len(value) <= 64
+    if _library_closure(value):
+        return True
     return depth > 0 and callable(value) and hasattr(value, "__code__") and not library_function(value)
 
 
 def _value_snapshot(value, depth: int):
-    """What of a value the trace depends on: helper functions' own reads, containers' items."""
+    """What of a value the trace depends on: helper functions' own reads, containers' items, and of a
+    library closure its code and cells, not the function: one made anew at each call (a built-in's,
+    a composition's) reads what the last one read."""
     if not _expands(value, depth):
         return value
+    if _library_closure(value):
+        return ("library", value.__code__, tuple(_value_snapshot(c.cell_contents, depth) for c in value.__closure__))
     if isinstance(value, dict):
         return ("dict", value, tuple((k, _value_snapshot(v, 0)) for k, v in value.items()))
     if isinstance(value, (list, tuple)):
@@ -243,6 +254,29 @@ def library_function(fn) -> bool:
     if found is None:
         found = _LIBRARY_MODULES[module] = module.partition(".")[0] in _LIBRARIES
     return found
+
+
+_FIXED_READS = "_fusedattn_fixed_reads"  # kept on a function of this library: fixed_reads' answer
+
+
+def fixed_reads(fn) -> bool:
+    """Whether what fn reads can never change: a function of this library whose cells hold numbers,
+    strings, tensors (by identity: in-place changes are the bindings' version checks), tuples of those
+    and such functions (the built-ins' closures: none rebinds a cell). A user's function inside one (a
+    mask_mod joined to a built-in's) can read new objects at any call: not fixed."""
+    known = fn.__dict__.get(_FIXED_READS)
+    if known is None:
+        known = library_function(fn) and all(_fixed_value(c.cell_contents) for c in (fn.__closure__ or ()))
+        fn.__dict__[_FIXED_READS] = known
+    return known
+
+
+def _fixed_value(value) -> bool:
+    if type(value) in _PLAIN_VALUES or hasattr(value, "shape"):
+        return True
+    if type(value) is tuple:
+        return all(map(_fixed_value, value))
+    return type(value) is types.FunctionType and fixed_reads(value)
 
 
 _DEPTH = 2  # how deep snapshots follow helper functions
@@ -403,6 +437,13 @@ def _by_value(value):
     return number
 
 
+def _selects_the_score(expr: Expr) -> bool:
+    """Whether a select (where) picks the score or a value made from it: a mask. Selects of positions and
+    numbers alone (a table written as selects) are values, which may_empty_rows reads as such."""
+    deps = dependencies(expr)
+    return any(node.op == "where" and "score" in deps[number] for number, node in enumerate(expr.nodes))
+
+
 def flex_score_mod(api: str, framework: str, score_mod=None, mask_mod=None, device=None) -> ScoreMod:
     """A ScoreMod for flex-style callbacks; an ExprError's message becomes the cuDNN reason."""
     for name, fn, count in (("score_mod", score_mod, 5), ("mask_mod", mask_mod, 4)):
@@ -467,5 +508,5 @@ def flex_score_mod(api: str, framework: str, score_mod=None, mask_mod=None, devi
                     as_bias=as_bias if traced.added is not None else None, name=label,
                     structure=(LOWERING_VERSION, traced.forward.key,
                                None if traced.derivative is None else traced.derivative.key),
-                    masks=any(node.op == "where" for node in traced.forward.nodes))
+                    masks=_selects_the_score(traced.forward))
 

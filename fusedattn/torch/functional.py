@@ -39,7 +39,8 @@ from fusedattn.options import (
     names,
 )
 from fusedattn.options import settings as settings_of
-from fusedattn.score_mods.core import as_score_mod, bind, needs_gradient
+from fusedattn.score_mods.builtins import flex_keywords
+from fusedattn.score_mods.core import ScoreMod, as_score_mod, bind, needs_gradient
 from fusedattn.score_mods.flex import PartialMask
 from fusedattn.score_mods.mask_rewrite import rewrite_mask
 from fusedattn.selection import ENV_BACKEND, recall_call, remember_call
@@ -127,6 +128,11 @@ def attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | 
         >>> q = k = v = torch.randn(2, 128, 8, 64)
         >>> out = attention(q, k, v, mask="causal")
     """
+    mod = options.get("score_mod")
+    if type(mod) is ScoreMod and mod.flex and not torch.compiler.is_compiling():
+        # a built-in in flex form: its score_mod and mask_mod (compiled, it stays a ScoreMod of numbers,
+        # whose closures Dynamo need not see: compiled_score_mods)
+        options = flex_keywords(options)
     # A call without tensor options (settings and maybe a score_mod) looks its plan up before anything
     # else is read: the warm path of most calls. One with a mask_mod too, once its rewrite is known
     # (mask_rewrites). Any other call, and any miss, goes on below.

@@ -24,7 +24,15 @@ from fusedattn.cache import LRUCache, register
 from fusedattn.options import SCORE_MOD_NAMES
 from fusedattn.score_mods.core import MASKED_BELOW, BoundScoreMod, ScoreMod, needs_gradient
 from fusedattn.score_mods.core import may_empty_rows as core_may_empty_rows
-from fusedattn.score_mods.flex import PartialMask, flat_reads, identity, library_function, reads_key, same_reads
+from fusedattn.score_mods.flex import (
+    PartialMask,
+    fixed_reads,
+    flat_reads,
+    identity,
+    library_function,
+    reads_key,
+    same_reads,
+)
 
 __all__ = ["Binding", "recall", "remember", "forget", "may_empty_rows", "signature_part"]
 
@@ -99,7 +107,7 @@ def _fixed_parts(mod: ScoreMod) -> tuple | bool:
         if all(_FIXED in m.__dict__ for m in mod.parts):
             object.__setattr__(mod, _FIXED, fixed)
         return fixed
-    callbacks = (mod.forward, mod.bprop, mod.prepare)
+    callbacks = (mod.forward, mod.bprop, mod.prepare, *mod.flex)
     reads = tuple(map(_callable_reads, callbacks))
     if None in reads:
         return False
@@ -118,6 +126,7 @@ def signature_part(value) -> tuple:
         who = value.__dict__.get(_WHO)
         if who is None:
             who = (("compose", *map(signature_part, value.parts)) if value.parts else
+                   ("flex", *map(identity, value.flex)) if value.flex else
                    ("mod", identity(value.forward), identity(value.bprop), identity(value.prepare)))
             object.__setattr__(value, _WHO, who)
         return who
@@ -158,6 +167,8 @@ def _changeable(value) -> tuple | None:
         tensors, bprop_tensors = _dict_parts(value)
         return tensors + bprop_tensors
     if type(value) is types.FunctionType:  # a flex callback: the common case
+        if fixed_reads(value):  # a built-in's function: what it reads is fixed when it is made
+            return ()
         return flat_reads(value)
     parts = _parts(value)
     return None if parts is None else tuple([x for part in parts for x in part])

@@ -7,6 +7,9 @@ cuDNN's reasons in the message. Which backend ran is checked through explain's s
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -101,8 +104,13 @@ def test_portable_softcap_agrees_with_the_hand_written_graph():
     q, k, v = make(B, S, S, H, H, D, D, torch.bfloat16, seed=34)
     q = q * 3
     portable = fat.attention(q, k, v, score_mod=lambda s, b, h, qi, ki: 2.0 * sm.tanh(s / 2.0), backend="cudnn")
-    written = fat.attention(q, k, v, score_mod=sm.softcap(2.0), backend="cudnn")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+    from native_softcap import native_softcap  # the expert path: graph ops and derivative by hand
+
+    written = fat.attention(q, k, v, score_mod=native_softcap(2.0), backend="cudnn")
     torch.testing.assert_close(portable, written, atol=2e-2, rtol=0)
+    builtin = fat.attention(q, k, v, score_mod=sm.softcap(2.0), backend="cudnn")
+    torch.testing.assert_close(builtin, portable, atol=0, rtol=0)  # the built-in is that function
 
 
 def test_a_new_captured_number_reuses_the_built_graph():
