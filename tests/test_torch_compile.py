@@ -284,3 +284,21 @@ def test_score_mod_aux_binds_the_tensors_of_each_run():
     torch.library.opcheck(torch.ops.fusedattn.score_mod_aux.default, (key, [other]))
     with pytest.raises(RuntimeError, match="no longer registered"):
         torch.ops.fusedattn.score_mod_aux("fusedattn::score_mod_aux:unknown", [other])
+
+
+def test_a_built_ins_fields_are_constants_dynamo_hands_to_plan():
+    """compiled_score_mods.passed gives plan a built-in's fields; its read-only tensors mapping goes as a
+    dict (Dynamo: "MappingProxyVariable() is not a constant", seen on the GPU before this was mended)."""
+    from fusedattn import score_mods as sm
+    from fusedattn.torch import compiled_score_mods
+
+    @torch._dynamo.assume_constant_result
+    def plan(fields):
+        return float(fields[2]["cap"]) + len(fields[-1])
+
+    def step(x, mod):
+        return x * plan(compiled_score_mods.passed(mod))
+
+    torch._dynamo.reset()
+    out = torch.compile(step, fullgraph=True, backend="eager")(torch.ones(2), sm.softcap(2.0))
+    assert out.tolist() == [4.0, 4.0]

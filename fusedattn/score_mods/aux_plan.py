@@ -139,6 +139,13 @@ def materialize(expr: Expr, entry: Aux, ops, grid: dict):
     value = evaluate(expr, ops, grid, "float32", only=entry.node)
     if ops.dtype_name(value) == "bool" or expr.nodes[entry.node].kind == BOOL:
         value = ops.astype(value, "float32")
+    node = expr.nodes[entry.node]
+    if node.op == "load" and entry.dense:
+        # A gather of a half-precision table (relative positions): its own values, exactly, in half the
+        # bytes: the kernels read a dense aux tile per score tile, forward and backward.
+        own = ops.dtype_name(expr.captured[node.attr[0]])
+        if own in ("float16", "bfloat16"):
+            value = ops.astype(value, own)
     shape = tuple(value.shape)
     if len(shape) < 4:
         value = ops.reshape(value, (1,) * (4 - len(shape)) + shape)

@@ -71,8 +71,8 @@ def in_graph(given: dict) -> bool:
 def passed(score_mod):
     """What `plan` is handed for a score_mod: a ScoreMod as its fields (Dynamo hands plain values and
     functions over as they are, but no frozen dataclass), a callback as it is."""
-    if isinstance(score_mod, ScoreMod):
-        return tuple(getattr(score_mod, name) for name in _FIELDS)
+    if isinstance(score_mod, ScoreMod):  # (a built-in's read-only tensors mapping as a dict: a constant)
+        return tuple(dict(score_mod.tensors) if name == "tensors" else getattr(score_mod, name) for name in _FIELDS)
     return score_mod
 
 

@@ -108,11 +108,15 @@ def test_user_callbacks(name, mask):
     check_against_reference((q, k, v), {"mask": mask, **user_case(name)}, torch.bfloat16)
 
 
-def test_a_missing_bprop_would_be_wrong_for_a_nonlinear_mod():
-    """The test above can fail: without its bprop, swish_like's gradients are off."""
+def test_a_missing_bprop_for_a_nonlinear_mod_is_declined_not_run_wrong():
+    """Without its bprop, swish_like's gradients would be off (derivative 1): cuDNN declines to train it,
+    naming the op, and the call runs on the reference (inference, which needs no derivative, runs)."""
     q, k, v = make(2, 128, 128, H, H, 64, 64, torch.bfloat16, seed=22)
-    with pytest.raises(AssertionError):
-        check_against_reference((q, k, v), {"score_mod": swish_like}, torch.bfloat16)
+    q.requires_grad_(True)
+    text = fat.explain(q, k, v, score_mod=swish_like)
+    assert "selected: reference" in text and "op 'sigmoid' of the score" in text, text
+    with torch.no_grad():
+        assert "selected: cudnn" in fat.explain(q, k, v, score_mod=swish_like)
 
 
 # ----------------------------------------------------------------------- masks, THD, padding
