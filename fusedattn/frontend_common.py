@@ -22,7 +22,7 @@ from fusedattn.score_mods.core import bind, needs_gradient
 from fusedattn.selection import NoBackendError, select_backend
 from fusedattn.xp import namespace
 
-__all__ = ["AttentionResult", "pick_outputs", "documents_possible", "call_as_thd",
+__all__ = ["AttentionResult", "pick_outputs", "documents_possible", "call_as_thd", "thd_keywords", "dense_result",
            "prepare_call", "PreparedCall", "TENSOR_ARGUMENTS", "on_backend_only",
            "UnreadOffsetsCheck", "check_unread_offsets", "poisoned", "guard_inputs"]
 
@@ -54,17 +54,28 @@ def documents_possible(options: dict) -> bool:
             and not get("return_max_logit"))
 
 
+def thd_keywords(offsets, longest: int) -> dict:
+    """The keywords that make a dense call over documents (offsets: their cu_seqlens over the B*S tokens,
+    longest: the longest one) a THD call, one sequence per document."""
+    return {"layout": "thd", "cu_seqlens_q": offsets, "cu_seqlens_kv": offsets, "max_seqlen_q": longest,
+            "max_seqlen_kv": longest}
+
+
+def dense_result(result, layout, batch: int):
+    """A THD call's result (its output, or an AttentionResult) back in the dense call's layout; anything
+    else (explain's config) as it is."""
+    if isinstance(result, AttentionResult):
+        return AttentionResult(tokens_to_dense(result.out, layout, batch), lse_tokens_to_dense(result.lse, batch),
+                               result.max_logit)
+    return tokens_to_dense(result, layout, batch) if hasattr(result, "shape") else result
+
+
 def call_as_thd(attention, q, k, v, options: dict, offsets, longest: int, batch: int):
     """attention() of a document-masked dense call run as THD, one sequence per document (offsets: the
     documents' cu_seqlens over the B*S tokens), its results back in q's layout."""
     layout = options.get("layout") or "bshd"
     tokens = [dense_to_tokens(x, layout) for x in (q, k, v)]
-    result = attention(*tokens, **{**options, "layout": "thd", "cu_seqlens_q": offsets, "cu_seqlens_kv": offsets,
-                                   "max_seqlen_q": longest, "max_seqlen_kv": longest})
-    if isinstance(result, AttentionResult):
-        return AttentionResult(tokens_to_dense(result.out, layout, batch), lse_tokens_to_dense(result.lse, batch),
-                               result.max_logit)
-    return tokens_to_dense(result, layout, batch) if hasattr(result, "shape") else result  # (explain's config)
+    return dense_result(attention(*tokens, **{**options, **thd_keywords(offsets, longest)}), layout, batch)
 
 
 # The tensor arguments of a call: q, k, v and the tensor options (backends get them in this order,

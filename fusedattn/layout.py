@@ -126,28 +126,28 @@ def from_bhsd(x, base):
 
 def dense_to_tokens(x, base):
     """(B*S, H, D) tokens, batch-major, from a bshd/sbhd/bhsd tensor (documents run as THD). BSHD is one
-    reshape (a view where the memory allows): every op here is also a node of torch's backward."""
+    reshape (a view where the memory allows), read off the array itself: every op here is also a node
+    of torch's backward, and this runs on a document call's warm path."""
+    if base == "bshd":  # (a Layout is a str enum)
+        return x.reshape(-1, *x.shape[2:])
     ops = namespace(x)
-    if Layout.parse(base, "layout") is not Layout.BSHD:
-        x = ops.moveaxis(to_bhsd(x, base), 1, 2)
+    x = ops.moveaxis(to_bhsd(x, Layout.parse(base, "layout")), 1, 2)
     return ops.reshape(x, (-1, *x.shape[2:]))
 
 
 def tokens_to_dense(x, base, batch: int):
     """Inverse of `dense_to_tokens` for `batch` rows."""
-    ops = namespace(x)
-    x = ops.reshape(x, (batch, -1, *x.shape[1:]))
-    if Layout.parse(base, "layout") is Layout.BSHD:
+    x = x.reshape(batch, -1, *x.shape[1:])
+    if base == "bshd":
         return x
-    return from_bhsd(ops.moveaxis(x, 1, 2), base)
+    return from_bhsd(namespace(x).moveaxis(x, 1, 2), Layout.parse(base, "layout"))
 
 
 def lse_tokens_to_dense(lse, batch: int):
     """A THD call's LSE (T, Hq) as the dense layouts' (B, Hq, S); None stays None."""
     if lse is None:
         return None
-    ops = namespace(lse)
-    return ops.moveaxis(ops.reshape(lse, (batch, -1, lse.shape[1])), 1, 2)
+    return lse.reshape(batch, -1, lse.shape[1]).swapaxes(1, 2)
 
 
 def document_offsets(starts: np.ndarray) -> tuple[np.ndarray, int]:

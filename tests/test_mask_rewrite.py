@@ -629,3 +629,52 @@ def test_a_document_mask_keeps_its_rewrite_and_follows_its_ids(monkeypatch):
         for a, b in zip([got[0], got[1], *got[2]], [want[0], want[1], *want[2]]):
             torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
     assert not torch.allclose(unsorted[0], runs[0][0])
+
+
+@torch_side
+@pytest.mark.parametrize("layout", ["bshd", "sbhd"])
+def test_a_kept_document_call_goes_to_the_operator_in_one_attention_call(layout, monkeypatch):
+    """The warm document path: with its rewrite kept and its THD plan known, a repeat call reaches the native
+    operator without a second attention() (functional._DOCUMENT_CALLS), with the THD call's own plan, tokens
+    and offsets, and gives what the full way gives; new boundaries (ids changed in place) take the full way
+    once, then the short one. The operator is stubbed and the tensors pass as GPU ones (its offsets are then
+    trusted, as on a GPU)."""
+    from fusedattn.torch import functional
+
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(functional, "_native_plan_on", lambda cfg, name, device: 7)
+    seen = []
+
+    def operator(plan, q, k, v, sink, seed, offset, *extra):  # as the operator answers a THD plan (tokens or rows)
+        seen.append((plan, tuple(q.shape), extra[-1][0].tolist()))
+        lse = q[..., 0].float() * 3
+        return (q * 2 + k - v).clone(), lse.permute(0, 2, 1) if q.dim() == 4 else lse
+
+    monkeypatch.setattr(functional, "_operator", operator)
+    inner, attention = [], functional.attention  # the module's own name: the THD call's way in
+    monkeypatch.setattr(functional, "attention", lambda *a, **kw: inner.append(1) or attention(*a, **kw))
+    batch, seqlen = 2, 19
+    ids = _document_ids(batch, seqlen, 4)
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(_shape(layout, batch, seqlen, 2), generator=gen) for _ in range(3))
+
+    def run():
+        return fat.attention(q, k, v, layout=layout, mask_mod=lambda b, h, i, j: ids[b, i] == ids[b, j],
+                             return_lse=True)
+
+    first = run()
+    assert len(inner) == 1 and seen[-1][1] == (batch * seqlen, 2, 8)  # the full way: the THD call's tokens
+    offsets = seen[-1][2]
+    assert offsets[0] == 0 and offsets[-1] == batch * seqlen and len(offsets) > batch + 1
+    repeats = [run() for _ in range(3)]
+    assert len(inner) == 1 and len(seen) == 4 and all(s[2] == offsets for s in seen)
+    assert seen[-1][1] == ((batch, seqlen, 2, 8) if layout == "bshd" else (batch * seqlen, 2, 8))  # BSHD: its rows
+    for got in repeats:
+        torch.testing.assert_close(got.out, first.out, rtol=0, atol=0)
+        torch.testing.assert_close(got.lse, first.lse, rtol=0, atol=0)
+    want = 2 * q + k - v  # what the stub gives, back in the caller's layout
+    torch.testing.assert_close(first.out, want, rtol=0, atol=0)
+    ids.copy_(torch.sort(_document_ids(batch, seqlen, 9), dim=1).values)
+    changed = [run() for _ in range(2)]
+    assert len(inner) == 2 and seen[-1][2] != offsets and seen[-1][2] == seen[-2][2]
+    torch.testing.assert_close(changed[1].out, want, rtol=0, atol=0)

@@ -597,3 +597,24 @@ def test_max_logit_plans_return_the_lse_and_the_largest_logit_per_head(operator)
     assert out.grad_fn is lse.grad_fn is not None and max_logit.grad_fn is None
     out.sum().backward()  # the backward reads the LSE made from the row maxima
     assert q.grad.shape == q.shape
+
+
+def test_thd_plans_take_dense_rows_as_tokens_and_give_dense_outputs(operator):
+    """A document mask's THD call passes dense (B, S, H, D) tensors (torch/functional.py): out and the LSE come
+    back dense, (B, S, H, Dv) and (B, H, S), and the gradients in the inputs' shapes, from one autograd node
+    with the inputs themselves as its edges (no view nodes between)."""
+    cfg = _cfg(layout="thd", mask="padding_causal", heads_kv=4)
+    plan = _sequence_plan(operator, cfg)
+    q = torch.empty(3, 24, 4, 64, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    k = torch.empty(3, 24, 4, 64, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    v = torch.empty(3, 24, 4, 32, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    out, lse = torch.ops.fusedattn_native.attention(plan, q, k, v, None, None, None, None, [], [], False,
+                                                    _offsets(2))
+    assert out.shape == (3, 24, 4, 32) and lse.shape == (3, 4, 24) and lse.stride() == (96, 1, 4)
+    assert out.grad_fn.name() == "FusedAttentionBackward" and lse.grad_fn is out.grad_fn
+    assert [edge[0].name() for edge in out.grad_fn.next_functions[:3]] == ["torch::autograd::AccumulateGrad"] * 3
+    (out.sum() + lse.sum() * 0).backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+    with pytest.raises(RuntimeError, match="takes k and v of q's batch"):
+        torch.ops.fusedattn_native.attention(plan, q, k.reshape(72, 4, 64), v, None, None, None, None, [], [], False,
+                                             _offsets(2))

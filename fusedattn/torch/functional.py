@@ -14,12 +14,14 @@ from fusedattn import settings
 from fusedattn.arguments import ENV_THD_BUCKET, TensorMeta, host_slopes
 from fusedattn.backends.cudnn.native import torch_plans
 from fusedattn.backends.cudnn.spec import ALIGNMENT
+from fusedattn.cache import LRUCache, register
 from fusedattn.config import AttentionConfig
 from fusedattn.frontend_common import (
     TENSOR_ARGUMENTS,
     AttentionResult,
     call_as_thd,
     check_unread_offsets,
+    dense_result,
     documents_possible,
     guard_inputs,
     on_backend_only,
@@ -27,8 +29,9 @@ from fusedattn.frontend_common import (
     poisoned,
     prepare_call,
     slopes_are_standard,
+    thd_keywords,
 )
-from fusedattn.layout import split_packed
+from fusedattn.layout import dense_to_tokens, split_packed
 from fusedattn.options import (
     DROPOUT_NAMES,
     SCORE_MOD_NAMES,
@@ -175,7 +178,7 @@ def attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | 
         if documents is not None and rewrite_key is not None:
             mask_rewrites.remember(rewrite_key, before_rewrite, options, None, documents)
     if documents is not None:  # rewritten now or kept: the options are this call's own dict
-        result = _document_call(q, k, v, options, documents)
+        result = _document_call(q, k, v, options, documents, rewrite_key)
         if result is not None:
             return result
         options["mask_mod"] = documents.fallback  # ids not sorted: the mask runs in the graph
@@ -277,11 +280,39 @@ def attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | 
 describe_arguments(attention, "torch")
 
 
-def _document_call(q, k, v, options: dict, documents):
+# A document call whose THD call has a native plan: that call's plan-cache signature, by the dense call's
+# signature (its rewrite key: shapes, strides, settings, the mask_mod) and the documents' boundaries
+# (kept while the ids are unchanged), so a repeat call goes to the operator without a second attention().
+_DOCUMENT_CALLS: LRUCache = register("torch.documents.thd_calls", LRUCache(64))
+
+
+def _document_call(q, k, v, options: dict, documents, rewrite_key=None):
     """The call as THD, one sequence per document (fusedattn.torch.documents); None when the ids are
-    not sorted along each row."""
+    not sorted along each row. rewrite_key: the dense call's signature where its rewrite is kept."""
     found = documents_thd.boundaries(documents.ids, documents.batch, documents.seqlen)
-    return None if found is None else call_as_thd(attention, q, k, v, options, *found, documents.batch)
+    if found is None:
+        return None
+    if rewrite_key is None or _mod_keywords(options) is not None:  # (a mask left in the graph binds per call)
+        return call_as_thd(attention, q, k, v, options, *found, documents.batch)
+    layout = options.get("layout") or "bshd"
+    thd = {**options, **thd_keywords(*found)}
+    kept = _DOCUMENT_CALLS.peek((rewrite_key, id(found)))  # no lock on the hot path, as the bindings
+    if kept is not None and kept[0] is found:
+        signature, planned = _recalled(kept[1])
+        if planned is not None and planned[2] is not None:
+            if layout == "bshd":  # the operator reads the rows as tokens and answers in this layout
+                return _native_call(planned[2], signature, planned, q, k, v, None, None, None, thd)
+            tokens = [dense_to_tokens(x, layout) for x in (q, k, v)]
+            return dense_result(_native_call(planned[2], signature, planned, *tokens, None, None, None, thd),
+                                layout, documents.batch)
+    tokens = [dense_to_tokens(x, layout) for x in (q, k, v)]
+    result = dense_result(attention(*tokens, **thd), layout, documents.batch)
+    offsets = found[0]
+    if offsets.is_cuda:  # as the THD call keys itself (its offsets are trusted)
+        signature = _signature(*tokens, None, None, (offsets, offsets, None, None), thd, None)
+        if signature is not None:
+            _DOCUMENT_CALLS.put((rewrite_key, id(found)), (found, signature))
+    return result
 
 
 # explain(): the call goes through attention's own cold path and stops once it is configured.

@@ -88,6 +88,24 @@ def test_corpus_entry_with_gqa_and_odd_lengths(name):
     check_on_cudnn((q, k, v), _options(name, seqlen=77))
 
 
+@pytest.mark.parametrize("name, heads_kv, seqlen", [("document", H, S), ("document_causal", 2, 77)])
+def test_a_repeat_document_call_goes_the_short_way_and_agrees(name, heads_kv, seqlen, monkeypatch):
+    """A repeat document call (its rewrite and THD call kept) goes from the dense call to the operator, which
+    reads BSHD rows as tokens and answers in BSHD (functional._document_call): out, LSE and every gradient
+    against the float64 reference, as the first call's."""
+    from fusedattn.torch import functional
+
+    q, k, v = make(B, seqlen, seqlen, H, heads_kv, D, D, torch.bfloat16, seed=41)
+    options = _options(name, seqlen=seqlen)
+    check_on_cudnn((q, k, v), options)  # the first call: the full way, which keeps the THD call
+    inner, attention = [], functional.attention
+    monkeypatch.setattr(functional, "attention", lambda *a, **kw: inner.append(1) or attention(*a, **kw))
+    run("cudnn", (q, k, v), options)
+    assert not inner, "a repeat document call went through a second attention()"
+    monkeypatch.undo()
+    check_on_cudnn((q, k, v), options)
+
+
 @pytest.mark.parametrize("name", ["softcap", "causal", "sliding_window", "block_position"])
 def test_corpus_entry_on_thd_with_positions_per_sequence(name):
     lengths = [37, 64, 5]

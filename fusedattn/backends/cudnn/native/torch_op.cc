@@ -789,6 +789,26 @@ Tensor defined_or_empty(const optional<Tensor> &x) { return x.has_value() ? *x :
 
 optional<Tensor> as_optional(const Tensor &x) { return x.defined() ? optional<Tensor>(x) : c10::nullopt; }
 
+// A THD plan also takes dense (B, S, H, D) q, k, v whose B*S rows are its tokens (a document mask's
+// call, torch/functional.py): out and the LSE then come back dense, (B, S, H, Dv) and (B, H, S), and the
+// gradients in the inputs' shapes, with no view of theirs in autograd's graph. These give each side's form.
+bool dense_tokens(const TorchPlan &plan, const Tensor &q) { return plan.ragged() && q.dim() == 4; }
+
+Tensor as_tokens(const Tensor &x) { return x.reshape({-1, x.size(2), x.size(3)}); }
+
+// A (B, H, S) LSE as the THD LSE (T, H); an empty one (a plan without stats) as it is.
+Tensor lse_as_tokens(const Tensor &lse) {
+    return lse.dim() == 3 ? lse.permute({0, 2, 1}).reshape({-1, lse.size(1)}) : lse;
+}
+
+// The forward's THD out and LSE back in the dense form of q (B, S, ...): views of the same memory.
+void outputs_as_dense(std::vector<Tensor> &outputs, const Tensor &q) {
+    outputs[0] = outputs[0].view({q.size(0), q.size(1), outputs[0].size(1), outputs[0].size(2)});
+    if (outputs[1].dim() == 2) {
+        outputs[1] = outputs[1].view({q.size(0), q.size(1), outputs[1].size(1)}).permute({0, 2, 1});
+    }
+}
+
 using torch::autograd::SavedVariable;
 using torch::autograd::variable_list;
 
@@ -799,6 +819,8 @@ struct AttentionBackward : public torch::autograd::Node {
     SavedVariable q, k, v, out, stats, sink, seed, offset, bias, table;
     std::vector<SavedVariable> aux;
     std::vector<double> scalars;
+    bool dense = false;  // a THD plan's dense inputs (dense_tokens): the saved tensors are dense too
+    std::vector<int64_t> input_sizes[3];  // q, k, v's (dense only): their gradients' shapes
 
     std::string name() const override { return "FusedAttentionBackward"; }
 
@@ -819,13 +841,23 @@ struct AttentionBackward : public torch::autograd::Node {
         aux_tensors.reserve(aux.size());
         for (auto &saved : aux) aux_tensors.push_back(saved.unpack(self));
         timer.mark(kSaved);
-        auto result = call_backward(plan, grad_out, as_optional(grads[1]), q.unpack(self), k.unpack(self),
-                                    v.unpack(self), outs, stats.unpack(self), as_optional(sinks),
-                                    as_optional(seed.unpack(self)), as_optional(offset.unpack(self)),
-                                    as_optional(biases), aux_tensors, scalars, as_optional(table.unpack(self)));
+        Tensor inputs[3] = {q.unpack(self), k.unpack(self), v.unpack(self)};
+        Tensor stat = stats.unpack(self);
+        if (dense) {
+            for (auto &x : inputs) x = as_tokens(x);
+            outs = as_tokens(outs);
+            grad_out = as_tokens(grad_out);
+            stat = lse_as_tokens(stat);
+        }
+        auto result = call_backward(plan, grad_out, as_optional(grads[1]), inputs[0], inputs[1], inputs[2], outs,
+                                    stat, as_optional(sinks), as_optional(seed.unpack(self)),
+                                    as_optional(offset.unpack(self)), as_optional(biases), aux_tensors, scalars,
+                                    as_optional(table.unpack(self)));
         timer.mark(kBackwardCall);
         variable_list gradients(5);
-        for (int role = 0; role < 3; ++role) gradients[role] = std::move(result[role]);
+        for (int role = 0; role < 3; ++role) {
+            gradients[role] = dense ? result[role].view(input_sizes[role]) : std::move(result[role]);
+        }
         size_t next = 3;
         if (sinks.defined() && result.size() > next) {  // learnable sinks: an off-by-one sink is no input
             gradients[3] = result[next].reshape({-1}).to(sinks.scalar_type());
@@ -870,10 +902,20 @@ std::vector<Tensor> attention_autograd(int64_t plan, const Tensor &q, const Tens
                     "gradient on the native operator; fusedattn.torch.attention runs such calls on its Python path");
     }
     std::vector<Tensor> outputs;
+    bool dense = dense_tokens(*owner, q);
     {
-        at::AutoDispatchBelowADInplaceOrView below;
+        at::AutoDispatchBelowADInplaceOrView below;  // (views made here are not autograd's)
         Timer timer;
-        outputs = call_forward(plan, q, k, v, sink, seed, offset, bias, aux, scalars, empty_rows, offsets);
+        if (dense) {
+            TORCH_CHECK(k.dim() == 4 && v.dim() == 4 && k.size(0) == q.size(0) && v.size(0) == q.size(0),
+                        "fusedattn: a THD plan given dense q (B, S, H, D) takes k and v of q's batch, (B, S, H, D); "
+                        "got k ", k.sizes(), ", v ", v.sizes());
+            outputs = call_forward(plan, as_tokens(q), as_tokens(k), as_tokens(v), sink, seed, offset, bias, aux,
+                                   scalars, empty_rows, offsets);
+            outputs_as_dense(outputs, q);
+        } else {
+            outputs = call_forward(plan, q, k, v, sink, seed, offset, bias, aux, scalars, empty_rows, offsets);
+        }
         timer.mark(kForwardCall);
     }
     if (differentiable) {
@@ -883,6 +925,12 @@ std::vector<Tensor> attention_autograd(int64_t plan, const Tensor &q, const Tens
         Tensor biases = defined_or_empty(bias);
         node->set_next_edges(torch::autograd::collect_next_edges(q, k, v, sinks, biases));
         node->plan = plan;
+        node->dense = dense;
+        if (dense) {
+            node->input_sizes[0] = q.sizes().vec();
+            node->input_sizes[1] = k.sizes().vec();
+            node->input_sizes[2] = v.sizes().vec();
+        }
         NodePointer base = node;
         torch::autograd::set_history(outputs[0], base);
         torch::autograd::set_history(outputs[1], base);
