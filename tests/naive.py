@@ -190,7 +190,9 @@ def naive_attention(q, k=None, v=None, *, layout="bshd", mask="none", window=(-1
                     rows_out.append(torch.zeros(head_dim_v, dtype=F64))
                     rows_lse.append(torch.tensor(NEG_INF, dtype=F64))
                     continue
-                cols = torch.tensor([j for j in range(skv) if visible[i, j]], dtype=torch.long)
+                # visible by the masks, and not masked by the score_mod (a score of -inf)
+                cols = torch.tensor([j for j in range(skv) if visible[i, j] and s[i, j] != NEG_INF],
+                                    dtype=torch.long)
                 logits = s[i, cols]
                 if len(cols):
                     max_logit[h] = max(max_logit[h], float(logits.detach().max()))

@@ -7,6 +7,8 @@ refusal with the reason, or a ValueError naming the argument.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -291,3 +293,144 @@ def test_a_learnable_score_mod_term_where_no_bias_can_go_is_refused_with_the_rea
     term = score_mods.additive_bias(torch.zeros(1, 2, 6, 6, requires_grad=True))
     with pytest.raises(ValueError, match="its added term runs as a post-scale bias.*alibi_slopes takes no bias"):
         fat.attention(q, q, q, alibi_slopes=torch.tensor([0.5, 0.25]), score_mod=term)
+
+
+# ------------------------------------------------- mask_mod rewrites that changed what a call means
+
+def _select(mask_mod):
+    """The mask_mod as a float64 naive's score_mod: -1e9 where it is False (a score at most -1e8 counts as
+    masked; -inf would meet ALiBi's term as NaN in the naive's own arithmetic)."""
+    return lambda s, b, h, q_idx, kv_idx: torch.where(mask_mod(b, h, q_idx, kv_idx), s, -1e9)
+
+
+def _against_naive(q, k, v, mask_mod, grads=True, **options):
+    """fusedattn.torch.attention with mask_mod (float32) against the float64 naive with the mask as a select:
+    out, LSE and, where asked, the gradients of q, k, v and of a sink."""
+    leaves = [x.clone().requires_grad_(grads) for x in (q, k, v)]
+    sink = options.pop("sink", None)
+    wide = {name: (x.double() if torch.is_tensor(x) and x.is_floating_point() else x) for name, x in options.items()}
+    sinks = [] if sink is None else [sink.clone().requires_grad_(grads)]
+    got = fat.attention(*leaves, mask_mod=mask_mod, return_lse=True, **options,
+                        **({"sink": sinks[0]} if sinks else {}))
+    exact_leaves = [x.double().requires_grad_(grads) for x in (*leaves, *sinks)]
+    out, lse, _ = naive_attention(*exact_leaves[:3], score_mod=_select(mask_mod), **wide,
+                                  **({"sink": exact_leaves[3]} if sinks else {}))
+    torch.testing.assert_close(got.out.double(), out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.lse.double(), lse, atol=1e-5, rtol=1e-5)
+    if grads:
+        weight = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+        expected = torch.autograd.grad((out * weight).sum() + lse.nan_to_num(0, 0, 0).sum(), exact_leaves)
+        found = torch.autograd.grad((got.out.double() * weight).sum() + got.lse.double().nan_to_num(0, 0, 0).sum(),
+                                    [*leaves, *sinks])
+        for name, a, b in zip(("q", "k", "v", "sink"), found, expected):
+            torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=1e-5, msg=name)
+
+
+_LENGTHS = (3, 8)
+
+
+# Each mask made over the call's lengths (B,) array, so the same function serves torch and JAX.
+_ALIBI_MASKS = {
+    "causal-sq<skv": ((4, 8), lambda lengths: lambda b, h, q_idx, kv_idx: q_idx >= kv_idx),
+    "band-sq>skv": ((8, 4), lambda lengths: lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx <= 2)),
+    "kv-lengths": ((8, 8), lambda lengths: lambda b, h, q_idx, kv_idx: kv_idx < lengths[b]),  # per-sequence diagonals
+    "causal-square": ((8, 8), lambda lengths: lambda b, h, q_idx, kv_idx: q_idx >= kv_idx),  # the diagonals meet
+}
+
+
+@pytest.mark.parametrize("name", sorted(_ALIBI_MASKS))
+def test_alibi_slopes_keep_their_diagonal_when_a_mask_mod_is_rewritten(name):
+    """ALiBi measures distances from the mask's diagonal; a mask_mod rewritten into a native mask with another
+    diagonal (causal is top-left, 'none' bottom-right, padding per sequence) moved them: LSE off by 2.0, out
+    by 0.9-1.4, in torch and JAX. Such a rewrite is now not taken; one that keeps the diagonal is."""
+    (seqlen_q, seqlen_kv), make = _ALIBI_MASKS[name]
+    gen = torch.Generator().manual_seed(17)
+    q = torch.randn(2, seqlen_q, 2, 8, generator=gen)
+    k, v = (torch.randn(2, seqlen_kv, 2, 8, generator=gen) for _ in range(2))
+    slopes = torch.tensor([0.5, 0.25])
+    mask_mod = make(torch.tensor(_LENGTHS))
+    _against_naive(q, k, v, mask_mod, alibi_slopes=slopes)
+    got = fja.attention(*(jnp.asarray(x.numpy()) for x in (q, k, v)), alibi_slopes=jnp.asarray(slopes.numpy()),
+                        mask_mod=make(jnp.asarray(_LENGTHS)), return_lse=True)
+    out, lse, _ = naive_attention(q.double(), k.double(), v.double(), score_mod=_select(mask_mod),
+                                  alibi_slopes=slopes.double())
+    np.testing.assert_allclose(np.asarray(got.out), out.numpy(), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(got.lse), lse.numpy(), atol=1e-5, rtol=1e-5)
+    if name == "causal-square":  # still rewritten: cuDNN's own causal mask with its ALiBi
+        assert "mask=causal" in fat.explain(q, k, v, mask_mod=mask_mod, alibi_slopes=slopes)
+
+
+@pytest.mark.parametrize("softmax_type", ["learnable", "off_by_one"])
+def test_a_sink_keeps_its_term_in_rows_a_query_length_mask_mod_empties(softmax_type):
+    """q_idx < lengths[b] was rewritten into padding, whose rows past the length have LSE -inf; rows the
+    mask_mod leaves without keys keep the sink's term (log exp(sink[h]), or 0 for off_by_one)."""
+    gen = torch.Generator().manual_seed(19)
+    q, k, v = (torch.randn(2, 8, 2, 8, generator=gen) for _ in range(3))
+    options = {"softmax_type": softmax_type}
+    if softmax_type == "learnable":
+        options["sink"] = torch.tensor([0.3, -1.0])
+    lengths = torch.tensor(_LENGTHS)
+    _against_naive(q, k, v, lambda b, h, q_idx, kv_idx: q_idx < lengths[b], **options)
+    jax_lengths = jnp.asarray(_LENGTHS)
+    got = fja.attention(*(jnp.asarray(x.numpy()) for x in (q, k, v)), return_lse=True,
+                        mask_mod=lambda b, h, q_idx, kv_idx: q_idx < jax_lengths[b],
+                        **{name: (jnp.asarray(x.numpy()) if torch.is_tensor(x) else x) for name, x in options.items()})
+    expected = 0.3 if softmax_type == "learnable" else 0.0
+    np.testing.assert_allclose(np.asarray(got.lse)[0, 0, 3:], expected, atol=1e-6)
+
+
+class _Banded(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.window = 4
+        self.cap = 2.0
+
+    def forward(self, q, k, v):
+        return fat.attention(q, k, v, mask_mod=lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx)
+                             & (q_idx - kv_idx <= self.window))
+
+
+def test_a_mask_mod_follows_an_attribute_of_the_object_it_captures():
+    """A closure over `self` reading self.window kept its first trace and rewrite (the object was the same):
+    after `layer.window = 1` it still computed a window of 4 (off by 1.5). What a callback reads through an
+    object it captures now counts by value, as a captured number does."""
+    gen = torch.Generator().manual_seed(23)
+    q, k, v = (torch.randn(1, 8, 1, 8, generator=gen) for _ in range(3))
+    layer = _Banded()
+    for window in (4, 1, 1, 4):
+        layer.window = window
+        out, _, _ = naive_attention(q.double(), k.double(), v.double(), mask="causal", window=(window, 0))
+        torch.testing.assert_close(layer(q, k, v).double(), out, atol=1e-5, rtol=1e-5)
+    config = SimpleNamespace(window=4)
+    mask_mod = lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx <= config.window)  # noqa: E731
+    for window in (4, 1):
+        config.window = window
+        got = fja.attention(*(jnp.asarray(x.numpy()) for x in (q, k, v)), mask_mod=mask_mod)
+        out, _, _ = naive_attention(q.double(), k.double(), v.double(), mask="causal", window=(window, 0))
+        np.testing.assert_allclose(np.asarray(got), out.numpy(), atol=1e-5, rtol=1e-5)
+
+
+def test_a_kept_score_mod_binding_follows_an_attribute_of_the_object_it_captures(monkeypatch):
+    """The native warm path kept a score_mod's binding while its callbacks read the same objects: a closure
+    over `self` reading self.cap passed the first cap's scalars after `layer.cap` changed. The operator is
+    stubbed: the scalars it is handed must follow the attribute."""
+    from fusedattn.torch import functional
+
+    monkeypatch.setattr(functional, "_native_plan_on", lambda cfg, name, device: 7)
+    handed = []
+
+    def operator(plan, q, k, v, sink, seed, offset, *extra):
+        handed.append(list(extra[2]))
+        return q.clone(), q[..., 0].float()
+
+    monkeypatch.setattr(functional, "_operator", operator)
+    layer, q = _Banded(), torch.randn(1, 8, 1, 8)
+
+    def call():
+        return fat.attention(q, q, q, mask="causal",
+                             score_mod=lambda s, b, h, q_idx, kv_idx: layer.cap * score_mods.tanh(s / layer.cap))
+
+    for cap in (2.0, 2.0, 5.0, 5.0, 0.5):
+        layer.cap = cap
+        call()
+        assert cap in handed[-1], (cap, handed[-1])

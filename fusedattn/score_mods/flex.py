@@ -217,20 +217,61 @@ def _library_closure(value) -> bool:
 
 def _expands(value, depth: int) -> bool:
     """Whether _value_snapshot looks inside `value` (a helper function's reads, a container's items, a
-    library closure's cells) rather than giving it as it is."""
+    library closure's cells, a user's object's attributes) rather than giving it as it is."""
     if type(value) in _PLAIN_VALUES:
         return False
     if isinstance(value, (dict, list, tuple)):
         return len(value) <= 64
     if _library_closure(value):
         return True
-    return depth > 0 and callable(value) and hasattr(value, "__code__") and not library_function(value)
+    if depth <= 0:
+        return False
+    if isinstance(value, _CODE):
+        return not library_function(value)
+    return _user_object(value)
 
 
-def _value_snapshot(value, depth: int):
-    """What of a value the trace depends on: helper functions' own reads, containers' items, and of a
-    library closure its code and cells, not the function: one made anew at each call (a built-in's,
-    a composition's) reads what the last one read."""
+_CODE = (types.FunctionType, types.MethodType)  # a helper function's reads are followed
+_NOT_STATE = (type, types.ModuleType, *_CODE, types.BuiltinFunctionType, functools.partial)
+_USER_TYPES: dict = {}  # type -> whether its instances are user objects (decided once per type: hot path)
+
+
+def _user_object(value) -> bool:
+    """An object of the user's (a torch module, a config) whose attributes a callback may read as numbers
+    (`self.window`): not a class, module, function or array, nor one of a framework's or this library's."""
+    cls = type(value)
+    known = _USER_TYPES.get(cls)
+    if known is None:
+        known = _USER_TYPES[cls] = (hasattr(value, "__dict__") and not issubclass(cls, _NOT_STATE)
+                                    and not hasattr(value, "shape") and not library_function(cls))
+    return known
+
+
+# Where a torch module keeps what reads as its attributes besides its __dict__ (self.weight, self.block).
+_MODULE_STORES = ("_parameters", "_buffers", "_modules")
+
+
+def _attribute_reads(value, names: tuple, depth: int) -> tuple:
+    """The attributes of a user's object named in the reading code (`self.window` puts "window" among its
+    co_names), each with what of it the trace depends on: a number by value, an array or object by
+    identity, and an object's own attributes in turn. A trace reads an attribute's value, which its
+    object's identity does not show."""
+    state = vars(value)
+    stores = [state, *(state[name] for name in _MODULE_STORES if isinstance(state.get(name), dict))]
+    found = []
+    for name in names:
+        for store in stores:
+            if name in store:
+                found.append((name, _value_snapshot(store[name], depth - 1, names)))
+                break
+    return tuple(found)
+
+
+def _value_snapshot(value, depth: int, names: tuple = ()):
+    """What of a value the trace depends on: helper functions' own reads, containers' items, a user's
+    object's attributes that the reading code names (names: its co_names), and of a library closure its
+    code and cells, not the function: one made anew at each call (a built-in's, a composition's) reads
+    what the last one read."""
     if not _expands(value, depth):
         return value
     if _library_closure(value):
@@ -239,7 +280,9 @@ def _value_snapshot(value, depth: int):
         return ("dict", value, tuple((k, _value_snapshot(v, 0)) for k, v in value.items()))
     if isinstance(value, (list, tuple)):
         return ("sequence", value, tuple(_value_snapshot(v, 0) for v in value))
-    return ("function", value, snapshot(value, depth - 1))
+    if isinstance(value, _CODE):
+        return ("function", value, snapshot(value, depth - 1))
+    return ("object", value, _attribute_reads(value, names, depth))
 
 
 _LIBRARIES = frozenset(("fusedattn", "torch", "jax", "numpy"))
@@ -288,11 +331,12 @@ def snapshot(fn, depth: int = _DEPTH) -> tuple | None:
     library or a framework); None if fn is not a plain function."""
     if type(fn) is types.FunctionType:  # the common case first: a repeat score_mod call reads this
         closure = fn.__closure__
-        cells = () if closure is None else tuple([_value_snapshot(c.cell_contents, depth) for c in closure])
+        names = fn.__code__.co_names  # the globals and attributes it names
+        cells = () if closure is None else tuple([_value_snapshot(c.cell_contents, depth, names) for c in closure])
         if library_function(fn):  # a built-in's callback: the names it reads are this library's own
             return (cells, fn.__defaults__, ())
         read = fn.__globals__.get
-        return (cells, fn.__defaults__, tuple([_value_snapshot(read(n), depth) for n in fn.__code__.co_names]))
+        return (cells, fn.__defaults__, tuple([_value_snapshot(read(n), depth, names) for n in names]))
     if fn is None:
         return ()
     if isinstance(fn, functools.partial):
@@ -305,8 +349,8 @@ def snapshot(fn, depth: int = _DEPTH) -> tuple | None:
     code = getattr(fn, "__code__", None)
     if code is None:
         return None
-    cells = tuple(_value_snapshot(c.cell_contents, depth) for c in (fn.__closure__ or ()))
-    names = tuple(_value_snapshot(fn.__globals__.get(n), depth) for n in code.co_names)
+    cells = tuple(_value_snapshot(c.cell_contents, depth, code.co_names) for c in (fn.__closure__ or ()))
+    names = tuple(_value_snapshot(fn.__globals__.get(n), depth, code.co_names) for n in code.co_names)
     return (cells, fn.__defaults__, names)
 
 
@@ -320,14 +364,30 @@ def flat_reads(fn) -> tuple | None:
         reads.append(None)
         if not library_function(fn):
             reads.extend(map(fn.__globals__.get, fn.__code__.co_names))
-        if not any([_expands(x, _DEPTH) for x in reads]):
+        expands = [_expands(x, _DEPTH) for x in reads]
+        if not any(expands):
             return tuple(reads)
+        if all([_user_object(x) for x, e in zip(reads, expands) if e]):  # a closure over `self`: its attributes
+            return tuple(_with_attributes(reads, expands, fn.__code__.co_names))
     taken = snapshot(fn)
     if taken is None:
         return None
     found: list = []
     _flatten(taken, found)
     return tuple(found)
+
+
+def _with_attributes(reads: list, expands: list, names: tuple) -> list:
+    """reads with each user object flattened as its snapshot is (_value_snapshot's "object" form)."""
+    flat: list = []
+    for x, expanded in zip(reads, expands):
+        if expanded:
+            flat.append("object")
+            flat.append(x)
+            _flatten(_attribute_reads(x, names, _DEPTH), flat)
+        else:
+            flat.append(x)
+    return flat
 
 
 def same_reads(kept: tuple, now: tuple) -> bool:

@@ -13,7 +13,10 @@ shapes, onto our options:
 Conditions that do not map stay in the score_mod graph (flex.PartialMask), and the call's
 result is the same either way: the reference backend runs both and the tests compare them.
 A call that already names a mask, window, offsets or a ragged layout, or whose score_mod is not
-flex-style (those refuse a mask_mod), is left as it is.
+flex-style (those refuse a mask_mod), is left as it is. Two options change what a rewrite may do:
+with a sink (softmax_type other than 'vanilla') a length on q_idx stays in the graph (a padding
+row's LSE is -inf; a row without keys keeps the sink's term), and with `alibi_slopes` the rewrite
+is taken only where the mask keeps ALiBi's diagonal (see _keeps_alibi_diagonal).
 """
 
 from __future__ import annotations
@@ -79,15 +82,18 @@ def _length_usable(forms: MaskForms, length: Length, batch: int) -> bool:
 
 
 def native_mask(mask_mod, forms: MaskForms, batch: int, seqlen_q: int, seqlen_kv: int,
-                document_ok: bool) -> NativeMask:
+                document_ok: bool, query_lengths_ok: bool = True) -> NativeMask:
     """The native masks for these shapes (cached on forms, mask_mod's trace). document_ok: the
-    frontend can run a document mask as THD when nothing else stays in the graph."""
-    return forms.choices.get_or_build((batch, seqlen_q, seqlen_kv, document_ok),
-                                      lambda: _choose(mask_mod, forms, batch, seqlen_q, seqlen_kv, document_ok))
+    frontend can run a document mask as THD when nothing else stays in the graph. query_lengths_ok:
+    a length on q_idx may become padding (not with a sink: a padding row's LSE is -inf, while a row
+    the mask_mod leaves without keys keeps the sink's term)."""
+    return forms.choices.get_or_build(
+        (batch, seqlen_q, seqlen_kv, document_ok, query_lengths_ok),
+        lambda: _choose(mask_mod, forms, batch, seqlen_q, seqlen_kv, document_ok, query_lengths_ok))
 
 
 def _choose(mask_mod, forms: MaskForms, batch: int, seqlen_q: int, seqlen_kv: int,
-            document_ok: bool) -> NativeMask:
+            document_ok: bool, query_lengths_ok: bool) -> NativeMask:
     native: set[int] = set()
     number = {node: i for i, (node, _) in enumerate(forms.conditions)}
     lengths = {}
@@ -95,6 +101,8 @@ def _choose(mask_mod, forms: MaskForms, batch: int, seqlen_q: int, seqlen_kv: in
         size = seqlen_q if length.axis == "q_idx" else seqlen_kv
         if length.slot is None and length.offset >= size:  # true at every position of this call
             native.add(number[node])
+        elif length.axis == "q_idx" and not query_lengths_ok:
+            continue
         elif length.axis not in lengths and _length_usable(forms, length, batch):
             lengths[length.axis] = length
             native.add(number[node])
@@ -117,6 +125,17 @@ def _choose(mask_mod, forms: MaskForms, batch: int, seqlen_q: int, seqlen_kv: in
     kept = frozenset(rest)
     return NativeMask(mask, window, tuple(lengths.values()), document, kept,
                       PartialMask(mask_mod, kept) if kept else None, fallback)
+
+
+def _keeps_alibi_diagonal(chosen: NativeMask, seqlen_q: int, seqlen_kv: int) -> bool:
+    """Whether the rewritten call measures ALiBi's distances from the diagonal the unrewritten one does:
+    a call whose mask is 'none' measures them from the bottom-right diagonal, 'causal' from the top-left
+    one and padding masks per sequence (tests/naive.py), so only a rewrite to 'none' or
+    'causal_bottom_right' (or any band when Sq == Skv, where the diagonals meet), without lengths,
+    keeps them."""
+    if chosen.lengths:
+        return False
+    return chosen.mask in ("none", "causal_bottom_right") or seqlen_q == seqlen_kv
 
 
 def _document_usable(forms: MaskForms, document: Document, batch: int, seqlen: int) -> bool:
@@ -185,8 +204,11 @@ def rewrite_mask(framework: str, q, k, v, options: dict, document_ok: bool) -> t
         forms = trace_mask(framework, mask_mod, getattr(q, "device", None) if framework == "torch" else None)
     except ExprError:
         return options, None  # the score_mod path gives the reason
-    chosen = native_mask(mask_mod, forms, batch, seqlen_q, seqlen_kv, document_ok and seqlen_q == seqlen_kv)
+    chosen = native_mask(mask_mod, forms, batch, seqlen_q, seqlen_kv, document_ok and seqlen_q == seqlen_kv,
+                         options.get("softmax_type", "vanilla") == "vanilla")
     if len(chosen.kept) == len(forms.conditions):
+        return options, None
+    if options.get("alibi_slopes") is not None and not _keeps_alibi_diagonal(chosen, seqlen_q, seqlen_kv):
         return options, None
     options = dict(options)
     options["mask_mod"] = chosen.partial
