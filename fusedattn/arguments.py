@@ -339,7 +339,8 @@ def infer_max_seqlens(args: CallArguments, host: dict[str, np.ndarray], traced: 
         if getattr(args, f"max_seqlen_{side}") is not None:
             continue
         if name in traced:
-            raise args.error(f"max_seqlen_{side}", f"a static int when {name} is traced (under jit)", "None")
+            raise args.error(f"max_seqlen_{side}", f"a static int when {name} is traced (under jit; offsets made "
+                             f"from segment_ids_{side} that are traced are too)", "None")
         if name in host:
             lengths = np.diff(np.asarray(host[name]).astype(np.int64))
             setattr(args, f"max_seqlen_{side}", int(lengths.max(initial=0)))

@@ -7,6 +7,7 @@ are constructed (under the module's own argument names): one text per mistake, w
 from __future__ import annotations
 
 import math
+import numbers
 
 __all__ = ["check_window", "check_probability", "check_scale", "check_count", "check_backend"]
 
@@ -37,7 +38,13 @@ def check_scale(value, argument: str = "scale") -> float | None:
     """A finite positive scale as a float, or None (1/sqrt(D))."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+    if isinstance(value, numbers.Real) and not isinstance(value, bool) and type(value) not in (int, float):
+        value = float(value)  # a NumPy scalar (np.float32(0.5)): a Python number of the same value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{argument}: expected a Python float > 0 (or None for 1/sqrt(D)), got "
+                         f"{type(value).__name__} {value!r}" + (" (a tensor or array: pass float(scale))"
+                                                               if hasattr(value, "shape") else ""))
+    if not math.isfinite(value) or value <= 0:
         raise ValueError(f"{argument}: expected a finite float > 0 (or None for 1/sqrt(D)), got {value!r}")
     return float(value)
 

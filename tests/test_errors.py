@@ -361,10 +361,12 @@ JIT_CASES = [
          "scale: expected a finite float > 0", "got -1.0"),
     Case("thd-traced-offsets-no-max-seqlen",
          lambda A: jax.jit(lambda cq, ck: jthd(A, cu_seqlens_q=cq, cu_seqlens_kv=ck))(JCU, JCU),
-         "max_seqlen_q: expected a static int when cu_seqlens_q is traced (under jit)", "got None"),
+         "max_seqlen_q: expected a static int when cu_seqlens_q is traced (under jit; offsets made from segment_ids_q",
+         "got None"),
     Case("thd-traced-offsets-no-max-seqlen-kv",
          lambda A: jax.jit(lambda cq, ck: jthd(A, cu_seqlens_q=cq, cu_seqlens_kv=ck, max_seqlen_q=6))(JCU, JCU),
-         "max_seqlen_kv: expected a static int when cu_seqlens_kv is traced (under jit)", "got None"),
+         "max_seqlen_kv: expected a static int when cu_seqlens_kv is traced (under jit; offsets made from "
+         "segment_ids_kv", "got None"),
 ]
 
 
@@ -444,3 +446,46 @@ CONFIG_CASES = [
 def test_attention_config_construction_errors(changes, argument, got):
     with pytest.raises(ValueError, match=re.escape(argument) + ".*" + re.escape(got)):
         AttentionConfig(**{**BASE, **changes})
+
+
+# ------------------------------------------------------------------ found by an independent sweep
+
+@pytest.mark.parametrize("framework", [pytest.param("torch", marks=torch_frontend), "jax"])
+def test_a_score_mod_that_returns_booleans_is_refused_not_read_as_scores(framework):
+    """A mask written as a score_mod (s > 0) ran with its booleans cast to 0/1 scores."""
+    if framework == "torch":
+        import torch
+
+        import fusedattn.torch as frontend
+        q = torch.randn(1, 4, 1, 8)
+    else:
+        import jax.numpy as jnp
+
+        import fusedattn.jax as frontend
+        q = jnp.ones((1, 4, 1, 8))
+    with pytest.raises(ValueError, match=r"score_mod .*expected a float score, got booleans; a mask goes as mask_mod"):
+        frontend.attention(q, q, q, score_mod=lambda s, b, h, q_idx, kv_idx: s > 0)
+
+
+def test_jax_dropout_takes_a_key_or_a_seed_not_both():
+    """Given both, the seed was silently ignored."""
+    import jax
+    import jax.numpy as jnp
+
+    import fusedattn.jax as fj
+
+    q = jnp.ones((1, 4, 1, 8))
+    with pytest.raises(ValueError, match="dropout_rng and dropout_seed: expected one of them"):
+        fj.attention(q, q, q, dropout_p=0.1, dropout_rng=jax.random.key(0), dropout_seed=3)
+
+
+@torch_frontend
+def test_a_numpy_scale_is_its_value_and_a_tensor_scale_says_what_to_pass():
+    import torch
+
+    import fusedattn.torch as fat
+
+    q = torch.randn(1, 4, 1, 8)
+    torch.testing.assert_close(fat.attention(q, q, q, scale=np.float32(0.5)), fat.attention(q, q, q, scale=0.5))
+    with pytest.raises(ValueError, match=r"scale: expected a Python float > 0 .*got Tensor .*pass float\(scale\)"):
+        fat.attention(q, q, q, scale=torch.tensor(0.5))

@@ -155,6 +155,9 @@ _attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
 
 def _dropout_state(rng, seed, offset):
     """(seed, offset) uint32 scalars from a PRNG key, or from the given integers."""
+    if rng is not None and seed is not None:
+        raise ValueError(f"{API}: dropout_rng and dropout_seed: expected one of them (a PRNG key, or a seed with "
+                         "dropout_offset), got both")
     if rng is not None:
         expected = "a jax.random key (jax.random.key(...), or a legacy jax.random.PRNGKey)"
         if _is_torch(rng) or not hasattr(rng, "dtype"):

@@ -355,5 +355,8 @@ def apply_eager(ops, bound: BoundScoreMod, score, b_idx, h_idx, q_idx, kv_idx, d
         result = bound.mod.eager(ops, score, b_idx, h_idx, q_idx, kv_idx, values)
     else:
         result = run_eager(ops, bound.mod.forward, score, values, dtype)
+    if hasattr(result, "dtype") and ops.dtype_name(result) == "bool":  # (a cast would make it 0/1 scores)
+        raise ValueError(f"score_mod {bound.mod.name}: expected a float score, got booleans; a mask goes as "
+                         "mask_mod=(b, h, q_idx, kv_idx) -> bool (True keeps the key)")
     result = ops.broadcast_to(ops.astype(result, dtype), tuple(score.shape))
     return ops.where(result <= MASKED_BELOW, float("-inf"), result)
