@@ -215,6 +215,49 @@ def _shape(layout, batch, seqlen, heads, dim=8):
             "sbhd": (seqlen, batch, heads, dim)}[layout]
 
 
+_EXTRAS = {  # options whose meaning depends on the mask a rewrite picks (ALiBi's diagonal, a sink's rows)
+    "none": {},
+    "alibi": {"alibi_slopes": torch.tensor([0.5, 0.25], dtype=torch.float64)} if HAS_TORCH else {},
+    "learnable": {"softmax_type": "learnable",
+                  "sink": torch.tensor([0.3, -1.0], dtype=torch.float64)} if HAS_TORCH else {},
+    "off_by_one": {"softmax_type": "off_by_one"},
+}
+
+
+@torch_side
+@settings(max_examples=80, deadline=None)
+@given(conditions=st.lists(st.tuples(st.integers(0, 5), st.sampled_from(_OPS), st.integers(-6, 6)), max_size=2),
+       q_length=st.booleans(), kv_length=st.booleans(), extra=st.sampled_from(sorted(_EXTRAS)),
+       batch=st.integers(1, 3), seqlen_q=st.integers(1, 10), seqlen_kv=st.integers(1, 10))
+def test_generated_rewrites_with_alibi_and_sinks_give_what_the_select_gives(conditions, q_length, kv_length, extra,
+                                                                          batch, seqlen_q, seqlen_kv):
+    """A rewritten mask_mod means what its select means with ALiBi slopes (distances from the mask's
+    diagonal) and sinks (rows without keys keep the sink's term): out, LSE and gradients, float64. (Both
+    once differed: found by an independent sweep.)"""
+    parts = [_band_condition(*c) for c in conditions]
+    lengths_q, lengths_kv = torch.tensor([2, 0, 9])[:batch], torch.tensor([3, 10, 0])[:batch]
+
+    def mask_mod(b, h, q, kv):
+        keep = q >= 0
+        for part in parts:
+            keep = keep & part(q, kv)
+        if q_length:
+            keep = keep & (q < lengths_q[b])
+        return (keep & (kv < lengths_kv[b])) if kv_length else keep
+
+    gen = torch.Generator().manual_seed(seqlen_q * 16 + seqlen_kv)
+    q = torch.randn(batch, seqlen_q, 2, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(batch, seqlen_kv, 2, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+            for _ in range(2))
+    options = _EXTRAS[extra]
+    native = _torch_run(q, k, v, "bshd", mask_mod=mask_mod, **options)
+    select = _torch_run(q, k, v, "bshd", score_mod=_select(mask_mod, torch.where), **options)
+    torch.testing.assert_close(native[0], select[0], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(native[1], select[1], rtol=1e-10, atol=1e-10)
+    for a, b in zip(native[2], select[2]):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
 @torch_side
 @pytest.mark.parametrize("call", CALLS, ids=[f"{c[0]}-{c[2]}x{c[3]}-{c[6]}" for c in CALLS])
 def test_a_torch_call_gives_what_the_select_gives(call):

@@ -139,3 +139,39 @@ def test_a_bias_of_another_dtype_is_refused():
     q = torch.randn(1, 64, 2, 64, device="cuda").bfloat16()
     with pytest.raises(ValueError, match="bias: expected dtype bfloat16 like q, got dtype float32"):
         fat.attention(q, q, q, bias=torch.zeros(1, 2, 64, 64, device="cuda"))
+
+
+# ------------------------------------------- 6: a callback reading an attribute of an object it captures
+
+class _Capped(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.cap = 30.0
+        self.window = 64
+
+    def forward(self, q, k, v, backend):
+        # callbacks made anew at each call, over `self`, as a model's forward writes them
+        def score_mod(s, b, h, q_idx, kv_idx):
+            return self.cap * fusedattn.score_mods.tanh(s / self.cap)
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (q_idx - kv_idx <= self.window)
+
+        return fat.attention(q, k, v, backend=backend, return_lse=True, score_mod=score_mod, mask_mod=mask_mod)
+
+
+def test_a_warm_call_follows_the_attributes_its_callbacks_read():
+    """The native warm path kept a binding (its scalars) and a mask rewrite (its window) while the callbacks
+    read the same objects: after `layer.cap = 2.0` or `layer.window = 8` a closure over `self` gave the old
+    modification. Each value is checked against the reference (the error rule, float64 as the exact)."""
+    from gpu_checks import assert_close_to_exact, make
+
+    layer = _Capped()
+    q, k, v = make(2, 256, 256, 4, 4, 64, 64, torch.bfloat16, seed=61)
+    for cap, window in ((30.0, 64), (30.0, 64), (2.0, 64), (2.0, 8), (30.0, 8)):
+        layer.cap, layer.window = cap, window
+        fused = layer(q, k, v, "cudnn")
+        same = layer(q, k, v, "reference")
+        exact = layer(*(x.double() for x in (q, k, v)), "reference")
+        assert_close_to_exact(f"out, cap {cap} window {window}", fused.out, same.out, exact.out)
+        torch.testing.assert_close(fused.lse, exact.lse.float(), atol=2e-2, rtol=2e-3)
