@@ -18,7 +18,7 @@ from fusedattn.arguments import (
 from fusedattn.config import standard_alibi_slopes
 from fusedattn.layout import dense_to_tokens, lse_tokens_to_dense, offsets_violated, split_packed, tokens_to_dense
 from fusedattn.options import TENSORS
-from fusedattn.score_mods.core import bind, needs_gradient
+from fusedattn.score_mods.core import bind, needs_gradient, refuse_unfollowed
 from fusedattn.selection import NoBackendError, select_backend
 from fusedattn.xp import namespace
 
@@ -114,6 +114,8 @@ def prepare_call(api: str, framework: str, tensors: dict, *, describe, host_copy
     bucket_max_seqlens(args, os.environ.get(ENV_THD_BUCKET))
     cfg = build_config(args)
     mod = args.score_mod
+    if mod is not None and is_training:
+        refuse_unfollowed(api, mod)  # (before an added term runs as a bias: it would not reach them either)
     if (mod is not None and mod.as_bias is not None and tensors.get("bias") is None and is_training
             and needs_gradient(mod)):
         if cfg.layout.is_ragged or tensors.get("alibi_slopes") is not None:

@@ -434,3 +434,45 @@ def test_a_kept_score_mod_binding_follows_an_attribute_of_the_object_it_captures
         layer.cap = cap
         call()
         assert cap in handed[-1], (cap, handed[-1])
+
+
+def test_vmapped_offsets_give_shared_inputs_the_sum_of_their_items_gradients():
+    """Under vmap over the offsets with q (or k, v) shared, the traced-offsets check's gradient factor ran its
+    backward once per item on the cotangent already summed over the items: the shared input's gradient was
+    N times the per-item sum (3.0x here, errors of 4-11). It must be the sum of the items' gradients."""
+    q = jax.random.normal(jax.random.key(0), (2, 5, 4, 8))
+    k = jax.random.normal(jax.random.key(1), (2, 7, 4, 8))
+    v = jax.random.normal(jax.random.key(2), (2, 7, 4, 8))
+    cu_q = jnp.array([[0, 5, 10], [0, 3, 8], [0, 5, 7]], jnp.int32)
+    cu_kv = jnp.array([[0, 7, 14], [0, 2, 9], [0, 7, 9]], jnp.int32)
+
+    def loss(q, k, cq, ckv):
+        return jnp.sum(jnp.cos(fja.attention(q, k, v, mask="padding_causal", cu_seqlens_q=cq, cu_seqlens_kv=ckv)))
+
+    batched = jax.grad(lambda q, k: jnp.sum(jax.vmap(loss, in_axes=(None, None, 0, 0))(q, k, cu_q, cu_kv)),
+                       argnums=(0, 1))(q, k)
+    for i, got in enumerate(batched):
+        want = sum(jax.grad(loss, argnums=i)(q, k, cu_q[n], cu_kv[n]) for n in range(3))
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+def test_a_learning_tensor_read_as_a_constant_is_refused_not_left_without_its_gradient():
+    """cap[0] (a captured tensor indexed by a number) is traced as a new constant: a tensor that required grad
+    silently got none (cap.grad None; s + bias[0] even made an output that needs no gradient). A training call
+    now says so; without grad, or with the tensor detached, it runs."""
+    q = torch.randn(1, 4, 2, 8, requires_grad=True)
+    cap = torch.tensor([3.0], requires_grad=True)
+    for score_mod in (lambda s, b, h, q_idx, kv_idx: cap[0] * torch.tanh(s / cap[0]),
+                      lambda s, b, h, q_idx, kv_idx: s + cap[0]):
+        for inputs in ((q, q, q), (q.detach(),) * 3):
+            with pytest.raises(ValueError, match=r"a captured tensor of shape \(1,\) requires grad, but the "
+                                                 r"callback reads it where no gradient can reach it"):
+                fat.attention(*inputs, score_mod=score_mod)
+        with torch.no_grad():
+            fat.attention(q, q, q, score_mod=score_mod)
+    detached = fat.attention(q, q, q, score_mod=lambda s, b, h, q_idx, kv_idx: cap.detach()[0] * torch.tanh(s / 3))
+    expected, _, _ = naive_attention(*(q.detach().double(),) * 3, score_mod=lambda s, b, h, i, j: 3 * torch.tanh(s / 3))
+    torch.testing.assert_close(detached.double(), expected, atol=1e-5, rtol=1e-5)
+    table = torch.tensor([0.5, -0.25], requires_grad=True)  # indexed by h: it learns (an added term)
+    fat.attention(q, q, q, score_mod=lambda s, b, h, q_idx, kv_idx: s + table[h]).sum().backward()
+    assert table.grad is not None and torch.isfinite(table.grad).all()

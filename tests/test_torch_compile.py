@@ -292,9 +292,11 @@ def test_a_built_ins_fields_are_constants_dynamo_hands_to_plan():
     from fusedattn import score_mods as sm
     from fusedattn.torch import compiled_score_mods
 
+    names = compiled_score_mods._FIELDS
+
     @torch._dynamo.assume_constant_result
     def plan(fields):
-        return float(fields[2]["cap"]) + len(fields[-1])
+        return float(fields[names.index("tensors")]["cap"]) + len(fields[names.index("flex")])
 
     def step(x, mod):
         return x * plan(compiled_score_mods.passed(mod))

@@ -35,13 +35,18 @@ _value_times.defvjp(lambda x, factor: (_scaled(x, factor), factor),
                     lambda factor, g: (g, jnp.zeros_like(factor)))
 
 
-@jax.custom_vjp
+# A custom_jvp, not a custom_vjp: under vmap with x shared and the offsets (so the factor) per item, a
+# custom_vjp's backward ran once per item on the cotangent already summed over the items, and the
+# shared x's gradient came out N times too large. The jvp's tangent is per item; its transpose sums once.
+@jax.custom_jvp
 def _gradient_times(x, factor):
     return x
 
 
-_gradient_times.defvjp(lambda x, factor: (x, factor),
-                       lambda factor, g: (_scaled(g, factor), jnp.zeros_like(factor)))
+@_gradient_times.defjvp
+def _gradient_times_jvp(primals, tangents):
+    x, factor = primals
+    return x, _scaled(tangents[0], factor)
 
 
 def _is_float(x) -> bool:

@@ -16,6 +16,7 @@ the aux descriptions, never the aux values, so caches do not hold user tensors.
 from __future__ import annotations
 
 import numbers
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -81,6 +82,9 @@ class ScoreMod:
     # A built-in defined in flex form (builtins.py): (score_mod, mask_mod), flex-style functions (either may
     # be None). The frontends call them as those keywords (flex_keywords), so its masks become native masks.
     flex: tuple = ()
+    # Tensors that require grad which the callbacks read but the graph does not load (t[0], traced as a new
+    # constant): a call that trains is refused (refuse_unfollowed), since no gradient would reach them.
+    unfollowed: tuple = ()
 
     def __repr__(self) -> str:
         return f"ScoreMod({self.name})"
@@ -243,12 +247,30 @@ def _wants_gradient(value) -> bool:
 
 def needs_gradient(mod: ScoreMod) -> bool:
     """Whether any tensor of `mod` asks for a gradient."""
-    return any(_wants_gradient(v) for v in [*mod.tensors.values(), *mod.bprop_tensors.values()])
+    return any(_wants_gradient(v) for v in [*mod.tensors.values(), *mod.bprop_tensors.values(), *mod.unfollowed])
+
+
+def refuse_unfollowed(api: str, mod: ScoreMod) -> None:
+    """ValueError for a training call whose callbacks read a tensor that requires grad where no gradient can
+    reach it (ScoreMod.unfollowed): it would otherwise train as a constant, silently."""
+    for value in mod.unfollowed:
+        if _wants_gradient(value):
+            raise ValueError(
+                f"{api}: score_mod {mod.name}: a captured tensor of shape {tuple(value.shape)} requires grad, but "
+                "the callback reads it where no gradient can reach it (indexed by numbers alone, such as t[0], "
+                "which is traced as a constant; or in a callback that cannot be traced); index it by b, h, "
+                "q_idx or kv_idx (an added term then learns), or detach it")
+
+
+# The tensors-dict names a traced flex callback's values get (flex.py: c0, ...; lower_cudnn.aux_name: f.a0, ...).
+_TRACED_NAME = re.compile(r"c\d+|[a-z]+\.a\d+")
 
 
 def _normalize(api: str, name: str, value, full: tuple, device: str | None, training: bool):
     """One aux entry as a 4-D array in a dtype cuDNN reads, or a RuntimeScalar."""
     label = f"{api}: score_mod_tensors[{name!r}]"
+    if _TRACED_NAME.fullmatch(name):  # a flex callback's captured tensor, or a value made from them
+        label = f"{api}: score_mod: a captured tensor (or a value the callback makes of one, {name})"
     if isinstance(value, bool) or isinstance(value, numbers.Integral):
         return RuntimeScalar(int(value), "int32")
     if isinstance(value, numbers.Real):
@@ -316,6 +338,8 @@ def bind(api: str, mod: ScoreMod, *, batch: int, heads_q: int, seqlen_q: int, se
         ops = namespace(like)
         tensors = {name: ops.asarray(value, like, str(value.dtype))
                    if name in mod.host and isinstance(value, np.ndarray) else value for name, value in tensors.items()}
+    if training:
+        refuse_unfollowed(api, mod)
     full = (batch, heads_q, seqlen_q, seqlen_kv)
     if mod.prepare is not None:
         tensors = dict(mod.prepare(tensors, full, like))

@@ -504,6 +504,32 @@ def _selects_the_score(expr: Expr) -> bool:
     return any(node.op == "where" and "score" in deps[number] for number, node in enumerate(expr.nodes))
 
 
+def _unfollowed_learners(score_mod, captured: dict) -> tuple:
+    """The torch tensors that require grad, that score_mod reads (flat_reads) and differentiates through, and
+    that the trace does not load as captured tensors (captured: id -> the trace's): one indexed by numbers
+    alone (t[0]), which the trace takes as a new constant, or any of an untraced mod's. No gradient would
+    reach them. (A mask_mod's values have no gradient; a tensor read only through .detach() is no learner.)"""
+    if score_mod is None:
+        return ()
+    found = [x for x in (flat_reads(score_mod) or ()) if type(x).__module__.startswith("torch")
+             and getattr(x, "requires_grad", False) and id(x) not in captured]
+    if not found:
+        return ()
+    import torch
+
+    try:  # which of them the score depends on: one eager call at index 0 (every axis has it)
+        with torch.enable_grad():
+            index = torch.zeros((), dtype=torch.int64, device=found[0].device)
+            score = torch.zeros((), dtype=torch.float32, device=found[0].device)
+            value = torch.as_tensor(score_mod(score, index, index, index, index))
+            if not value.requires_grad:
+                return ()
+            reached = torch.autograd.grad(value.float().sum(), found, allow_unused=True)
+    except Exception:  # it cannot run on stand-ins: every such tensor counts
+        return tuple({id(x): x for x in found}.values())
+    return tuple({id(x): x for x, grad in zip(found, reached) if grad is not None}.values())
+
+
 def flex_score_mod(api: str, framework: str, score_mod=None, mask_mod=None, device=None) -> ScoreMod:
     """A ScoreMod for flex-style callbacks; an ExprError's message becomes the cuDNN reason."""
     for name, fn, count in (("score_mod", score_mod, 5), ("mask_mod", mask_mod, 4)):
@@ -520,7 +546,8 @@ def flex_score_mod(api: str, framework: str, score_mod=None, mask_mod=None, devi
     try:
         traced = trace(framework, score_mod, mask_mod, device, kept)
     except ExprError as error:
-        return ScoreMod(None, eager=eager, name=label, issue=f"{api}: {label}: {error}")
+        return ScoreMod(None, eager=eager, name=label, issue=f"{api}: {label}: {error}",
+                        unfollowed=_unfollowed_learners(score_mod, {}) if framework == "torch" else ())
     exprs = [(FORWARD, traced.forward, traced.forward_plan)]
     if traced.derivative is not None:
         exprs.append((DERIVATIVE, traced.derivative, traced.derivative_plan))
@@ -566,6 +593,7 @@ def flex_score_mod(api: str, framework: str, score_mod=None, mask_mod=None, devi
                                                            derivative=True)
     return ScoreMod(forward, bprop, tensors, eager=eager, prepare=prepare,
                     as_bias=as_bias if traced.added is not None else None, name=label,
+                    unfollowed=_unfollowed_learners(score_mod, captured) if framework == "torch" else (),
                     structure=(LOWERING_VERSION, traced.forward.key,
                                None if traced.derivative is None else traced.derivative.key),
                     masks=_selects_the_score(traced.forward))
