@@ -185,3 +185,23 @@ def test_a_block_table_that_agrees_is_checked_once_and_leaves_the_mask_mod(monke
 def test_bad_arguments_raise_clear_errors(call, match):
     with pytest.raises(ValueError, match=match):
         call(*_inputs(13))
+
+
+def test_kernel_options_and_an_lse_request_are_taken_as_flex_attention_takes_them():
+    """A drop-in takes FlexAttention's keywords: kernel_options (its own kernels' hints: accepted, unused) and
+    return_aux=AuxRequest(lse=True), answered with an AuxOutput; max_scores, not computed here, is refused."""
+    request = getattr(flex_module, "AuxRequest", None)
+    if request is None:
+        pytest.skip("this torch's FlexAttention has no AuxRequest")
+    q, k, v = (torch.randn(2, 2, 24, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager FlexAttention's advice to compile it
+        want_out, want_aux = flex_module.flex_attention(q, k, v, return_aux=request(lse=True))
+    out, aux = flex_attention(q, k, v, return_aux=request(lse=True), kernel_options={"BLOCK_M": 64})
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(aux.lse, want_aux.lse, rtol=1e-5, atol=1e-5)
+    assert aux.max_scores is None
+    with pytest.raises(ValueError, match="return_aux: max_scores is not computed"):
+        flex_attention(q, k, v, return_aux=request(max_scores=True))
+    with pytest.raises(ValueError, match="return_aux: expected None when return_lse=True"):
+        flex_attention(q, k, v, return_lse=True, return_aux=request(lse=True))

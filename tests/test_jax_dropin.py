@@ -290,3 +290,24 @@ def test_good_dropout_rngs_still_run():
     x = jnp.ones((1, 4, 2, 8))
     for rng in (jax.random.key(1), jax.random.PRNGKey(1)):
         assert fj.attention(x, x, x, dropout_p=0.1, dropout_rng=rng).shape == x.shape
+
+
+@pytest.mark.parametrize("options, rank", [({}, 4), ({}, 3), ({"is_causal": True}, 4),
+                                           ({"local_window_size": (1, 0)}, 4),
+                                           ({"key_value_seq_lengths": [0, 3], "query_seq_lengths": [2, 3]}, 4),
+                                           ({"mask": "row 1 of batch 0 masked"}, 4)], ids=str)
+def test_return_residual_is_jax_nns_log_sum_exp(options, rank):
+    """return_residual gives jax.nn's (B, T, N) log-sum-exp, its masked logit in rows without keys."""
+    q = jax.random.normal(jax.random.key(0), (2, 3, 4, 8))
+    k = jax.random.normal(jax.random.key(1), (2, 5, 2, 8))
+    options = dict(options)
+    if "mask" in options:
+        options["mask"] = jnp.ones((1, 1, 3, 5), bool).at[0, 0, 1].set(False)
+    options = {name: jnp.asarray(x, jnp.int32) if isinstance(x, list) else x for name, x in options.items()}
+    if rank == 3:
+        q, k = q[0], k[0]
+    want_out, want = jax.nn.dot_product_attention(q, k, k, return_residual=True, **options)
+    out, residual = fj.dot_product_attention(q, k, k, return_residual=True, **options)
+    assert residual.shape == want.shape and residual.dtype == want.dtype
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(residual), np.asarray(want), rtol=1e-5, atol=1e-5)

@@ -119,9 +119,14 @@ def _empty_rows(mask, structure, kv_lengths, q_lengths, sq: int, skv: int):
     return empty
 
 
+# The logit jax.nn gives a masked position (-0.7 * float32's largest value): its residual's value in rows
+# that see no key.
+_MASKED_LOGIT = -0.7 * float(np.finfo(np.float32).max)
+
+
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
                           query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
-                          implementation=None):
+                          implementation=None, return_residual=False):
     """`jax.nn.dot_product_attention`, run by fusedattn: same arguments, same results.
 
     Args:
@@ -142,6 +147,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
             CPU); 'xla': fusedattn's jax.numpy reference (plain XLA math, no custom call);
             'cudnn': the cudnn backend forced (raises with its reasons where it cannot run, as
             jax.nn raises for shapes cuDNN refuses).
+        return_residual: also return the log-sum-exp of the scaled logits, (B, T, N) (or (T, N)),
+            float32, as jax.nn does: rows without a visible key or past a query length hold
+            -0.7 * float32's largest value, jax.nn's masked logit.
 
     Rows that see no key (fully masked, or a key length of 0) give the mean of value over all
     S keys, as jax.nn does (its masked logits all equal one large negative number), with the
@@ -149,7 +157,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     as fusedattn's native masks where they align; boolean masks become an additive bias.
 
     Returns:
-        An array of query's shape.
+        An array of query's shape; with return_residual, (that array, the residual).
 
     Example:
         >>> q = k = v = jax.random.normal(jax.random.key(0), (2, 128, 8, 64))
@@ -197,11 +205,17 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     out = attention(q, k, v, layout="bshd", mask=mask_name, window=native_window, bias=bias, scale=scale,
                     cu_seqlens_q=_cu_seqlens(q_lengths, batch, sq) if padded else None,
                     cu_seqlens_kv=_cu_seqlens(kv_lengths, batch, skv) if padded else None,
-                    backend=_IMPLEMENTATIONS[implementation])
+                    backend=_IMPLEMENTATIONS[implementation], return_lse=bool(return_residual))
+    residual = None
+    if return_residual:
+        out, lse = out.out, out.lse
+        residual = jnp.where(jnp.isfinite(lse), lse, jnp.float32(_MASKED_LOGIT)).transpose(0, 2, 1)
+        residual = residual.reshape((*out_shape[:-1],))  # (B, T, N), or (T, N) for 3-D inputs
 
     empty = _empty_rows(mask, _structure(bool(is_causal), window, sq, skv), kv_lengths, q_lengths, sq, skv)
     if empty is not None:
         mean = jnp.mean(v.astype(jnp.float32), axis=1).astype(out.dtype)  # (B, K, H)
         mean = jnp.repeat(mean, heads // heads_kv, axis=1)[:, None]  # (B, 1, N, H)
         out = jnp.where(empty[..., None], mean, out)
-    return out.reshape(out_shape)
+    out = out.reshape(out_shape)
+    return out if residual is None else (out, residual)

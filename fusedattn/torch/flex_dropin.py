@@ -23,7 +23,8 @@ API = "fusedattn.torch.flex_attention"
 
 
 def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod=None, block_mask=None,
-                   scale: float | None = None, enable_gqa: bool = False, return_lse: bool = False):
+                   scale: float | None = None, enable_gqa: bool = False, return_lse: bool = False,
+                   kernel_options: dict | None = None, *, return_aux=None):
     """torch.nn.attention.flex_attention.flex_attention, run by fusedattn.
 
     Args:
@@ -37,10 +38,18 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         scale: multiplies q kᵀ; default 1/sqrt(E).
         enable_gqa: allow Hkv < Hq with Hq a multiple of Hkv.
         return_lse: also return the log-sum-exp of the (modified) scores, (B, Hq, L), float32.
+        kernel_options: FlexAttention's tuning hints for its own Triton kernels (block sizes, stages);
+            accepted for a drop-in and not used: fusedattn picks its kernels itself.
+        return_aux: a FlexAttention AuxRequest; its `lse` is returned in an AuxOutput as FlexAttention
+            does. `max_scores` (each row's largest score) is not computed: asking for it raises.
 
     Returns:
-        out (B, Hq, L, Ev), or (out, lse) with return_lse.
+        out (B, Hq, L, Ev), (out, lse) with return_lse, or (out, AuxOutput) with return_aux.
     """
+    if kernel_options is not None and not isinstance(kernel_options, dict):
+        raise ValueError(f"{API}: kernel_options: expected a dict of FlexAttention kernel options or None, got "
+                         f"{type(kernel_options).__name__}")
+    aux = _aux_request(return_aux, return_lse)
     for name, x in (("query", query), ("key", key), ("value", value)):
         if not isinstance(x, torch.Tensor) or x.dim() != 4:
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
@@ -69,7 +78,27 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         if not torch.compiler.is_compiling():  # its table is read on the host: once per BlockMask
             mask_mod = mask_of_block_mask(block_mask, mask_mod, query.shape[0], heads_q, *wanted, query.device)
     result = attention(query, key, value, layout="bhsd", scale=scale, score_mod=score_mod, mask_mod=mask_mod,
-                       return_lse=return_lse)
+                       return_lse=return_lse or aux)
+    if aux:
+        from torch.nn.attention.flex_attention import AuxOutput
+
+        return result.out, AuxOutput(lse=result.lse, max_scores=None)
     if return_lse:
         return result.out, result.lse
     return result
+
+
+def _aux_request(request, return_lse: bool) -> bool:
+    """Whether a FlexAttention AuxRequest asks for the LSE (the one auxiliary output computed here)."""
+    if request is None:
+        return False
+    if return_lse:
+        raise ValueError(f"{API}: return_aux: expected None when return_lse=True (FlexAttention takes one or the "
+                         "other), got an AuxRequest")
+    if not (hasattr(request, "lse") and hasattr(request, "max_scores")):
+        raise ValueError(f"{API}: return_aux: expected a FlexAttention AuxRequest(lse=..., max_scores=...), got "
+                         f"{type(request).__name__}")
+    if request.max_scores:
+        raise ValueError(f"{API}: return_aux: max_scores is not computed by fusedattn (each row's largest score); "
+                         "ask for AuxRequest(lse=True), or use FlexAttention itself for max_scores")
+    return bool(request.lse)
