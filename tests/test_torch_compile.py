@@ -304,3 +304,27 @@ def test_a_built_ins_fields_are_constants_dynamo_hands_to_plan():
     torch._dynamo.reset()
     out = torch.compile(step, fullgraph=True, backend="eager")(torch.ones(2), sm.softcap(2.0))
     assert out.tolist() == [4.0, 4.0]
+
+
+def test_a_compiled_padded_call_needs_no_max_lengths_and_a_thd_one_says_it_does():
+    """A padded layout's longest sequences are its tensors' S: compiled, it no longer asks for max_seqlen_q/kv
+    (it raised, wrapped in Dynamo's internal error); a THD call still must give them, and says so."""
+    q = torch.randn(2, 8, 2, 8, requires_grad=True)
+
+    def padded(q, cu):
+        return fat.attention(q, q, q, mask="padding", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(padded, backend="aot_eager")
+    for lengths in ([5, 8], [3, 6]):
+        cu = torch.tensor([0, lengths[0], sum(lengths)], dtype=torch.int32)
+        got, want = compiled(q, cu), padded(q, cu)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        torch.testing.assert_close(torch.autograd.grad(got.sum(), q)[0], torch.autograd.grad(want.sum(), q)[0],
+                                   rtol=1e-6, atol=1e-6)
+    tokens = q.detach().reshape(16, 2, 8)
+    thd = torch.compile(lambda t, cu: fat.attention(t, t, t, layout="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu),
+                        backend="aot_eager")
+    with pytest.raises(Exception, match=r"max_seqlen_q/max_seqlen_kv: expected ints under torch.compile for layout "
+                                        r"'thd'"):
+        thd(tokens, torch.tensor([0, 5, 13], dtype=torch.int32))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from fusedattn.arguments import TensorMeta
+from fusedattn.config import Layout
 from fusedattn.frontend_common import TENSOR_ARGUMENTS, PreparedCall, prepare_call
 from fusedattn.xp.torch_ops import OPS
 
@@ -39,9 +40,11 @@ def configure(described: tuple, options: dict, backend, grad_enabled: bool, scor
         stand_ins[name] = torch.empty(shape, dtype=dtype, device="meta").requires_grad_(requires_grad)
         metas[name] = TensorMeta(tuple(shape), OPS.dtype_name(stand_ins[name]), str(device), device.type)
     offsets_given = any(stand_ins[n] is not None for n in TENSOR_ARGUMENTS[6:])
-    if offsets_given and (options["max_seqlen_q"] is None or options["max_seqlen_kv"] is None):
-        raise ValueError(f"{API}: max_seqlen_q/max_seqlen_kv: expected ints under torch.compile (the offsets' "
-                         "values cannot be read while tracing), got None")
+    # A THD call's longest sequences come from its offsets' values; a padded one's are its tensors' S.
+    ragged = any(str(options.get("layout") or "bshd") == layout.value for layout in Layout if layout.is_ragged)
+    if offsets_given and ragged and (options["max_seqlen_q"] is None or options["max_seqlen_kv"] is None):
+        raise ValueError(f"{API}: max_seqlen_q/max_seqlen_kv: expected ints under torch.compile for layout "
+                         f"{options.get('layout')!r} (the offsets' values cannot be read while tracing), got None")
     differentiable = [stand_ins[n] for n in TENSOR_ARGUMENTS[:6] if stand_ins[n] is not None]
     return prepare_call(
         API, "torch", stand_ins, describe=lambda x, name: metas.get(name), host_copy=lambda x: None,
