@@ -213,7 +213,9 @@ class AttentionConfig:
                     and self.seqlen_q == self.seqlen_kv)
             if not same:
                 raise ValueError(f"layout {self.layout.value!r} packs q, k and v together: "
-                                 "Hq == Hkv, D == Dv and Sq == Skv are required")
+                                 "Hq == Hkv, D == Dv and Sq == Skv are required, got "
+                                 f"Hq={self.heads_q} Hkv={self.heads_kv} D={self.head_dim_qk} Dv={self.head_dim_v} "
+                                 f"Sq={self.seqlen_q} Skv={self.seqlen_kv}")
         if not isinstance(self.unaligned, tuple) or not all(isinstance(n, str) for n in self.unaligned):
             raise ValueError(f"unaligned: expected a tuple of tensor names, got {self.unaligned!r}")
         if self.strides is not None and not (
