@@ -476,3 +476,17 @@ def test_a_learning_tensor_read_as_a_constant_is_refused_not_left_without_its_gr
     table = torch.tensor([0.5, -0.25], requires_grad=True)  # indexed by h: it learns (an added term)
     fat.attention(q, q, q, score_mod=lambda s, b, h, q_idx, kv_idx: s + table[h]).sum().backward()
     assert table.grad is not None and torch.isfinite(table.grad).all()
+
+
+def test_jax_grad_of_a_constant_indexed_captured_array_is_refused_not_a_leaked_tracer():
+    """jax.grad through c[0] in a score_mod crashed with UnexpectedTracerError (the tracer leaked into the
+    attention's custom_vjp); it now gets the same refusal as torch, and the array under stop_gradient runs."""
+    q = jax.random.normal(jax.random.key(0), (1, 4, 2, 8))
+
+    def loss(cap, stop):
+        cap = jax.lax.stop_gradient(cap) if stop else cap
+        return fja.attention(q, q, q, score_mod=lambda s, b, h, q_idx, kv_idx: cap[0] * jnp.tanh(s / cap[0])).sum()
+
+    with pytest.raises(ValueError, match="requires grad, but the callback reads it where no gradient can reach it"):
+        jax.grad(loss)(jnp.array([3.0]), False)
+    assert float(jax.grad(loss)(jnp.array([3.0]), True)[0]) == 0.0

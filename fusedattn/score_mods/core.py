@@ -259,7 +259,8 @@ def refuse_unfollowed(api: str, mod: ScoreMod) -> None:
                 f"{api}: score_mod {mod.name}: a captured tensor of shape {tuple(value.shape)} requires grad, but "
                 "the callback reads it where no gradient can reach it (indexed by numbers alone, such as t[0], "
                 "which is traced as a constant; or in a callback that cannot be traced); index it by b, h, "
-                "q_idx or kv_idx (an added term then learns), or detach it")
+                "q_idx or kv_idx (an added term then learns), or detach it (torch: .detach(); JAX: "
+                "jax.lax.stop_gradient before the callback captures it)")
 
 
 # The tensors-dict names a traced flex callback's values get (flex.py: c0, ...; lower_cudnn.aux_name: f.a0, ...).

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from fusedattn.cache import LRUCache, register
 from fusedattn.score_mods.aux_plan import Aux, AuxPlan, aux_signature, index_grid, materialize, plan_aux
-from fusedattn.score_mods.core import MASKED, ScoreMod
+from fusedattn.score_mods.core import MASKED, ScoreMod, _differentiated
 from fusedattn.score_mods.expr import BOOL, FLOAT, INDEX_INPUTS, Builder, Expr, ExprError, dependencies
 from fusedattn.score_mods.index_bounds import check_indices
 from fusedattn.score_mods.lower_cudnn import CONSTANTS, LOWERING_VERSION, aux_name, lowered, scalar_name
@@ -504,14 +504,19 @@ def _selects_the_score(expr: Expr) -> bool:
     return any(node.op == "where" and "score" in deps[number] for number, node in enumerate(expr.nodes))
 
 
-def _unfollowed_learners(score_mod, captured: dict) -> tuple:
-    """The torch tensors that require grad, that score_mod reads (flat_reads) and differentiates through, and
-    that the trace does not load as captured tensors (captured: id -> the trace's): one indexed by numbers
-    alone (t[0]), which the trace takes as a new constant, or any of an untraced mod's. No gradient would
-    reach them. (A mask_mod's values have no gradient; a tensor read only through .detach() is no learner.)"""
+def _unfollowed_learners(framework: str, score_mod, captured: dict) -> tuple:
+    """The arrays being differentiated (torch: requiring grad; JAX: a jax.grad tracer) that score_mod reads
+    (flat_reads) and differentiates through, and that the trace does not load as captured arrays (captured:
+    id -> the trace's): one indexed by numbers alone (t[0]), which the trace takes as a new constant, or any
+    of an untraced mod's. No gradient would reach them (JAX: its tracer would leak into the attention's own
+    custom_vjp). A mask_mod's values have no gradient; a torch tensor read only through .detach() is no
+    learner (one eager call on stand-ins tells)."""
     if score_mod is None:
         return ()
-    found = [x for x in (flat_reads(score_mod) or ()) if type(x).__module__.startswith("torch")
+    reads = flat_reads(score_mod) or ()
+    if framework == "jax":
+        return tuple({id(x): x for x in reads if _differentiated(x) and id(x) not in captured}.values())
+    found = [x for x in reads if type(x).__module__.startswith("torch")
              and getattr(x, "requires_grad", False) and id(x) not in captured]
     if not found:
         return ()
@@ -547,7 +552,7 @@ def flex_score_mod(api: str, framework: str, score_mod=None, mask_mod=None, devi
         traced = trace(framework, score_mod, mask_mod, device, kept)
     except ExprError as error:
         return ScoreMod(None, eager=eager, name=label, issue=f"{api}: {label}: {error}",
-                        unfollowed=_unfollowed_learners(score_mod, {}) if framework == "torch" else ())
+                        unfollowed=_unfollowed_learners(framework, score_mod, {}))
     exprs = [(FORWARD, traced.forward, traced.forward_plan)]
     if traced.derivative is not None:
         exprs.append((DERIVATIVE, traced.derivative, traced.derivative_plan))
@@ -593,7 +598,7 @@ def flex_score_mod(api: str, framework: str, score_mod=None, mask_mod=None, devi
                                                            derivative=True)
     return ScoreMod(forward, bprop, tensors, eager=eager, prepare=prepare,
                     as_bias=as_bias if traced.added is not None else None, name=label,
-                    unfollowed=_unfollowed_learners(score_mod, captured) if framework == "torch" else (),
+                    unfollowed=_unfollowed_learners(framework, score_mod, captured),
                     structure=(LOWERING_VERSION, traced.forward.key,
                                None if traced.derivative is None else traced.derivative.key),
                     masks=_selects_the_score(traced.forward))
