@@ -490,3 +490,29 @@ def test_jax_grad_of_a_constant_indexed_captured_array_is_refused_not_a_leaked_t
     with pytest.raises(ValueError, match="requires grad, but the callback reads it where no gradient can reach it"):
         jax.grad(loss)(jnp.array([3.0]), False)
     assert float(jax.grad(loss)(jnp.array([3.0]), True)[0]) == 0.0
+
+
+@pytest.mark.parametrize("form", ["s + t[h] + u[q]", "t[h] - u[kv] + s", "(s - t[h]) - u[q]"])
+def test_several_learnable_added_terms_learn_together(form):
+    """A score_mod adding more than one learnable term was refused ("score_mod tensors get no gradient"): only a
+    single added term ran as a bias. Their sum now runs as one post-scale bias, and every table learns: out,
+    LSE and the gradients of q, k, v and both tables against the float64 naive."""
+    def make(t, u):
+        return {"s + t[h] + u[q]": lambda s, b, h, q_idx, kv_idx: s + t[h] + u[q_idx],
+                "t[h] - u[kv] + s": lambda s, b, h, q_idx, kv_idx: t[h] - u[kv_idx] + s,
+                "(s - t[h]) - u[q]": lambda s, b, h, q_idx, kv_idx: (s - t[h]) - u[q_idx]}[form]
+
+    gen = torch.Generator().manual_seed(29)
+    leaves = [torch.randn(2, 6, 2, 8, generator=gen) for _ in range(3)] + [torch.randn(2, generator=gen),
+                                                                           torch.randn(6, generator=gen)]
+    got_leaves = [x.clone().requires_grad_() for x in leaves]
+    got = fat.attention(*got_leaves[:3], score_mod=make(*got_leaves[3:]), return_lse=True)
+    exact_leaves = [x.double().requires_grad_() for x in leaves]
+    out, lse, _ = naive_attention(*exact_leaves[:3], score_mod=make(*exact_leaves[3:]))
+    torch.testing.assert_close(got.out.double(), out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.lse.double(), lse, atol=1e-5, rtol=1e-5)
+    weight = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    found = torch.autograd.grad((got.out.double() * weight).sum() + got.lse.double().sum(), got_leaves)
+    expected = torch.autograd.grad((out * weight).sum() + lse.sum(), exact_leaves)
+    for name, a, b in zip(("q", "k", "v", "t", "u"), found, expected):
+        torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=1e-5, msg=name)

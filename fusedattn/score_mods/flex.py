@@ -68,7 +68,7 @@ class Traced:
     forward_plan: AuxPlan
     derivative: Expr | None  # None: the derivative in the score is exactly 1
     derivative_plan: AuxPlan | None
-    added: tuple | None  # (node X, sign) when the forward is score +/- X with X free of the score
+    added: tuple | None  # ((node X, sign), ...) when the forward is score +/- X +/- ... with each X free of it
 
 
 def _modded(where, score_mod, mask_mod):
@@ -100,18 +100,30 @@ def _joint_fn(framework: str, fn):
     return joint
 
 
-def _added_term(expr: Expr) -> tuple[int, float] | None:
-    """(node X, sign) when the output is score + X or score - X with X free of the score."""
-    out = expr.nodes[expr.output]
-    if out.op not in ("add", "sub"):
-        return None
+def _added_term(expr: Expr) -> tuple | None:
+    """((node X, sign), ...) when the output is the score plus or minus terms free of it (score + X,
+    X - Y + score, (score + X) + Y): the sum its added term is (each X, Y one node)."""
     deps = dependencies(expr)
-    orders = [out.args] if out.op == "sub" else [out.args, out.args[::-1]]  # score - X, or X + score
-    for mine, other in orders:
-        node = expr.nodes[mine]
-        if node.op == "input" and node.attr == ("score",) and "score" not in deps[other]:
-            return other, (-1.0 if out.op == "sub" else 1.0)
-    return None
+    terms: list = []
+    scores = 0
+
+    def walk(number: int, sign: float) -> bool:
+        nonlocal scores
+        node = expr.nodes[number]
+        if node.op == "input" and node.attr == ("score",):
+            scores += 1
+            return sign > 0
+        if "score" not in deps[number]:
+            terms.append((number, sign))
+            return True
+        if node.op in ("add", "sub"):
+            left, right = node.args
+            return walk(left, sign) and walk(right, -sign if node.op == "sub" else sign)
+        return False
+
+    if expr.nodes[expr.output].op not in ("add", "sub") or not walk(expr.output, 1.0) or scores != 1:
+        return None
+    return tuple(terms)
 
 
 def _tracer(framework: str, device):
@@ -587,9 +599,12 @@ def flex_score_mod(api: str, framework: str, score_mod=None, mask_mod=None, devi
 
     def as_bias(values: dict, shape: tuple, like):
         ops = namespace(like)
-        node, sign = traced.added
-        every_axis = Aux(node, tuple(a for a in INDEX_INPUTS if a in dependencies(traced.forward)[node]), dense=True)
-        term = sign * materialize(traced.forward, every_axis, ops, index_grid(ops, like, shape))
+        grid, deps = index_grid(ops, like, shape), dependencies(traced.forward)
+        term = None
+        for node, sign in traced.added:
+            every_axis = Aux(node, tuple(a for a in INDEX_INPUTS if a in deps[node]), dense=True)
+            value = sign * materialize(traced.forward, every_axis, ops, grid)
+            term = value if term is None else term + value
         full = (term.shape[0], term.shape[1], shape[2], shape[3])
         return term + ops.full(full, 0.0, like, "float32")
 
