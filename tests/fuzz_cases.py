@@ -927,12 +927,17 @@ def compare_outcome(case: Case, got: Outcome, same: Outcome, exact: Outcome) -> 
     problems += compare("lse", got.lse, same.lse, exact.lse, floor)
     if case.max_logit:
         problems += compare("max_logit", got.max_logit, same.max_logit, exact.max_logit, floor)
+    # A float32 backward recomputes the probabilities from the float32 LSE, exp(s - lse): with large logits
+    # (q scaled up) each carries about |s| roundings, which a float32 naive that normalizes each row does
+    # not. Its gradients' floor grows with the logit scale there (float32 only: the half types' floor is
+    # a rounding of theirs, far above it). Seen: grad q 1.88e-5 against a limit of 1.63e-5 at scale 12.6.
+    grad_scale = max(1.0, case.logit_scale) if case.dtype == "float32" else 1.0
     for name, grad in got.grads.items():
         reduction = name in REDUCTIONS or name.startswith("sm")
         if grad is None and not exact.grads[name].any():
             continue  # unused input (no key at all): no gradient is the right one
         problems += compare(f"grad {name}", grad, same.grads[name], exact.grads[name],
-                            (REDUCTION_ATOL if reduction else ATOL)[case.dtype])
+                            (REDUCTION_ATOL if reduction else ATOL)[case.dtype] * grad_scale)
     return problems
 
 
