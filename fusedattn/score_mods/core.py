@@ -16,7 +16,6 @@ the aux descriptions, never the aux values, so caches do not hold user tensors.
 from __future__ import annotations
 
 import numbers
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -263,15 +262,8 @@ def refuse_unfollowed(api: str, mod: ScoreMod) -> None:
                 "jax.lax.stop_gradient before the callback captures it)")
 
 
-# The tensors-dict names a traced flex callback's values get (flex.py: c0, ...; lower_cudnn.aux_name: f.a0, ...).
-_TRACED_NAME = re.compile(r"c\d+|[a-z]+\.a\d+")
-
-
-def _normalize(api: str, name: str, value, full: tuple, device: str | None, training: bool):
-    """One aux entry as a 4-D array in a dtype cuDNN reads, or a RuntimeScalar."""
-    label = f"{api}: score_mod_tensors[{name!r}]"
-    if _TRACED_NAME.fullmatch(name):  # a flex callback's captured tensor, or a value made from them
-        label = f"{api}: score_mod: a captured tensor (or a value the callback makes of one, {name})"
+def _normalize(label: str, value, full: tuple, device: str | None, training: bool):
+    """One aux entry as a 4-D array in a dtype cuDNN reads, or a RuntimeScalar. label: who it is, for errors."""
     if isinstance(value, bool) or isinstance(value, numbers.Integral):
         return RuntimeScalar(int(value), "int32")
     if isinstance(value, numbers.Real):
@@ -344,7 +336,10 @@ def bind(api: str, mod: ScoreMod, *, batch: int, heads_q: int, seqlen_q: int, se
     full = (batch, heads_q, seqlen_q, seqlen_kv)
     if mod.prepare is not None:
         tensors = dict(mod.prepare(tensors, full, like))
-    values = {name: _normalize(api, name, value, full, device, training) for name, value in tensors.items()}
+    # A traced flex mod's tensors are named by the tracer (captured c0, aux f.a0), not by the user.
+    label = (f"{api}: score_mod: a captured tensor (or a value the callback makes of one, {{}})" if mod.structure
+             else f"{api}: score_mod_tensors[{{!r}}]")
+    values = {name: _normalize(label.format(name), value, full, device, training) for name, value in tensors.items()}
     if mod.forward is None:
         return BoundScoreMod(mod, values, EAGER_ONLY_KEY + ((mod.issue,) if mod.issue else ()), None)
     aux = tuple(sorted((name, describe_aux(value)) for name, value in values.items()))

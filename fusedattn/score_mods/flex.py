@@ -390,13 +390,11 @@ def flat_reads(fn) -> tuple | None:
 
 
 def _with_attributes(reads: list, expands: list, names: tuple) -> list:
-    """reads with each user object flattened as its snapshot is (_value_snapshot's "object" form)."""
+    """reads with each user object flattened as its snapshot is."""
     flat: list = []
     for x, expanded in zip(reads, expands):
         if expanded:
-            flat.append("object")
-            flat.append(x)
-            _flatten(_attribute_reads(x, names, _DEPTH), flat)
+            _flatten(_value_snapshot(x, _DEPTH, names), flat)
         else:
             flat.append(x)
     return flat
