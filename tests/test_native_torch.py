@@ -161,8 +161,6 @@ def test_plans_with_a_wrong_shape_list_are_refused(operator):
 
 
 @pytest.mark.parametrize("changes, reason", [
-    (dict(layout="thd", mask="padding", score_mod_key="mod"), "a score_mod with sequence lengths"),
-    (dict(mask="padding", score_mod_key="mod"), "a score_mod with sequence lengths"),
     (dict(return_max_logit=True, mask="padding"), "return_max_logit with sequence lengths"),
     (dict(mask="causal_bottom_right", seqlen_q=64, seqlen_kv=40), "rows without keys"),
 ])
@@ -173,7 +171,9 @@ def test_the_operator_declines_what_it_does_not_run(changes, reason):
 
 @pytest.mark.parametrize("changes", [dict(layout="thd", mask="padding_causal"), dict(mask="padding"),
                                      dict(return_max_logit=True),
-                                     dict(layout="thd", mask="padding", padded_offsets=True, dropout_p=0.1)])
+                                     dict(layout="thd", mask="padding", padded_offsets=True, dropout_p=0.1),
+                                     dict(layout="thd", mask="padding", score_mod_key="mod"),
+                                     dict(mask="padding_causal", score_mod_key="mod")])
 def test_the_operator_runs_padded_and_thd_calls(changes):
     assert torch_plans.reasons(_cfg(**changes)) == []
 
@@ -540,13 +540,22 @@ def test_the_sequence_plan_lists_the_rows_each_slot_reads():
 
     cfg = _cfg(layout="thd", mask="padding", heads_kv=4, padded_offsets=True)
     values = sequence_plans.values(cfg)
-    forward_rows = values[-17:-10]
-    backward_rows = values[-10:]
+    forward_rows = values[-21:-12]
+    backward_rows = values[-12:]
     assert values[:2] == [1, 1] and forward_rows[:2] == [0, 1]  # lengths first, then ragged offsets
-    assert all(row >= 4 for row in forward_rows[2:]) and len(set(forward_rows[2:])) == 5
-    assert backward_rows[:7] == forward_rows  # the backward shares the forward's table
+    assert all(row >= 4 for row in forward_rows[2:7]) and len(set(forward_rows[2:7])) == 5
+    assert forward_rows[7:] == [-1, -1]  # no score_mod: no penalties
+    assert backward_rows[:9] == forward_rows  # the backward shares the forward's table
     padded = sequence_plans.values(_cfg(mask="padding"))
-    assert padded[-17:-10] == [0, 1, -1, -1, -1, -1, -1]  # lengths only
+    assert padded[-21:-12] == [0, 1, -1, -1, -1, -1, -1, -1, -1]  # lengths only
+    assert padded[11] == 1  # the table kernel's programs
+    scored = sequence_plans.values(_cfg(mask="padding", score_mod_key="mod"))
+    from fusedattn.backends.cudnn.sequences import config_layout
+
+    layout = config_layout(_cfg(mask="padding", score_mod_key="mod"))
+    assert scored[11] == 1 + 2 and scored[4] == layout.rows  # a program per sequence writes its penalties
+    assert scored[-21:-12] == [0, 1, -1, -1, -1, -1, -1, *layout.penalty_rows]
+    assert scored[-12:-3] == scored[-21:-12]
 
 
 def test_the_sequence_kernels_compile_for_the_operator_without_scratch():
@@ -570,14 +579,19 @@ def test_the_sequence_kernels_compile_for_the_operator_without_scratch():
                               heads_kv=4, head_dim_qk=64, head_dim_v=32, mask="padding_causal", softmax="learnable",
                               device="cuda", is_training=True)
         compiled = sequence_plans.kernels(cfg, stats=True, target=GPUTarget("cuda", 90, 32))
+        scored = AttentionConfig(dtype="bfloat16", layout="bshd", batch=3, seqlen_q=48, seqlen_kv=40, heads_q=4,
+                                 heads_kv=4, head_dim_qk=64, head_dim_v=32, mask="padding", score_mod_key="mod",
+                                 device="cuda", is_training=True)
+        compiled[1:1] = sequence_plans.kernels(scored, stats=True, target=GPUTarget("cuda", 90, 32))[:1]
         print(json.dumps([[image[:4].hex(), name, warps, shared] for image, name, warps, shared in compiled]))
     """
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     compiled = json.loads(result.stdout.strip().splitlines()[-1])
-    assert len(compiled) == 4 and all(magic == "7f454c46" and warps >= 1 for magic, _, warps, _ in compiled)
-    assert compiled[0][1].startswith("sequence_tables") and all(c[1].startswith("fix_rows") for c in compiled[1:])
+    assert len(compiled) == 5 and all(magic == "7f454c46" and warps >= 1 for magic, _, warps, _ in compiled)
+    assert all(c[1].startswith("sequence_tables") for c in compiled[:2])  # without and with penalties
+    assert all(c[1].startswith("fix_rows") for c in compiled[2:])
 
     def runtime_arguments(kernel):  # the words C++ passes: one per argument that is not a constexpr
         parameters = inspect.signature(kernel.fn).parameters.values()
@@ -618,3 +632,30 @@ def test_thd_plans_take_dense_rows_as_tokens_and_give_dense_outputs(operator):
     with pytest.raises(RuntimeError, match="takes k and v of q's batch"):
         torch.ops.fusedattn_native.attention(plan, q, k.reshape(72, 4, 64), v, None, None, None, None, [], [], False,
                                              _offsets(2))
+
+
+@pytest.mark.parametrize("layout", ["thd", "bshd"])
+def test_score_mod_plans_with_sequences_keep_the_backwards_stats_apart(operator, layout):
+    """A score_mod with padding or THD: the table holds the graph's penalties, and a training forward
+    returns the stats its backward reads (+inf where the LSE is -inf) apart from the LSE, with or
+    without the empty-rows fix."""
+    from fusedattn.backends.cudnn.sequences import config_layout
+
+    cfg = _cfg(layout=layout, mask="padding", heads_kv=4, score_mod_key="mod")
+    plan = _sequence_plan(operator, cfg)
+    if layout == "thd":
+        q = torch.empty(70, 4, 64, dtype=torch.bfloat16, device="meta", requires_grad=True)
+        k = torch.empty(55, 4, 64, dtype=torch.bfloat16, device="meta", requires_grad=True)
+        v = torch.empty(55, 4, 32, dtype=torch.bfloat16, device="meta", requires_grad=True)
+        lse_shape = (70, 4)
+    else:
+        q, k, v = (_meta(cfg, role, requires_grad=True) for role in ("q", "k", "v"))
+        lse_shape = (2, 4, 48)
+    for empty_rows in (False, True):
+        out, lse, stats, table = torch.ops.fusedattn_native.forward(plan, q, k, v, None, None, None, None, [], [],
+                                                                    empty_rows, _offsets(2))
+        assert lse.shape == stats.shape == lse_shape and table.shape == (config_layout(cfg).rows, 4)
+        out, lse = torch.ops.fusedattn_native.attention(plan, q, k, v, None, None, None, None, [], [], empty_rows,
+                                                        _offsets(2))
+        out.sum().backward()
+        assert q.grad.shape == q.shape and v.grad.shape == v.shape

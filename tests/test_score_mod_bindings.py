@@ -132,6 +132,10 @@ def test_the_empty_row_fix_is_asked_for_exactly_when_a_row_can_lose_every_key(mo
     if not empty:  # a window can leave queries past the last key when Sq > Skv
         longer = cfg.replace(seqlen_q=64, mask="causal")
         assert may_empty_rows(longer, bound) is True
+        # and a sequence may have more queries than keys at any Sq, Skv: a left bound can leave its last rows
+        assert may_empty_rows(cfg.replace(mask="padding", window=(3, -1)), bound) is True
+        assert may_empty_rows(cfg.replace(mask="padding"), bound) is False  # every row keeps key 0
+        assert may_empty_rows(cfg.replace(mask="padding_causal"), bound) is False
 
 
 # ------------------------------------------------------------ callbacks made anew at each call

@@ -211,3 +211,38 @@ def test_offsets_past_int32_are_refused_with_the_numbers():
     with pytest.raises(ValueError, match=r"'q' reach 1048576 tokens x 2048 elements .*int32"):
         SequenceTable.build(layout, cu, cu, None, None, (2**20, 10))
     SequenceTable.build(layout, cu, cu, None, None, (2**19, 2**20))  # 2^30 and 2^30: fits
+
+
+@pytest.mark.parametrize("batch", [1, 5])
+@pytest.mark.parametrize("gaps", [False, True])
+def test_score_mod_penalties(batch, gaps):
+    """A score_mod graph's padding penalties (programs 1..B): 0 inside each sequence, MASKED past its end,
+    in rows of their own after the flag; the table's own rows unchanged; all MASKED when broken."""
+    from fusedattn.backends.cudnn.sequences import table_programs
+    from fusedattn.score_mods.core import MASKED
+
+    rng = np.random.default_rng(batch + 7 * gaps)
+    seq_q, seq_kv = 9, 70  # penalties over more than one of a program's steps on the key side
+    cu_q, pad_q = offsets(rng, batch, seq_q, gaps=gaps)
+    cu_kv, pad_kv = offsets(rng, batch, seq_kv, gaps=gaps)
+    layout = Layout(batch, -(-(batch + 1) // 4) * 4, (), 0, False, (seq_q, seq_kv), (seq_q, seq_kv))
+    assert table_programs(layout) == batch + 1
+    tensor = lambda a: None if a is None else torch.from_numpy(np.asarray(a, dtype=np.int32))  # noqa: E731
+    for broken in (False, True):
+        cu = cu_q.copy()
+        if broken:
+            cu[0] = 1
+        table = SequenceTable.build(layout, tensor(cu), tensor(cu_kv), tensor(pad_q), tensor(pad_kv), None)
+        flat = table.table.reshape(-1)
+        row_q, row_kv = layout.penalty_rows
+        width = layout.width
+        assert row_q == layout.flag_row + 1 and table.table.shape[0] == layout.rows
+        penalty_q = flat[row_q * width:row_q * width + batch * seq_q].view(torch.float32).reshape(batch, seq_q)
+        penalty_kv = flat[row_kv * width:row_kv * width + batch * seq_kv].view(torch.float32).reshape(batch, seq_kv)
+        for penalty, lengths, seq in ((penalty_q, np.diff(cu_q), seq_q), (penalty_kv, np.diff(cu_kv), seq_kv)):
+            inside = np.arange(seq)[None, :] < (lengths * (not broken))[:, None]
+            np.testing.assert_array_equal(penalty.numpy(), np.where(inside, 0.0, MASKED).astype(np.float32))
+        assert table.addresses["sm_col_penalty"] - table.addresses["sm_row_penalty"] == (row_kv - row_q) * width * 4
+        assert bool(table.broken()) == broken
+        if not broken:
+            np.testing.assert_array_equal(table.table[0, :batch].numpy(), np.diff(cu_q))

@@ -124,9 +124,12 @@ def may_empty_rows(cfg, bound: BoundScoreMod, is_float_array: Callable, arrays_m
     Yes when the mod selects the mask's score (ScoreMod.masks), is not known to, or computes with a
     number of the mask's magnitude, or with float arrays that arrays_may_mask(list) says may hold one
     (a framework that cannot read them says yes); also when the graph's own window can leave a query
-    past the keys (Sq > Skv). Otherwise the scores are the mod's arithmetic on finite values and every
-    row's softmax is what the float64 definition gives."""
-    if bound.mod.masks is not False or (cfg.seqlen_q > cfg.seqlen_kv and cfg.window != (UNBOUNDED, UNBOUNDED)):
+    past the keys (Sq > Skv, or a sequence with more queries than keys). Otherwise the scores are the
+    mod's arithmetic on finite values and every row's softmax is what the float64 definition gives."""
+    past_keys = cfg.seqlen_q > cfg.seqlen_kv and cfg.window != (UNBOUNDED, UNBOUNDED)
+    # (sequences' diagonals are top-left: spec.py declines padding with bottom-right ones)
+    past_sequences_keys = cfg.has_sequence_lengths and cfg.window[0] != UNBOUNDED
+    if bound.mod.masks is not False or past_keys or past_sequences_keys:
         return True
     arrays = []
     for value in bound.values.values():

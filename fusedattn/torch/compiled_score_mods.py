@@ -100,7 +100,7 @@ def plan(described: tuple, options: tuple, backend, grad_enabled: bool, score_mo
     if isinstance(score_mod, tuple):  # a ScoreMod's fields (passed)
         score_mod = ScoreMod(*score_mod)
     if any(entry is not None for entry in described[6:]):
-        return NOT_IN_GRAPH  # the operator does not run a score_mod with sequence lengths
+        return NOT_IN_GRAPH  # sequence offsets: the eager call runs it (this graph passes no offsets)
     try:
         return _plan(described, dict(options), backend, grad_enabled, score_mod, mask_mod, device)
     except Exception:  # the eager call outside the graph raises it again, with its own message

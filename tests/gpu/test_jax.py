@@ -335,6 +335,11 @@ def thd_case(seed: int, gaps: bool):
     return arrays, options
 
 
+def scored(case, **options):
+    arrays, given = case
+    return arrays, {**given, **options, "score_mod": sm.softcap(2.0)}
+
+
 def bias_case(shape, seed: int):
     q, k, v = qkv(seed)
     return {"q": q, "k": k, "v": v, "bias": normal(seed + 5, shape)}, {"mask": "none"}
@@ -365,6 +370,9 @@ FEATURES = {
     "sink-learnable-none": lambda seed: sink_case("none", seed),
     "sink-learnable-causal": lambda seed: sink_case("causal", seed),
     "d128-s1024": lambda seed: ({n: x for n, x in zip("qkv", qkv(seed, sq=1024, d=128))}, {"mask": "causal"}),
+    # a score_mod's padding as penalties; the window leaves the last 30 queries of the third sequence keyless
+    "padding_causal-window-softcap": lambda seed: scored(padding_case("padding_causal", seed), window=(8, 0)),
+    "thd-softcap": lambda seed: scored(thd_case(seed, gaps=False)),
 }
 FP16_FEATURES = ("bshd-none", "bshd-causal", "bs3hd-causal", "thd", "bias-1HSS")
 FEATURE_CASES = ([pytest.param(name, BF16, id=f"{name}-bf16") for name in FEATURES]

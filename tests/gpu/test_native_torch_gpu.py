@@ -453,8 +453,24 @@ def _sequence_call(name: str):
     return tensors, options
 
 
+def _late_keys(score, b, h, q_idx, kv_idx):  # the first three queries of each sequence see no key
+    return torch.where(kv_idx <= q_idx - 3, score, -float("inf"))
+
+
+def _scored_call(name: str):
+    """A padded or THD call with a score_mod: the graph's padding is the table's penalties. `window`: a left
+    bound that leaves the last queries of the sequence with 130 queries and 100 keys without keys."""
+    base, mod = name.split("+")
+    tensors, options = _sequence_call(base)
+    options = {**options, "score_mod": _late_keys if mod == "late_keys" else _softcap}  # (CAP's)
+    if mod == "window":
+        options.update(mask="padding_causal", window=(8, 0))
+    return tensors, options
+
+
 # (THD with a learnable sink: cuDNN 9.19 declines its backward, which needs 9.26.)
-SEQUENCE_CASES = ["thd", "thd_gaps", "padding", "padding_bias", "padding_sink"]
+SEQUENCE_CASES = ["thd", "thd_gaps", "padding", "padding_bias", "padding_sink", "thd+softcap", "thd_gaps+softcap",
+                  "thd+late_keys", "padding+softcap", "padding+window", "padding_sink+late_keys"]
 
 
 @pytest.mark.parametrize("name", SEQUENCE_CASES)
@@ -462,12 +478,26 @@ def test_padded_and_thd_calls_run_on_the_operator_and_match_float64(name):
     """The operator builds the sequence table and fixes the rows cuDNN leaves with the Triton kernels it
     launches itself: out, LSE (-inf or the sink's log past each sequence) and every gradient agree with
     the float64 reference, and a warm call repeats the cold call's bits."""
+    _check_sequence_call(name, native=True)
+
+
+@pytest.mark.parametrize("name", ["thd+late_keys", "padding+window", "thd_gaps+softcap"])
+def test_scored_sequence_calls_on_the_python_path_match_float64(name, monkeypatch):
+    """The same with the operator off: the Python path binds the table's penalties too."""
+    from fusedattn.cache import clear_all
+
+    monkeypatch.setenv(torch_plans.ENV_SWITCH, "0")
+    clear_all()
+    _check_sequence_call(name, native=False)
+
+
+def _check_sequence_call(name: str, native: bool):
     from gpu_checks import assert_close_to_exact, run
 
-    tensors, options = _sequence_call(name)
+    tensors, options = _scored_call(name) if "+" in name else _sequence_call(name)
     options = {**options, "deterministic": True}
     first, first_grads = run("cudnn", tensors, options)
-    assert _ran_native(first.out), first.out.grad_fn
+    assert _ran_native(first.out) == native, first.out.grad_fn
     again, again_grads = run("cudnn", tensors, options)
     assert torch.equal(first.out, again.out) and all(torch.equal(a, b) for a, b in zip(first_grads[:3], again_grads))
     for a, b in zip(first_grads[3:], again_grads[3:]):  # dSink and dBias: cuDNN sums them in any order
@@ -503,9 +533,9 @@ def test_broken_offsets_give_nan_on_the_operator(name):
         assert torch.isnan(x.grad).all()
 
 
-@pytest.mark.parametrize("name", ["thd", "padding"])
+@pytest.mark.parametrize("name", ["thd", "padding", "thd+softcap", "padding+window"])
 def test_warm_padded_and_thd_calls_never_wait_for_the_device(name):
-    tensors, options = _sequence_call(name)
+    tensors, options = _scored_call(name) if "+" in name else _sequence_call(name)
     leaves = [t.detach().clone().requires_grad_() for t in tensors]
     _warm_calls_never_wait(leaves, options, leaves)
 

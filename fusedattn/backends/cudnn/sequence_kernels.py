@@ -60,27 +60,52 @@ def sequence_tables(
     CU_Q, CU_KV, STARTS_Q, STARTS_KV, TABLE, B, LIMIT_Q, LIMIT_KV, TOTAL_Q, TOTAL_KV, WIDTH,
     ROW_UNITS: tl.constexpr, ROW_SIDES: tl.constexpr, N_ROWS: tl.constexpr, PADDED_Q: tl.constexpr,
     PADDED_KV: tl.constexpr, CHECK_TOTAL: tl.constexpr, BLOCK: tl.constexpr, BLOCKS: tl.constexpr,
+    PENALTY_ROW_Q: tl.constexpr, PENALTY_ROW_KV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_KV: tl.constexpr,
+    MASKED: tl.constexpr, PENALTY_BLOCK: tl.constexpr,
 ):
     """TABLE rows of WIDTH int32 (WIDTH >= B + 1): len_q, len_kv, then N_ROWS rows of starts * ROW_UNITS[r]
     on side ROW_SIDES[r] (0 queries, 1 keys; the first two: the starts themselves, unit 1), then the flag
     (first entry of row 2 + N_ROWS). STARTS_*: padded offsets where PADDED_*, else the cu_seqlens
-    themselves. BLOCKS * BLOCK > B. Units are constexprs: one config, one set of units."""
+    themselves. BLOCKS * BLOCK > B. Units are constexprs: one config, one set of units.
+
+    Program 0 writes those rows. Where PENALTY_ROW_Q > 0 (a score_mod graph's padding), program 1 + b
+    writes sequence b's penalties as float32 bits: SEQ_Q entries from row PENALTY_ROW_Q on at b * SEQ_Q,
+    SEQ_KV from row PENALTY_ROW_KV on at b * SEQ_KV, 0 inside the sequence and MASKED past its end (all
+    MASKED when the offsets are broken)."""
     bad = _side_violated(CU_Q, STARTS_Q, B, LIMIT_Q, TOTAL_Q, PADDED_Q, CHECK_TOTAL, BLOCK, BLOCKS)
     bad = bad | _side_violated(CU_KV, STARTS_KV, B, LIMIT_KV, TOTAL_KV, PADDED_KV, CHECK_TOTAL, BLOCK, BLOCKS)
     keep = bad == 0
-    for step in range(BLOCKS):
-        i = step * BLOCK + tl.arange(0, BLOCK)
-        ok = i < B + 1  # B + 1 starts, B lengths
-        len_q, _, _ = _lengths(CU_Q, STARTS_Q, i, i < B, PADDED_Q)
-        len_kv, _, _ = _lengths(CU_KV, STARTS_KV, i, i < B, PADDED_KV)
-        starts_q = tl.load(STARTS_Q + i, mask=ok, other=0).to(tl.int64)  # B + 1 of them
-        starts_kv = tl.load(STARTS_KV + i, mask=ok, other=0).to(tl.int64)
-        tl.store(TABLE + i, tl.where(keep, len_q, 0).to(tl.int32), mask=i < B)
-        tl.store(TABLE + WIDTH + i, tl.where(keep, len_kv, 0).to(tl.int32), mask=i < B)
-        for row in tl.static_range(N_ROWS):
-            starts = starts_q if ROW_SIDES[row] == 0 else starts_kv
-            tl.store(TABLE + (2 + row) * WIDTH + i, tl.where(keep, starts * ROW_UNITS[row], 0).to(tl.int32), mask=ok)
-    tl.store(TABLE + (2 + N_ROWS) * WIDTH, bad)
+    program = tl.program_id(0)
+    if program == 0:
+        for step in range(BLOCKS):
+            i = step * BLOCK + tl.arange(0, BLOCK)
+            ok = i < B + 1  # B + 1 starts, B lengths
+            len_q, _, _ = _lengths(CU_Q, STARTS_Q, i, i < B, PADDED_Q)
+            len_kv, _, _ = _lengths(CU_KV, STARTS_KV, i, i < B, PADDED_KV)
+            starts_q = tl.load(STARTS_Q + i, mask=ok, other=0).to(tl.int64)  # B + 1 of them
+            starts_kv = tl.load(STARTS_KV + i, mask=ok, other=0).to(tl.int64)
+            tl.store(TABLE + i, tl.where(keep, len_q, 0).to(tl.int32), mask=i < B)
+            tl.store(TABLE + WIDTH + i, tl.where(keep, len_kv, 0).to(tl.int32), mask=i < B)
+            for row in tl.static_range(N_ROWS):
+                starts = starts_q if ROW_SIDES[row] == 0 else starts_kv
+                tl.store(TABLE + (2 + row) * WIDTH + i, tl.where(keep, starts * ROW_UNITS[row], 0).to(tl.int32),
+                         mask=ok)
+        tl.store(TABLE + (2 + N_ROWS) * WIDTH, bad)
+    if PENALTY_ROW_Q > 0:
+        if program > 0:
+            b = (program - 1).to(tl.int64)
+            _penalties(CU_Q, TABLE + PENALTY_ROW_Q * WIDTH + b * SEQ_Q, b, keep, SEQ_Q, MASKED, PENALTY_BLOCK)
+            _penalties(CU_KV, TABLE + PENALTY_ROW_KV * WIDTH + b * SEQ_KV, b, keep, SEQ_KV, MASKED, PENALTY_BLOCK)
+
+
+@triton.jit
+def _penalties(CU, OUT, b, keep, SEQ: tl.constexpr, MASKED: tl.constexpr, BLOCK: tl.constexpr):
+    """SEQ float32 penalties of sequence b (bits into an int32 table): 0 before its length, MASKED after."""
+    length = tl.where(keep, tl.load(CU + b + 1).to(tl.int64) - tl.load(CU + b).to(tl.int64), 0)
+    for start in range(0, SEQ, BLOCK):
+        s = start + tl.arange(0, BLOCK)
+        value = tl.where(s < length, 0.0, MASKED).to(tl.float32)
+        tl.store(OUT + s, value.to(tl.int32, bitcast=True), mask=s < SEQ)
 
 
 @triton.jit

@@ -24,14 +24,30 @@ class Layout:
     queries: int  # how many of `offsets` are on the query side
     ragged: bool
     limits: tuple  # (longest query sequence, longest key sequence)
+    # (Sq, Skv) of a score_mod graph's padding penalties, which the table holds after the flag (see
+    # penalty_rows); () where the graph has none.
+    penalties: tuple = ()
 
     @property
     def flag_row(self) -> int:
         return 4 + len(self.offsets)
 
     @property
+    def penalty_rows(self) -> tuple | None:
+        """The first table rows of the query and key penalties, or None. The query side's B * Sq float32
+        (0 inside each sequence, MASKED outside: sm_row_penalty, (B, 1, Sq, 1)), then the key side's
+        B * Skv (sm_col_penalty), each from a row of its own so that both start 16-byte aligned."""
+        if not self.penalties:
+            return None
+        first = self.flag_row + 1
+        return first, first + -(-self.batch * self.penalties[0] // self.width)
+
+    @property
     def rows(self) -> int:
-        return self.flag_row + 1
+        found = self.penalty_rows
+        if found is None:
+            return self.flag_row + 1
+        return found[1] + -(-self.batch * self.penalties[1] // self.width)
 
     @cached_property
     def row_units(self) -> tuple:
@@ -48,8 +64,10 @@ def layout_of(cfg: AttentionConfig, units: dict) -> Layout:
     """units: {ragged offset name: elements per token} for THD (empty for padded layouts)."""
     query_side = [(name, unit) for name, unit in units.items() if name in _Q_SIDE]
     key_side = [(name, unit) for name, unit in units.items() if name not in _Q_SIDE]
+    # A score_mod graph cannot take cuDNN's padding mask: it adds penalties (score_mod_masks.MaskPlan).
+    penalties = (cfg.seqlen_q, cfg.seqlen_kv) if cfg.score_mod_key is not None else ()
     return Layout(cfg.batch, -(-(cfg.batch + 1) // 4) * 4, (*query_side, *key_side), len(query_side),
-                  cfg.layout.is_ragged, (cfg.seqlen_q, cfg.seqlen_kv))
+                  cfg.layout.is_ragged, (cfg.seqlen_q, cfg.seqlen_kv), penalties)
 
 
 def config_layout(cfg: AttentionConfig) -> Layout:

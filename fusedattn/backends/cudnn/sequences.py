@@ -15,11 +15,13 @@ from fusedattn.backends.cudnn import sequence_kernels
 from fusedattn.backends.cudnn.sequence_layout import Layout, config_layout, layout_of
 from fusedattn.backends.fast_launch import FastLaunch
 from fusedattn.config import SoftmaxType
+from fusedattn.score_mods.core import MASKED
 
-__all__ = ["Layout", "layout_of", "config_layout", "SequenceTable", "table_constants", "fix_constants",
-           "ROWS_PER_PROGRAM"]
+__all__ = ["Layout", "layout_of", "config_layout", "SequenceTable", "table_programs", "table_constants",
+           "fix_constants", "ROWS_PER_PROGRAM"]
 
 _TABLE_BLOCK = 128  # sequences per step of the table kernel
+_PENALTY_BLOCK = 1024  # penalties per step of a penalty program
 ROWS_PER_PROGRAM = 16
 _ELEMENTS_PER_STEP = 1024
 _SINK_KINDS = {SoftmaxType.VANILLA: 0, SoftmaxType.OFF_BY_ONE: 1, SoftmaxType.LEARNABLE: 2}
@@ -50,6 +52,10 @@ class SequenceTable:
         self.addresses = {"seq_len_q": base, "seq_len_kv": base + step}
         for row, (name, _) in enumerate(layout.offsets, start=4):
             self.addresses["ro_" + name] = base + row * step
+        penalties = layout.penalty_rows
+        if penalties is not None:  # a score_mod graph's padding (see Layout.penalty_rows)
+            self.addresses["sm_row_penalty"] = base + penalties[0] * step
+            self.addresses["sm_col_penalty"] = base + penalties[1] * step
 
     @classmethod
     def build(cls, layout: Layout, cu_q: torch.Tensor, cu_kv: torch.Tensor, padded_q: torch.Tensor | None,
@@ -58,7 +64,7 @@ class SequenceTable:
         if totals is not None:
             _check_offsets_fit(layout, totals)
         table = torch.empty(layout.rows, layout.width, dtype=torch.int32, device=cu_q.device)
-        _sequence_tables((1,),
+        _sequence_tables((table_programs(layout),),
             cu_q, cu_kv, cu_q if padded_q is None else padded_q, cu_kv if padded_kv is None else padded_kv,
             table, layout.batch, *layout.limits, *(totals or (0, 0)), layout.width,
             **table_constants(layout, padded_q is not None, padded_kv is not None))
@@ -97,11 +103,20 @@ class SequenceTable:
                             has_lse and stats is not lse, softmax))
 
 
+def table_programs(layout: Layout) -> int:
+    """The table kernel's programs: one for the table, and one per sequence for its penalties."""
+    return 1 + (layout.batch if layout.penalty_rows is not None else 0)
+
+
 def table_constants(layout: Layout, padded_q: bool, padded_kv: bool) -> dict:
     """The constexprs of `sequence_tables` for a layout (the native operator compiles the same kernel)."""
+    rows = layout.penalty_rows or (0, 0)
+    seqlens = layout.penalties or (0, 0)
     return dict(ROW_UNITS=layout.row_units, ROW_SIDES=layout.row_sides, N_ROWS=len(layout.row_units),
                 PADDED_Q=padded_q, PADDED_KV=padded_kv, CHECK_TOTAL=layout.ragged, BLOCK=_TABLE_BLOCK,
-                BLOCKS=triton.cdiv(layout.batch + 1, _TABLE_BLOCK))
+                BLOCKS=triton.cdiv(layout.batch + 1, _TABLE_BLOCK), PENALTY_ROW_Q=rows[0], PENALTY_ROW_KV=rows[1],
+                SEQ_Q=seqlens[0], SEQ_KV=seqlens[1], MASKED=MASKED,
+                PENALTY_BLOCK=min(_PENALTY_BLOCK, triton.next_power_of_2(max(seqlens))))
 
 
 def fix_constants(layout: Layout, side: str, heads: int, dim_x: int, dim_y: int | None, has_lse: bool,

@@ -27,7 +27,7 @@ from fusedattn.backends.cudnn.spec import (
 from fusedattn.cache import LRUCache, register
 from fusedattn.config import AttentionConfig, BiasType, Layout, SoftmaxType
 from fusedattn.layout import layout_spec
-from fusedattn.score_mods.core import MASKED, MASKED_BELOW, RuntimeScalar
+from fusedattn.score_mods.core import MASKED_BELOW, RuntimeScalar
 
 # Axis permutation taking a base-layout tensor to (B, H, S, D), and back.
 _TO_BHSD = {Layout.BSHD: (0, 2, 1, 3), Layout.SBHD: (1, 2, 0, 3), Layout.BHSD: (0, 1, 2, 3)}
@@ -137,7 +137,7 @@ def _shared_buffers(cfg: AttentionConfig, plan: _Plan, inputs: AttentionInputs
         buffers["dropout_seed"] = inputs.dropout_seed.reshape(1, 1, 1, 1)
         buffers["dropout_offset"] = inputs.dropout_offset.reshape(1, 1, 1, 1)
     if spec.score_mod:
-        _score_mod_buffers(cfg, inputs, buffers, table)
+        _score_mod_buffers(cfg, inputs, buffers)
     return buffers, table
 
 
@@ -149,18 +149,12 @@ def _host_scalar(value, dtype: str) -> torch.Tensor:
     return torch.full((1, 1, 1, 1), value, dtype=_HOST_TYPES[dtype])
 
 
-def _score_mod_buffers(cfg: AttentionConfig, inputs: AttentionInputs, buffers: dict, table) -> None:
+def _score_mod_buffers(cfg: AttentionConfig, inputs: AttentionInputs, buffers: dict) -> None:
     """The score_mod's aux values, and the inputs of the masks written after it."""
     for name, value in inputs.score_mod.values.items():
         buffers[aux_name(name)] = (_host_scalar(value.value, value.dtype) if isinstance(value, RuntimeScalar)
                                    else value)
-    plan = mask_plan(cfg)
-    if plan.padding:  # 0 inside each sequence, MASKED outside
-        rows = torch.arange(cfg.seqlen_q, device=inputs.q.device, dtype=torch.int32).reshape(1, 1, -1, 1)
-        cols = torch.arange(cfg.seqlen_kv, device=inputs.q.device, dtype=torch.int32).reshape(1, 1, 1, -1)
-        buffers["sm_row_penalty"] = torch.where(rows < table.lengths("q"), 0.0, MASKED).to(torch.float32)
-        col_penalty = torch.where(cols < table.lengths("kv"), 0.0, MASKED).to(torch.float32)
-        buffers["sm_col_penalty"] = col_penalty.expand(cfg.batch, 1, cfg.seqlen_q, cfg.seqlen_kv)
+    plan = mask_plan(cfg)  # its padding penalties are the sequence table's (SequenceTable.addresses)
     buffers.update({name: _host_scalar(value, dtype) for name, value, dtype in plan.constants(cfg)})
 
 

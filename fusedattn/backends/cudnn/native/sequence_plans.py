@@ -15,7 +15,8 @@ from fusedattn.config import AttentionConfig
 __all__ = ["KERNELS", "FORWARD_SEQUENCE_SLOTS", "BACKWARD_SEQUENCE_SLOTS", "values", "kernels", "compile_kernel"]
 
 # Graph tensors that read the table, in the slot order of torch_op.cc (after each graph's own slots).
-FORWARD_SEQUENCE_SLOTS = ("seq_len_q", "seq_len_kv", "ro_q", "ro_k", "ro_v", "ro_o", "ro_stats")
+FORWARD_SEQUENCE_SLOTS = ("seq_len_q", "seq_len_kv", "ro_q", "ro_k", "ro_v", "ro_o", "ro_stats", "sm_row_penalty",
+                          "sm_col_penalty")
 BACKWARD_SEQUENCE_SLOTS = (*FORWARD_SEQUENCE_SLOTS, "ro_dq", "ro_dk", "ro_dv")
 KERNELS = ("table", "fix_forward", "fix_backward_q", "fix_backward_kv")  # enum SequenceKernel
 _IO_TYPES = {"bfloat16": "*bf16", "float16": "*fp16"}
@@ -33,14 +34,17 @@ def _layout(cfg: AttentionConfig):
 
 def values(cfg: AttentionConfig) -> list[int]:
     """The sequence plan as fusedattn_torch_sequences takes it (torch_op.cc)."""
-    from fusedattn.backends.cudnn.sequences import ROWS_PER_PROGRAM
+    from fusedattn.backends.cudnn.sequences import ROWS_PER_PROGRAM, table_programs
 
     layout = _layout(cfg)
     rows = {"seq_len_q": 0, "seq_len_kv": 1}
     rows.update({"ro_" + name: 4 + index for index, (name, _) in enumerate(layout.offsets)})
+    if layout.penalty_rows is not None:
+        rows.update(zip(("sm_row_penalty", "sm_col_penalty"), layout.penalty_rows))
     units = [x for index, (_, unit) in enumerate(layout.offsets) for x in (unit, int(index >= layout.queries))]
     return [int(layout.ragged), int(cfg.padded_offsets), layout.batch, layout.width, layout.rows, layout.flag_row,
-            *layout.limits, cfg.seqlen_q, cfg.seqlen_kv, ROWS_PER_PROGRAM, len(layout.offsets), *units,
+            *layout.limits, cfg.seqlen_q, cfg.seqlen_kv, ROWS_PER_PROGRAM, table_programs(layout),
+            len(layout.offsets), *units,
             *(rows.get(name, -1) for name in FORWARD_SEQUENCE_SLOTS),
             *(rows.get(name, -1) for name in BACKWARD_SEQUENCE_SLOTS)]
 

@@ -50,7 +50,7 @@ fusedattn_native::CoreApi &core() {
 // plan's aux tensors and then its scalars (torch_plans.py: FORWARD_SLOTS, BACKWARD_SLOTS).
 // Each ends in the sequence slots of padded and THD graphs (lengths, then ragged offsets), which point
 // into the call's sequence table at the rows the plan gives.
-constexpr int kForwardSequenceSlots = 7, kBackwardSequenceSlots = 10;
+constexpr int kForwardSequenceSlots = 9, kBackwardSequenceSlots = 12;
 enum ForwardSlot {
     kFwdQ, kFwdK, kFwdV, kFwdSink, kFwdSeed, kFwdOffset, kFwdO, kFwdStats, kFwdBias, kFwdRowMax, kFwdSumExp,
     kFwdSequences,
@@ -164,9 +164,13 @@ struct SequencePlan {
     bool padded_offsets = false;  // cu_seqlens_*_padded given: four offset tensors, not two
     int64_t batch = 0, width = 0, rows = 0, flag_row = 0, limit_q = 0, limit_kv = 0, seqlen_q = 0, seqlen_kv = 0;
     int64_t rows_per_program = 16;  // query or key rows each fix-up program visits
+    int64_t table_programs = 1;     // the table kernel's; 1 + B where the table holds a score_mod's penalties
     std::vector<int64_t> units, sides;  // per ragged offset: elements per token, side (0 queries, 1 keys)
     std::vector<int64_t> forward_rows, backward_rows;  // the table row of each sequence slot, -1: unbound
     std::unique_ptr<fusedattn_native::TritonKernel> kernels[kSequenceKernels];
+
+    // A score_mod graph's: its padding is the table's penalties (sequence_layout.Layout.penalty_rows).
+    bool score_mod() const { return table_programs > 1; }
 };
 
 struct TorchPlan {
@@ -196,9 +200,11 @@ struct TorchPlan {
 
     bool ragged() const { return sequences != nullptr && sequences->ragged; }
     // Whether a training forward returns the stats its backward reads apart from the LSE: +inf for rows a
-    // score_mod emptied, or the padded graph's own (the LSE is -inf past each sequence's end).
+    // score_mod emptied (and, with sequences, for every row whose LSE is -inf), or the padded graph's own
+    // (the LSE is -inf past each sequence's end).
     bool separate_stats(bool empty_rows) const {
-        return backward >= 0 && (empty_rows || (sequences != nullptr && !sequences->ragged));
+        return backward >= 0 &&
+               (empty_rows || (sequences != nullptr && (!sequences->ragged || sequences->score_mod())));
     }
 
     TorchPlan() {
@@ -350,7 +356,7 @@ Tensor sequence_table(const SequencePlan &plan, at::TensorList offsets, int64_t 
     std::vector<uint64_t> words = {word(cu_q), word(cu_kv), word(starts_q), word(starts_kv), word(table),
                                    word(plan.batch), word(plan.limit_q), word(plan.limit_kv), word(tokens_q),
                                    word(tokens_kv), word(plan.width)};
-    launch_kernel(plan, kTableKernel, q, 1, words);
+    launch_kernel(plan, kTableKernel, q, plan.table_programs, words);
     return table;
 }
 
@@ -540,6 +546,15 @@ Tensor clear_empty_rows(const TorchPlan &plan, std::vector<Tensor> &outputs) {
     return raw.masked_fill_(empty, inf);
 }
 
+// Rows a score_mod emptied inside a padded or THD call's sequences: output 0 and stats -inf, before
+// fix_rows writes the LSE from the stats (torch_run.py: _clear_empty_rows, then fix_rows). raw: the
+// graph's stats, (B, H, S) padded or (T, H) THD.
+void clear_rows_in_sequences(const TorchPlan &plan, const Tensor &out, const Tensor &raw) {
+    Tensor empty = raw.ge(kMaskedBelow).logical_not_().unsqueeze(-1);  // NaN counts as empty too
+    (plan.ragged() ? out : out.permute(plan.to_bhsd)).masked_fill_(empty, 0);
+    raw.masked_fill_(empty.squeeze(-1), -std::numeric_limits<double>::infinity());
+}
+
 // The forward's outputs: out and LSE, then for a plan that trains the stats its backward reads where
 // they are apart (separate_stats), then the sequence table where the plan has one.
 std::vector<Tensor> forward_cuda(int64_t plan_id, const Tensor &q, const Tensor &k, const Tensor &v,
@@ -591,17 +606,24 @@ std::vector<Tensor> forward_cuda(int64_t plan_id, const Tensor &q, const Tensor 
         at::amax_out(outputs[2], row_max, {0, 2});
     }
     Tensor backward_stats;
-    if (empty_rows) backward_stats = clear_empty_rows(*plan, outputs);
+    bool score_mod_rows = sequences != nullptr && sequences->score_mod();
+    if (empty_rows && !score_mod_rows) backward_stats = clear_empty_rows(*plan, outputs);
     if (sequences != nullptr) {
         Tensor lse, lse_stats;
         if (plan->stats) {  // (B, S, H) views; THD: the LSE is the stats, (T, H)
             lse = ragged ? outputs[1] : outputs[1].permute({0, 2, 1});
             lse_stats = ragged ? outputs[1] : stats.permute({0, 2, 1});
         }
+        if (empty_rows && score_mod_rows) clear_rows_in_sequences(*plan, outputs[0], ragged ? outputs[1] : stats);
         fix_rows(*sequences, kFixForward, table, ragged ? outputs[0] : bshd(*plan, outputs[0]), Tensor(), lse,
                  lse_stats, plan->sink_kind == kLearnableSink ? inputs.sinks : Tensor(),
                  sequences->seqlen_q);
-        if (!ragged && plan->backward >= 0) backward_stats = stats;
+        if (score_mod_rows && plan->backward >= 0) {  // as the Python path's backward reads them
+            backward_stats = outputs[1].masked_fill(outputs[1].eq(-std::numeric_limits<double>::infinity()),
+                                                    std::numeric_limits<double>::infinity());
+        } else if (!ragged && plan->backward >= 0) {
+            backward_stats = stats;
+        }
     }
     if (plan->separate_stats(empty_rows)) outputs.push_back(backward_stats);
     if (sequences != nullptr && plan->backward >= 0) outputs.push_back(table);
@@ -630,7 +652,10 @@ std::vector<Tensor> forward_meta(int64_t plan_id, const Tensor &q, const Tensor 
     bias_buffer(*plan, bias, q);
     ScoreModOperands::check(*plan, aux, scalars);
     auto outputs = forward_outputs(*plan, q);
-    if (plan->separate_stats(empty_rows)) outputs.push_back(new_dense(plan->lse_sizes, at::kFloat, q));
+    if (plan->separate_stats(empty_rows)) {  // the LSE's shape: (B, H, S), THD (T, H)
+        outputs.push_back(new_dense(plan->ragged() ? outputs[1].sizes() : c10::IntArrayRef(plan->lse_sizes),
+                                    at::kFloat, q));
+    }
     if (plan->sequences != nullptr) {
         const SequencePlan &sequences = *plan->sequences;
         Tensor table = sequence_table(sequences, offsets, plan->ragged() ? q.size(0) : 0,
@@ -1237,10 +1262,10 @@ int64_t fusedattn_torch_plan(int64_t forward, int64_t backward, const int64_t *s
 
 // Makes plan `id` a padded or THD plan (before Python hands its id out). values: ragged, padded
 // offsets, batch, the table's width, rows and flag row, the longest query and key sequences, Sq, Skv,
-// rows per fix-up program, the number of ragged offsets, then (unit, side) for each, then the table row
+// rows per fix-up program, the table kernel's programs, the number of ragged offsets, then (unit, side) for each, then the table row
 // of each forward sequence slot and of each backward one (-1: none). 0 on success.
 int fusedattn_torch_sequences(int64_t id, const int64_t *values, int64_t count) {
-    constexpr int64_t kFixed = 12;
+    constexpr int64_t kFixed = 13;
     if (count < kFixed || count != kFixed + 2 * values[kFixed - 1] + kForwardSequenceSlots + kBackwardSequenceSlots) {
         fusedattn_error = "sequence plan: unexpected number of values (" + std::to_string(count) + ")";
         return 1;
@@ -1256,7 +1281,7 @@ int fusedattn_torch_sequences(int64_t id, const int64_t *values, int64_t count) 
     sequences->padded_offsets = *next++ != 0;
     for (int64_t *field : {&sequences->batch, &sequences->width, &sequences->rows, &sequences->flag_row,
                            &sequences->limit_q, &sequences->limit_kv, &sequences->seqlen_q, &sequences->seqlen_kv,
-                           &sequences->rows_per_program}) {
+                           &sequences->rows_per_program, &sequences->table_programs}) {
         *field = *next++;
     }
     int64_t ragged_offsets = *next++;

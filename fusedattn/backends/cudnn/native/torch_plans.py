@@ -8,8 +8,7 @@ records its C++ autograd node. A score_mod's aux tensors and numbers travel as `
 in the order `operands(cfg)` gives. Where Python's headers exist, the library is also a Python
 module whose `attention` calls the same operator more cheaply (`entry`) and whose `tensor_key`
 names a call's tensors for its plan-cache signature in one C call (`tensor_key`).
-Configs it does not run (a score_mod or max_logit with sequence lengths, rows without keys) keep the
-Python path;
+Configs it does not run (max_logit with sequence lengths, rows without keys) keep the Python path;
 `unavailable()` says why the library cannot be used at all on this machine.
 FUSEDATTN_TORCH_NATIVE=0 turns the operator off.
 """
@@ -73,8 +72,6 @@ def reasons(cfg: AttentionConfig) -> list[str]:
     from fusedattn.backends.cudnn.spec import rows_without_keys
 
     found = []
-    if cfg.has_sequence_lengths and cfg.score_mod_key is not None:
-        found.append("a score_mod with sequence lengths (padding masks, THD)")
     if cfg.return_max_logit and cfg.has_sequence_lengths:
         found.append("return_max_logit with sequence lengths (padding masks, THD)")
     if rows_without_keys(cfg):
