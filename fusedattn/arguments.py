@@ -7,6 +7,7 @@ devices and option combinations is checked here, once.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -227,6 +228,9 @@ def build_config(args: CallArguments) -> AttentionConfig:
             raise args.error("cu_seqlens_q_padded/cu_seqlens_kv_padded", "both or neither", "only one")
         for name in ("max_seqlen_q", "max_seqlen_kv"):
             value = getattr(args, name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+                value = int(value)  # a NumPy int (np.int64(5)): the same number
+                setattr(args, name, value)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise args.error(name, "an int >= 0 (the longest sequence)", repr(value))
         seqlen_q, seqlen_kv = args.max_seqlen_q, args.max_seqlen_kv

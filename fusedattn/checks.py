@@ -22,6 +22,8 @@ def check_window(value, argument: str = "window", accepted: tuple = (tuple, list
     if value is None:
         return None
     pair = tuple(value) if isinstance(value, accepted) else None
+    if pair is not None:  # NumPy ints (np.int64(2)) as the Python ints of the same value
+        pair = tuple(int(w) if isinstance(w, numbers.Integral) and not isinstance(w, bool) else w for w in pair)
     if not isinstance(pair, tuple) or len(pair) != 2 or not all(_is_int(w) and w >= -1 for w in pair):
         raise ValueError(f"{argument}: expected (left, right), two integers >= -1 (-1 = unbounded), got {value!r}")
     return pair

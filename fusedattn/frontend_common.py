@@ -15,7 +15,7 @@ from fusedattn.arguments import (
     check_sequence_values,
     infer_max_seqlens,
 )
-from fusedattn.config import standard_alibi_slopes
+from fusedattn.config import BiasType, standard_alibi_slopes
 from fusedattn.layout import dense_to_tokens, lse_tokens_to_dense, offsets_violated, split_packed, tokens_to_dense
 from fusedattn.options import TENSORS
 from fusedattn.score_mods.core import bind, needs_gradient, refuse_unfollowed
@@ -116,8 +116,7 @@ def prepare_call(api: str, framework: str, tensors: dict, *, describe, host_copy
     mod = args.score_mod
     if mod is not None and is_training:
         refuse_unfollowed(api, mod)  # (before an added term runs as a bias: it would not reach them either)
-    if (mod is not None and mod.as_bias is not None and tensors.get("bias") is None and is_training
-            and needs_gradient(mod)):
+    if mod is not None and mod.as_bias is not None and is_training and needs_gradient(mod):
         if cfg.layout.is_ragged or tensors.get("alibi_slopes") is not None:
             where = f"layout {cfg.layout.value!r}" if cfg.layout.is_ragged else "alibi_slopes"
             raise ValueError(f"{api}: score_mod: its tensors require grad, so its added term runs as a post-scale "
@@ -126,6 +125,9 @@ def prepare_call(api: str, framework: str, tensors: dict, *, describe, host_copy
         # An added term that must learn: the same sum as a post-scale bias, which has a gradient
         # (in q's dtype, as every bias; the cast passes the gradient back to the term's own dtype).
         term = mod.as_bias(dict(mod.tensors), (cfg.batch, cfg.heads_q, cfg.seqlen_q, cfg.seqlen_kv), tensors["q"])
+        given = tensors.get("bias")
+        if given is not None:  # one post-scale bias: the call's own (times the scale where pre-scale) plus the term
+            term = term + (given * cfg.scale if cfg.bias is BiasType.PRE_SCALE else given)
         ops = namespace(term)
         if ops.dtype_name(term) != cfg.dtype:
             term = ops.astype(term, cfg.dtype)

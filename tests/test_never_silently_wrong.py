@@ -516,3 +516,64 @@ def test_several_learnable_added_terms_learn_together(form):
     expected = torch.autograd.grad((out * weight).sum() + lse.sum(), exact_leaves)
     for name, a, b in zip(("q", "k", "v", "t", "u"), found, expected):
         torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_a_float64_call_keeps_float64_in_a_learnable_added_term():
+    """A learnable added term ran as a bias computed in float32: a float64 call came back with float32 accuracy
+    (out 2e-8, the table's gradient 4e-7 off; gradcheck failed). The term now follows the call's precision."""
+    gen = torch.Generator().manual_seed(41)
+    q, k, v = (torch.randn(2, 6, 4, 8, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    t = torch.randn(6, generator=gen, dtype=torch.float64, requires_grad=True)
+    mod = lambda s, b, h, q_idx, kv_idx: s + t[kv_idx]  # noqa: E731
+    out = fat.attention(q, k, v, score_mod=mod)
+    exact, _, _ = naive_attention(q, k, v, score_mod=mod)
+    assert (out - exact).abs().max() < 1e-13
+    assert torch.autograd.gradcheck(lambda t_: fat.attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + t_[ki]),
+                                    (t,))
+    with jax.enable_x64(True):
+        qj, kj, vj = (jnp.asarray(x.detach().numpy()) for x in (q, k, v))
+        tj = jnp.asarray(t.detach().numpy())
+
+        def loss(t_):
+            return fja.attention(qj, kj, vj, score_mod=lambda s, b, h, qi, ki: s + t_[ki]).sum()
+
+        exact_grad = torch.autograd.grad(naive_attention(q, k, v, score_mod=mod)[0].sum(), t)[0]
+        assert np.abs(np.asarray(jax.grad(loss)(tj)) - exact_grad.numpy()).max() < 1e-12
+
+
+@pytest.mark.parametrize("bias_type", ["post_scale", "pre_scale"])
+def test_a_learnable_added_term_learns_beside_a_bias(bias_type):
+    """With bias= given too, a learnable added term was refused, with a message telling the user to pass the
+    term as bias=. The two now run as one post-scale bias (the given one times the scale where it is
+    pre-scale): out and every gradient, the bias's and the table's, against the float64 naive."""
+    gen = torch.Generator().manual_seed(43)
+    leaves = [torch.randn(2, 6, 2, 8, generator=gen) for _ in range(3)] + [torch.randn(1, 2, 1, 6, generator=gen),
+                                                                           torch.randn(6, generator=gen)]
+
+    def call(attention, q, k, v, bias, t):
+        return attention(q, k, v, bias=bias, bias_type=bias_type, score_mod=lambda s, b, h, qi, ki: s - t[qi])
+
+    got_leaves = [x.clone().requires_grad_() for x in leaves]
+    got = call(fat.attention, *got_leaves)
+    exact_leaves = [x.double().requires_grad_() for x in leaves]
+    exact = call(lambda *a, **o: naive_attention(*a, **o)[0], *exact_leaves)
+    torch.testing.assert_close(got.double(), exact, atol=1e-5, rtol=1e-5)
+    weight = torch.randn(exact.shape, generator=gen, dtype=torch.float64)
+    found = torch.autograd.grad((got.double() * weight).sum(), got_leaves)
+    expected = torch.autograd.grad((exact * weight).sum(), exact_leaves)
+    for name, a, b in zip(("q", "k", "v", "bias", "t"), found, expected):
+        torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_numpy_integers_are_accepted_as_windows_and_max_lengths():
+    """np.int64 windows (torch) and max lengths (JAX) were refused as not ints, while NumPy scales ran."""
+    q = torch.randn(1, 8, 2, 8)
+    assert torch.equal(fat.attention(q, q, q, mask="causal", window=(np.int64(2), 0)),
+                       fat.attention(q, q, q, mask="causal", window=(2, 0)))
+    qj = jax.random.normal(jax.random.key(1), (8, 2, 8))
+    offsets = jnp.array([0, 3, 8], jnp.int32)
+    thd = dict(layout="thd", mask="padding", cu_seqlens_q=offsets, cu_seqlens_kv=offsets)
+    np.testing.assert_array_equal(fja.attention(qj, qj, qj, max_seqlen_q=np.int64(5), max_seqlen_kv=np.int32(5), **thd),
+                                  fja.attention(qj, qj, qj, max_seqlen_q=5, max_seqlen_kv=5, **thd))
+    with pytest.raises(ValueError, match="window: expected"):
+        fat.attention(q, q, q, mask="causal", window=(2.0, 0))  # a float stays refused

@@ -131,14 +131,14 @@ def index_grid(ops, like, shape: tuple) -> dict:
     return grid
 
 
-def materialize(expr: Expr, entry: Aux, ops, grid: dict):
-    """One aux tensor for this call: float32, 4-D, extent 1 on the axes it does not use (a host
-    entry is a Python float)."""
+def materialize(expr: Expr, entry: Aux, ops, grid: dict, dtype: str = "float32"):
+    """One aux tensor for this call: `dtype` (float32 for the graphs; float64 for a float64 call's term
+    run as a bias), 4-D, extent 1 on the axes it does not use (a host entry is a Python float)."""
     if entry.host:
         return evaluate_numbers(expr, entry.node)
-    value = evaluate(expr, ops, grid, "float32", only=entry.node)
+    value = evaluate(expr, ops, grid, dtype, only=entry.node)
     if ops.dtype_name(value) == "bool" or expr.nodes[entry.node].kind == BOOL:
-        value = ops.astype(value, "float32")
+        value = ops.astype(value, dtype)
     node = expr.nodes[entry.node]
     if node.op == "load" and entry.dense:
         # A gather of a half-precision table (relative positions): its own values, exactly, in half the

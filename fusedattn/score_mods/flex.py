@@ -598,13 +598,14 @@ def flex_score_mod(api: str, framework: str, score_mod=None, mask_mod=None, devi
     def as_bias(values: dict, shape: tuple, like):
         ops = namespace(like)
         grid, deps = index_grid(ops, like, shape), dependencies(traced.forward)
+        dtype = "float64" if ops.dtype_name(like) == "float64" else "float32"  # a float64 call keeps its precision
         term = None
         for node, sign in traced.added:
             every_axis = Aux(node, tuple(a for a in INDEX_INPUTS if a in deps[node]), dense=True)
-            value = sign * materialize(traced.forward, every_axis, ops, grid)
+            value = sign * materialize(traced.forward, every_axis, ops, grid, dtype)
             term = value if term is None else term + value
         full = (term.shape[0], term.shape[1], shape[2], shape[3])
-        return term + ops.full(full, 0.0, like, "float32")
+        return term + ops.full(full, 0.0, like, dtype)
 
     forward = lowered(traced.forward, traced.forward_plan, FORWARD, derivative=False)
     bprop = None if traced.derivative is None else lowered(traced.derivative, traced.derivative_plan, DERIVATIVE,
