@@ -577,3 +577,54 @@ def test_numpy_integers_are_accepted_as_windows_and_max_lengths():
                                   fja.attention(qj, qj, qj, max_seqlen_q=5, max_seqlen_kv=5, **thd))
     with pytest.raises(ValueError, match="window: expected"):
         fat.attention(q, q, q, mask="causal", window=(2.0, 0))  # a float stays refused
+
+
+@pytest.mark.parametrize("case", ["document ids", "window bound", "q lengths with a sink", "score_mod table"])
+def test_jax_grad_of_a_jitted_call_whose_callbacks_capture_its_arguments(case):
+    """grad(jit(f)), where a mask_mod or score_mod captures one of f's traced arguments, crashed in XLA's
+    lowering (a leaked tracer: the arrays travelled in a static argument of the custom_vjp, and the
+    reference ran the user's closure over the outer trace's tracer). Now it equals jit(grad(f)), and the
+    output the float64 naive."""
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 8, 4, 8)), jnp.float32) for _ in range(3))
+    arg, options, mod = {
+        "document ids": (jnp.array([[0, 0, 0, 1, 1, 2, 2, 2], [0, 1, 1, 1, 1, 1, 3, 3]]), {},
+                         lambda a: dict(mask_mod=lambda b, h, qi, ki: a[b, qi] == a[b, ki])),
+        "window bound": (jnp.array(2), {}, lambda a: dict(mask_mod=lambda b, h, qi, ki: (qi - ki <= a) & (ki <= qi))),
+        "q lengths with a sink": (jnp.array([5, 2]), {"softmax_type": "off_by_one"},
+                                  lambda a: dict(mask_mod=lambda b, h, qi, ki: qi < a[b])),
+        "score_mod table": (jnp.asarray(rng.standard_normal(8), jnp.float32), {},
+                            lambda a: dict(score_mod=lambda s, b, h, qi, ki: s + a[ki])),
+    }[case]
+
+    def loss(q_, a):
+        return (fja.attention(q_, k, v, **options, **mod(a)) ** 2).sum()
+
+    outer = jax.grad(lambda q_, a: jax.jit(lambda x, y: fja.attention(x, k, v, **options, **mod(y)))(q_, a)
+                     .__pow__(2).sum())(q, arg)
+    inner = jax.jit(jax.grad(loss))(q, arg)
+    np.testing.assert_allclose(np.asarray(outer), np.asarray(inner), rtol=1e-5, atol=1e-6)
+    torch_arg = torch.from_numpy(np.asarray(arg))
+    t_options = {**options, **mod(torch_arg)}
+    if "mask_mod" in t_options:  # the naive takes it as a score_mod
+        keep = t_options.pop("mask_mod")
+        t_options["score_mod"] = lambda s, b, h, qi, ki: torch.where(keep(b, h, qi, ki), s, -float("inf"))
+    qt = torch.from_numpy(np.asarray(q)).double().requires_grad_()
+    exact, _, _ = naive_attention(qt, *(torch.from_numpy(np.asarray(x)).double() for x in (k, v)), **t_options)
+    exact_grad = torch.autograd.grad((exact ** 2).sum(), qt)[0]
+    np.testing.assert_allclose(np.asarray(outer), exact_grad.numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_jax_grad_of_vmap_over_a_captured_per_item_table():
+    """grad(vmap(f)) where the score_mod captures the vmapped table crashed (UnexpectedTracerError); the
+    gradient now equals the items' own, one by one."""
+    rng = np.random.default_rng(3)
+    q, k, v = (jnp.asarray(rng.standard_normal((3, 8, 4, 8)), jnp.float32) for _ in range(3))
+    tables = jnp.asarray(rng.standard_normal((3, 8)), jnp.float32)
+
+    def one(q1, t):
+        return (fja.attention(q1[None], k[:1], v[:1], score_mod=lambda s, b, h, qi, ki: s + t[ki]) ** 2).sum()
+
+    batched = jax.grad(lambda x: jax.vmap(one)(x, tables).sum())(q)
+    items = jnp.stack([jax.grad(one)(q[i], tables[i]) for i in range(3)])
+    np.testing.assert_allclose(np.asarray(batched), np.asarray(items), rtol=1e-5, atol=1e-6)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import jax
@@ -105,12 +106,42 @@ def _run_forward(cfg, backend_name, score_mod, split, arrays):
 
 
 # The backend chosen at trace time is a static argument: forward decides backward. So is `split`:
-# how a bridge call (torch-implemented backend) is split over devices, or None.
+# how a bridge call (torch-implemented backend) is split over devices, or None. The score_mod's arrays
+# are operands (`mod_arrays`, no gradient: one that learns ran as a bias before): a tracer held in a
+# static argument leaks when jax.grad differentiates a jitted call (grad(jit(f))).
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _attention(cfg, backend_name, score_mod, split, arrays):
+def _attention(cfg, backend_name, score_mod, split, arrays, mod_arrays):
     # Runs only when nothing differentiates the call: an inference forward where that differs.
-    outputs, _ = _run_forward(_for_inference(cfg, backend_name), backend_name, score_mod, split, arrays)
+    outputs, _ = _run_forward(_for_inference(cfg, backend_name), backend_name, _with_arrays(score_mod, mod_arrays),
+                              split, arrays)
     return tuple(outputs)
+
+
+_HELD = object()  # a score_mod value that travels among the operands (see _without_arrays)
+
+
+def _without_arrays(score_mod) -> tuple:
+    """(the bound score_mod with its arrays left out, those arrays): see _attention."""
+    if score_mod is None:
+        return None, ()
+    held = {name: _HELD for name, x in score_mod.values.items() if isinstance(x, (jax.Array, jax.core.Tracer))}
+    if not held:
+        return score_mod, ()
+    mod = score_mod.mod
+    if mod.forward is not None and any(isinstance(score_mod.values[name], jax.core.Tracer) for name in held):
+        # The reference runs the user's callbacks, which read the traced arrays themselves: it runs their
+        # traced form over these operands instead (what cuDNN runs).
+        mod = dataclasses.replace(mod, eager=None)
+    return (dataclasses.replace(score_mod, mod=mod, values={**score_mod.values, **held}),
+            tuple(score_mod.values[name] for name in held))
+
+
+def _with_arrays(score_mod, mod_arrays: tuple):
+    if not mod_arrays:
+        return score_mod
+    given = iter(mod_arrays)
+    return dataclasses.replace(score_mod, values={name: next(given) if x is _HELD else x
+                                                  for name, x in score_mod.values.items()})
 
 
 def _for_inference(cfg, backend_name: str):
@@ -125,15 +156,17 @@ def _for_inference(cfg, backend_name: str):
     return cfg if backend.supports(inference) else inference
 
 
-def _attention_fwd(cfg, backend_name, score_mod, split, arrays):
+def _attention_fwd(cfg, backend_name, score_mod, split, arrays, mod_arrays):
     # symbolic_zeros: primals arrive wrapped; cotangents of unused outputs arrive as SymbolicZero.
     arrays = tuple(None if x is None else x.value for x in arrays)
-    outputs, saved = _run_forward(cfg, backend_name, score_mod, split, arrays)
-    return tuple(outputs), (arrays, saved, outputs.out, outputs.lse)
+    mod_arrays = tuple(x.value for x in mod_arrays)
+    outputs, saved = _run_forward(cfg, backend_name, _with_arrays(score_mod, mod_arrays), split, arrays)
+    return tuple(outputs), (arrays, mod_arrays, saved, outputs.out, outputs.lse)
 
 
 def _attention_bwd(cfg, backend_name, score_mod, split, residuals, cotangents):
-    arrays, saved, out, lse = residuals
+    arrays, mod_arrays, saved, out, lse = residuals
+    score_mod = _with_arrays(score_mod, mod_arrays)
     grad_out, grad_lse, _ = (None if isinstance(c, SymbolicZero) else c for c in cotangents)
     backend = get_backend(backend_name)
     if grad_lse is not None and not backend.lse_gradient:
@@ -147,7 +180,7 @@ def _attention_bwd(cfg, backend_name, score_mod, split, residuals, cotangents):
         grads = backend.backward(cfg, _inputs(arrays, score_mod), saved, AttentionOutputs(out, lse), grad_out,
                                  grad_lse)
     return (tuple(grads.get(name) if name in DIFFERENTIABLE and x is not None else None
-                  for name, x in zip(ARRAY_NAMES, arrays)),)
+                  for name, x in zip(ARRAY_NAMES, arrays)), tuple(None for _ in mod_arrays))
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
@@ -253,8 +286,9 @@ def attention(q, k=None, v=None, **options):
         if split is None:  # sharded inputs would be gathered: refused when XLA partitions the program
             call = call._replace(arrays=(*guard_whole(API, layout_spec(call.cfg.layout).base.value, call.arrays[:3],
                                                       call.selection.name), *call.arrays[3:]))
-    out, lse, max_logit = _attention(call.cfg, call.selection.name, call.score_mod, split,
-                                     (*call.arrays, seed, offset))
+    score_mod, mod_arrays = _without_arrays(call.score_mod)
+    out, lse, max_logit = _attention(call.cfg, call.selection.name, score_mod, split, (*call.arrays, seed, offset),
+                                     mod_arrays)
     return pick_outputs(call.cfg, *(poisoned(check, x) for x in (out, lse, max_logit)))
 
 
