@@ -1,10 +1,12 @@
 """fusedattn.jax.attention on CPU (the reference backend) against the float64 naive attention.
 
 Every case checks the forward (out, lse, max_logit) and every gradient (q, k, v or the
-packed tensors, bias, ALiBi slopes, sink) against `tests/naive.py` (float64 torch,
-gradients by torch autograd), on fresh random inputs from fixed jax.random keys.
-Every call is proven to run on the reference backend, forward and backward (STYLE 17).
-Without torch (`make test`'s .venv-notorch) the comparisons with the naive skip; the rest run.
+packed tensors, bias, ALiBi slopes, sink) against a float64 naive attention, on fresh random
+inputs from fixed jax.random keys: `tests/naive.py` (torch, gradients by torch autograd) where
+torch is installed, else its twin `tests/naive_jax.py` (jax.numpy, gradients by jax.vjp), which
+tests/test_naive_twins.py checks against it. So the comparisons run in `make test`'s
+torch-free .venv-notorch too. Every call is proven to run on the reference backend, forward
+and backward (STYLE 17).
 
 JAX runs op by op very slowly on CPU (each primitive compiles), so the comparisons run
 under `jax.jit` with the offsets closed over (concrete, so the frontend still checks
@@ -29,7 +31,12 @@ from fusedattn.backends import BACKENDS  # noqa: E402
 from fusedattn.backends.reference.math import dropout_keep  # noqa: E402
 from fusedattn.xp.jax_ops import OPS as JAX_OPS  # noqa: E402
 
-if HAS_TORCH:  # the float64 naive and the torch frontend; the tests without them run torch-free
+try:
+    import naive_jax
+except ImportError:  # tests/ collected as a package
+    from tests import naive_jax
+
+if HAS_TORCH:  # the torch naive (the ground truth, preferred where it runs) and the torch frontend
     import torch
 
     import fusedattn.torch as ft
@@ -39,7 +46,6 @@ if HAS_TORCH:  # the float64 naive and the torch frontend; the tests without the
     except ImportError:  # tests/ collected as a package
         from tests.naive import naive_attention
 
-needs_naive = requires_torch("the reference is torch's (tests/naive.py: float64, gradients by torch autograd)")
 needs_torch_frontend = requires_torch("compares with the torch frontend")
 
 pytestmark = pytest.mark.usefixtures("fresh_selection")
@@ -156,15 +162,23 @@ def make_inputs(layout: str, seed: int, *, b=2, sq=6, skv=6, hq=4, hkv=2, d=8, d
 
 # ------------------------------------------------------------------ the comparison
 
-def naive_run(layout, arrays, offsets, options, g_out, g_lse, *, score_mod=None, keep=None):
-    """(out, lse, max_logit, grads) of the float64 naive with the given output cotangents."""
+def naive_run(layout, arrays, offsets, options, g_out, g_lse, *, score_mod=None, score_mod_t=None, keep=None):
+    """(out, lse, max_logit, grads) of the float64 naive with the given output cotangents: tests/naive.py
+    (given score_mod_t, the score_mod in torch) where torch is installed, else tests/naive_jax.py (given
+    score_mod, the score_mod in jax.numpy)."""
+    if not HAS_TORCH:
+        kwargs = {name: options[name] for name in NAIVE_OPTIONS if options.get(name) is not None}
+        if keep is not None:
+            kwargs.update(dropout_keep=np.asarray(keep), dropout_p=options["dropout_p"])
+        return naive_jax.value_and_grads(arrays, g_out, g_lse, layout=layout, score_mod=score_mod, **kwargs,
+                                         **{n: np.asarray(x).astype(np.int64) for n, x in offsets.items()})
     tensors = {name: to_torch(x, requires_grad=True) for name, x in arrays.items()}
     kwargs = {name: options[name] for name in NAIVE_OPTIONS if options.get(name) is not None}
     if keep is not None:
         kwargs.update(dropout_keep=torch.tensor(np.asarray(keep)), dropout_p=options["dropout_p"])
     out, lse, max_logit = naive_attention(
         **tensors, **{n: torch.tensor(np.asarray(x).astype(np.int64)) for n, x in offsets.items()},
-        layout=layout, score_mod=score_mod, **kwargs)
+        layout=layout, score_mod=score_mod_t, **kwargs)
     if g_out is None:
         return out.detach(), lse.detach(), max_logit, None
     loss = (out * to_torch(g_out)).sum()
@@ -192,15 +206,16 @@ def jax_run(layout, arrays, offsets, options, g_out, g_lse):
     return out, lse, max_logit, dict(zip(names, grads))
 
 
-def compare_with_naive(calls, layout, arrays, offsets, options, seed, *, score_mod_t=None,
+def compare_with_naive(calls, layout, arrays, offsets, options, seed, *, naive_score_mod=(None, None),
                        keep=None, rtol=RTOL):
-    """Forward and every gradient of fusedattn.jax.attention against the float64 naive."""
-    out_n, lse_n, max_n, _ = naive_run(layout, arrays, offsets, options, None, None,
-                                       score_mod=score_mod_t, keep=keep)
-    g_out = rand(seed + 101, tuple(out_n.shape), arrays["q"].dtype)
-    g_lse = rand(seed + 102, tuple(lse_n.shape))
+    """Forward and every gradient of fusedattn.jax.attention against the float64 naive (naive_score_mod: the
+    call's score_mod in jax.numpy and in torch, for the naive)."""
+    out_shape, lse_shape = naive_jax.output_shapes(layout, arrays)
+    g_out = rand(seed + 101, out_shape, arrays["q"].dtype)
+    g_lse = rand(seed + 102, lse_shape)
+    score_mod, score_mod_t = naive_score_mod
     out_n, lse_n, max_n, grads_n = naive_run(layout, arrays, offsets, options, g_out, g_lse,
-                                             score_mod=score_mod_t, keep=keep)
+                                             score_mod=score_mod, score_mod_t=score_mod_t, keep=keep)
     out, lse, max_logit, grads = jax_run(layout, arrays, offsets, options, g_out, g_lse)
 
     assert_reference_ran(calls)
@@ -256,7 +271,6 @@ def test_forced_reference_matches_default(ran):
 MASK_CASES = [(mask, sq, skv) for mask in MASKS for sq, skv in ((5, 9), (9, 5))]  # Sq == Skv: layouts
 
 
-@needs_naive
 @pytest.mark.parametrize("mask,sq,skv", MASK_CASES)
 def test_masks(ran, mask, sq, skv):
     seed = 1000 + 10 * MASK_CASES.index((mask, sq, skv))
@@ -276,7 +290,6 @@ WINDOW_CASES = [
 ]
 
 
-@needs_naive
 @pytest.mark.parametrize("mask,window,sq,skv", WINDOW_CASES)
 def test_windows(ran, mask, window, sq, skv):
     seed = 2000 + 10 * WINDOW_CASES.index((mask, window, sq, skv))
@@ -296,7 +309,6 @@ BIAS_CASES = [
 ]
 
 
-@needs_naive
 @pytest.mark.parametrize("bias_type,shape,mask", BIAS_CASES)
 def test_bias(ran, bias_type, shape, mask):
     seed = 3000 + 10 * BIAS_CASES.index((bias_type, shape, mask))
@@ -310,7 +322,6 @@ ALIBI_CASES = [("heads", "causal", 6, 9), ("batch_heads", "causal_bottom_right",
                ("heads", "none", 9, 6), ("batch_heads", "padding_causal_bottom_right", 6, 9)]
 
 
-@needs_naive
 @pytest.mark.parametrize("slopes,mask,sq,skv", ALIBI_CASES)
 def test_alibi(ran, slopes, mask, sq, skv):
     seed = 4000 + 10 * ALIBI_CASES.index((slopes, mask, sq, skv))
@@ -323,7 +334,6 @@ def test_alibi(ran, slopes, mask, sq, skv):
 HEAD_CASES = [(4, 4, 8, 8, None), (4, 2, 8, 16, None), (4, 1, 16, 4, None), (3, 1, 5, 7, 0.3)]
 
 
-@needs_naive
 @pytest.mark.parametrize("hq,hkv,d,dv,scale", HEAD_CASES)
 def test_gqa_mqa_and_head_dims(ran, hq, hkv, d, dv, scale):
     seed = 5000 + 10 * HEAD_CASES.index((hq, hkv, d, dv, scale))
@@ -336,7 +346,6 @@ SOFTMAX_CASES = [("off_by_one", "none", 6, 8), ("off_by_one", "causal_bottom_rig
                  ("learnable", "causal_bottom_right", 9, 5)]
 
 
-@needs_naive
 @pytest.mark.parametrize("softmax_type,mask,sq,skv", SOFTMAX_CASES)
 def test_softmax_types(ran, softmax_type, mask, sq, skv):
     seed = 6000 + 10 * SOFTMAX_CASES.index((softmax_type, mask, sq, skv))
@@ -367,7 +376,6 @@ LAYOUT_CASES = {
 }
 
 
-@needs_naive
 @pytest.mark.parametrize("layout", list(LAYOUT_CASES))
 def test_layouts(ran, layout):
     case = LAYOUT_CASES[layout]
@@ -395,7 +403,6 @@ THD_CASES = [
 ]
 
 
-@needs_naive
 @pytest.mark.parametrize("layout,mask,window,extra", THD_CASES, ids=[f"{c[0]}-{c[1]}-{i}" for i, c in
                                                                      enumerate(THD_CASES)])
 def test_thd_features(ran, layout, mask, window, extra):
@@ -463,7 +470,6 @@ SCORE_MOD_CASES = [("softcap", _softcap, _softcap_t, "causal"),
                    ("table", _table, _table_t, "causal_bottom_right")]
 
 
-@needs_naive
 @pytest.mark.parametrize("name,score_mod,score_mod_t,mask", SCORE_MOD_CASES, ids=[c[0] for c in SCORE_MOD_CASES])
 def test_score_mod(ran, name, score_mod, score_mod_t, mask):
     seed = 8000 + 10 * [c[0] for c in SCORE_MOD_CASES].index(name)
@@ -471,7 +477,7 @@ def test_score_mod(ran, name, score_mod, score_mod_t, mask):
     if name == "relative":
         arrays["bias"] = rand(seed + 5, (1, 4, 6, 8))
     compare_with_naive(ran, "bshd", arrays, offsets, {"mask": mask, "score_mod": score_mods.eager(score_mod)}, seed,
-                       score_mod_t=score_mod_t)
+                       naive_score_mod=(score_mod, score_mod_t))
 
 
 # ------------------------------------------------------------------ outputs and masked rows
@@ -577,7 +583,6 @@ def plain_attention(q, k, v, *, mask="none", bias=None, sink=None, lens_q=None, 
 LOW_CASES = [("bfloat16", "causal_gqa"), ("bfloat16", "sink"), ("float16", "causal_gqa"), ("float16", "bias")]
 
 
-@needs_naive
 @pytest.mark.parametrize("dtype,feature", LOW_CASES)
 def test_low_precision_error_within_plain_same_dtype(ran, dtype, feature):
     """fusedattn's error vs float64 within 2x a plain same-dtype computation's error (+ one ulp)."""
@@ -595,9 +600,9 @@ def test_low_precision_error_within_plain_same_dtype(ran, dtype, feature):
         options["softmax_type"] = "learnable"
     names = [n for n in DIFFERENTIABLE if n in arrays]
 
-    out_n, lse_n, _, _ = naive_run("bshd", arrays, offsets, options, None, None)
-    g_out = rand(seed + 101, tuple(out_n.shape), dt)
-    g_lse = rand(seed + 102, tuple(lse_n.shape))
+    out_shape, lse_shape = naive_jax.output_shapes("bshd", arrays)
+    g_out = rand(seed + 101, out_shape, dt)
+    g_lse = rand(seed + 102, lse_shape)
     out_n, lse_n, _, grads_n = naive_run("bshd", arrays, offsets, options, g_out, g_lse)
     out, lse, _, grads = jax_run("bshd", arrays, offsets, options, g_out, g_lse)
     assert_reference_ran(ran)
@@ -687,8 +692,7 @@ def test_jit_thd_traced_offsets_need_static_max_seqlen(ran):
 VMAP_CASES = ("gqa_causal", "bias_sink", "padding_traced_offsets", "thd_traced_offsets")
 
 
-@pytest.mark.parametrize("case", [pytest.param(case, marks=needs_naive if case.endswith("traced_offsets") else ())
-                                  for case in VMAP_CASES])
+@pytest.mark.parametrize("case", VMAP_CASES)
 def test_vmap_matches_loop(ran, case):
     """jax.vmap over an extra leading axis equals a Python loop, forward and gradients."""
     n = 2
@@ -770,7 +774,6 @@ DROPOUT_CASES = [  # (layout, options, inputs); the seeds are the case's own
 ]
 
 
-@needs_naive
 @pytest.mark.parametrize("index", range(len(DROPOUT_CASES)), ids=["bshd", "thd", "bshd-bias-sink"])
 def test_dropout_forward_and_backward_share_the_mask(ran, index):
     """Gradients match the naive given the reference's keep mask: backward drops what forward did."""
@@ -869,7 +872,6 @@ def test_dropout_seed_and_offset_beyond_int32_as_by_the_torch_frontend(ran):
     assert_close(torch_out.numpy(), _beyond_int32_as_uint32(arrays, options), "out (torch int seed vs jax uint32 seed)")
 
 
-@needs_naive
 def test_dropout_rng_mask_recovered_from_forward_drives_backward(ran):
     """Without the library's hash: with v square and invertible, out = P_dropped @ v reveals the
     kept weights; the naive given that mask must reproduce every gradient."""
