@@ -19,6 +19,7 @@ from fusedattn.config import BiasType, standard_alibi_slopes
 from fusedattn.layout import dense_to_tokens, lse_tokens_to_dense, offsets_violated, split_packed, tokens_to_dense
 from fusedattn.options import TENSORS
 from fusedattn.score_mods.core import bind, needs_gradient, refuse_unfollowed
+from fusedattn.score_mods.flex import reads_positions
 from fusedattn.selection import NoBackendError, select_backend
 from fusedattn.xp import namespace
 
@@ -47,11 +48,13 @@ def pick_outputs(cfg, out, lse, max_logit):
     return AttentionResult(out, lse if cfg.return_lse else None, max_logit if cfg.return_max_logit else None)
 
 
-def documents_possible(options: dict) -> bool:
-    """Whether a document mask_mod may run as THD: nothing else in the call needs the dense layout."""
+def documents_possible(options: dict, framework: str, device=None) -> bool:
+    """Whether a document mask_mod may run as THD: nothing else in the call needs the dense layout (a
+    score_mod may come along where it reads only the score and h: flex.reads_positions)."""
     get = options.get
-    return (get("score_mod") is None and get("bias") is None and get("alibi_slopes") is None
-            and not get("return_max_logit"))
+    mod = get("score_mod")
+    return ((mod is None or (not reads_positions(framework, mod, device) and get("score_mod_tensors") is None))
+            and get("bias") is None and get("alibi_slopes") is None and not get("return_max_logit"))
 
 
 def thd_keywords(offsets, longest: int) -> dict:

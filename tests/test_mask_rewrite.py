@@ -461,6 +461,61 @@ def test_a_document_mask_runs_as_thd_and_agrees(layout, causal, monkeypatch):
         torch.testing.assert_close(c, a, rtol=0, atol=0)
 
 
+@torch_side
+@pytest.mark.parametrize("reads", ["score and h", "q_idx", "b"])
+def test_a_document_mask_with_a_score_mod_of_the_score_and_h_runs_as_thd(reads, monkeypatch):
+    """A score_mod that reads only the score and h (a per-head softcap) means the same in the documents' THD
+    call, so the pair runs as THD; one that reads a position or b (others there) keeps the dense select.
+    Either way out, LSE and gradients equal the mask written as a select beside the score_mod."""
+    import fusedattn.torch.functional as torch_functional
+
+    batch, seqlen = 3, 23
+    ids = _document_ids(batch, seqlen, 7)
+    caps = torch.tensor([3.0, 5.0], dtype=torch.float64)
+    thd = _counted(monkeypatch, torch_functional, "call_as_thd")
+    score_mod = {"score and h": lambda s, b, h, q, kv: caps[h] * torch.tanh(s / caps[h]),
+                 "q_idx": lambda s, b, h, q, kv: s + 0.1 * q,
+                 "b": lambda s, b, h, q, kv: s * (1.0 + 0.5 * b)}[reads]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (ids[b, q_idx] == ids[b, kv_idx]) & (q_idx >= kv_idx)
+
+    gen = torch.Generator().manual_seed(13)
+    q, k, v = (torch.randn(_shape("bshd", batch, seqlen, 2), generator=gen, dtype=torch.float64,
+                           requires_grad=True) for _ in range(3))
+    native = _torch_run(q, k, v, "bshd", mask_mod=mask_mod, score_mod=score_mod)
+    assert bool(thd) == (reads == "score and h")
+    selected = _select(mask_mod, torch.where)
+    select = _torch_run(q, k, v, "bshd", score_mod=lambda s, b, h, q_, kv: selected(score_mod(s, b, h, q_, kv), b,
+                                                                                     h, q_, kv))
+    for a, c in zip([native[0], native[1], *native[2]], [select[0], select[1], *select[2]]):
+        torch.testing.assert_close(a, c, rtol=1e-9, atol=1e-9)
+
+
+def test_a_jax_document_mask_with_a_per_head_softcap_runs_as_thd(monkeypatch, x64):
+    import fusedattn.jax.functional as jax_functional
+
+    batch, seqlen = 3, 23
+    ids = jnp.asarray(_jax_documents(batch, seqlen, 9))
+    caps = jnp.asarray([3.0, 5.0])
+    thd = _counted(monkeypatch, jax_functional, "call_as_thd")
+
+    def score_mod(s, b, h, q_idx, kv_idx):
+        return caps[h] * jnp.tanh(s / caps[h])
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return ids[b, q_idx] == ids[b, kv_idx]
+
+    q, k, v = (jnp.asarray(np.random.default_rng(20 + i).standard_normal(_shape("bshd", batch, seqlen, 2)))
+               for i in range(3))
+    native = _jax_run(q, k, v, "bshd", mask_mod=mask_mod, score_mod=score_mod)
+    assert thd, "the document mask with a softcap did not run as THD"
+    selected = _select(mask_mod, jnp.where)
+    select = _jax_run(q, k, v, "bshd", score_mod=lambda s, b, h, q_, kv: selected(score_mod(s, b, h, q_, kv), b, h,
+                                                                                   q_, kv))
+    _assert_runs_agree(native, select)
+
+
 @pytest.mark.parametrize("framework", [pytest.param("torch", marks=torch_side), "jax"])
 @pytest.mark.parametrize("layout", ["bshd", "bhsd", "sbhd"])
 def test_tokens_round_trip_and_bshd_is_one_view(framework, layout):

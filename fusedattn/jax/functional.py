@@ -242,7 +242,7 @@ def attention(q, k=None, v=None, **options):
     check_keywords(API, options, "jax")
     options = flex_keywords(options)  # a built-in in flex form: its score_mod and mask_mod
     if options.get("mask_mod") is not None:  # its causal, window, padding and document parts as native masks
-        options, documents = rewrite_mask("jax", q, k, v, options, document_ok=documents_possible(options))
+        options, documents = rewrite_mask("jax", q, k, v, options, document_ok=documents_possible(options, "jax"))
         if documents is not None:
             found = documents_thd.boundaries(documents.ids, documents.batch, documents.seqlen)
             if found is not None:

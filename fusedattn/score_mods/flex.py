@@ -38,7 +38,7 @@ from fusedattn.xp import namespace
 
 __all__ = ["flex_score_mod", "is_flex_score_mod", "Traced", "trace", "trace_mask", "PartialMask", "SCORE_ARGS",
            "MASK_ARGS", "snapshot", "same_objects", "flat_reads", "same_reads", "reads_key", "identity",
-           "library_function", "fixed_reads"]
+           "library_function", "fixed_reads", "reads_positions"]
 
 SCORE_ARGS = ("score", "b", "h", "q_idx", "kv_idx")
 MASK_ARGS = ("b", "h", "q_idx", "kv_idx")
@@ -479,6 +479,19 @@ def trace(framework: str, score_mod, mask_mod, device=None, kept: frozenset | No
     device: torch's device for the stand-ins (q's), beside the tensors the functions capture."""
     key = ("score", framework, identity(score_mod), identity(mask_mod), str(device), kept)
     return _cached(key, (score_mod, mask_mod), lambda: _trace_now(framework, score_mod, mask_mod, device, kept))
+
+
+def reads_positions(framework: str, score_mod, device=None) -> bool:
+    """Whether a score_mod's result may depend on b, q_idx or kv_idx (True also where that is not known:
+    not a flex callback, or one that does not trace). One that reads only the score and h means the same
+    in a document's THD call, whose b is the document and whose positions start at each document."""
+    if not is_flex_score_mod(score_mod):
+        return True
+    try:
+        forward = trace(framework, score_mod, None, device).forward
+    except ExprError:
+        return True
+    return bool(dependencies(forward)[forward.output] & {"b", "q_idx", "kv_idx"})
 
 
 def trace_mask(framework: str, mask_mod, device=None) -> MaskForms:

@@ -173,7 +173,8 @@ def attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | 
     before_rewrite = options
     if (documents is None and get("mask_mod") is not None and not compiling
             and not isinstance(get("mask_mod"), PartialMask)):  # (a PartialMask is what a rewrite kept)
-        options, documents = rewrite_mask("torch", q, k, v, options, document_ok=documents_possible(options))
+        options, documents = rewrite_mask("torch", q, k, v, options,
+                                          document_ok=documents_possible(options, "torch", q.device))
         get = options.get
         if documents is not None and rewrite_key is not None:
             mask_rewrites.remember(rewrite_key, before_rewrite, options, None, documents)
