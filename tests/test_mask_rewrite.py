@@ -731,12 +731,14 @@ def test_a_document_mask_keeps_its_rewrite_and_follows_its_ids(monkeypatch):
 
 @torch_side
 @pytest.mark.parametrize("layout", ["bshd", "sbhd"])
-def test_a_kept_document_call_goes_to_the_operator_in_one_attention_call(layout, monkeypatch):
+@pytest.mark.parametrize("scored", [False, True], ids=["mask", "with_softcap"])
+def test_a_kept_document_call_goes_to_the_operator_in_one_attention_call(layout, scored, monkeypatch):
     """The warm document path: with its rewrite kept and its THD plan known, a repeat call reaches the native
     operator without a second attention() (functional._DOCUMENT_CALLS), with the THD call's own plan, tokens
     and offsets, and gives what the full way gives; new boundaries (ids changed in place) take the full way
     once, then the short one. The operator is stubbed and the tensors pass as GPU ones (its offsets are then
-    trusted, as on a GPU)."""
+    trusted, as on a GPU). With a softcap beside the documents (scored), the repeat calls take the binding
+    kept for the THD call, and a new cap reaches the operator as its scalar."""
     from fusedattn.torch import functional
 
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
@@ -744,7 +746,7 @@ def test_a_kept_document_call_goes_to_the_operator_in_one_attention_call(layout,
     seen = []
 
     def operator(plan, q, k, v, sink, seed, offset, *extra):  # as the operator answers a THD plan (tokens or rows)
-        seen.append((plan, tuple(q.shape), extra[-1][0].tolist()))
+        seen.append((plan, tuple(q.shape), extra[-1][0].tolist(), list(extra[2]) if len(extra) > 2 else None))
         lse = q[..., 0].float() * 3
         return (q * 2 + k - v).clone(), lse.permute(0, 2, 1) if q.dim() == 4 else lse
 
@@ -756,9 +758,14 @@ def test_a_kept_document_call_goes_to_the_operator_in_one_attention_call(layout,
     gen = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(_shape(layout, batch, seqlen, 2), generator=gen) for _ in range(3))
 
+    cap = [7.0]
+
+    def softcap(score, b, h, i, j):
+        return cap[0] * torch.tanh(score / cap[0])
+
     def run():
         return fat.attention(q, k, v, layout=layout, mask_mod=lambda b, h, i, j: ids[b, i] == ids[b, j],
-                             return_lse=True)
+                             return_lse=True, **({"score_mod": softcap} if scored else {}))
 
     first = run()
     assert len(inner) == 1 and seen[-1][1] == (batch * seqlen, 2, 8)  # the full way: the THD call's tokens
@@ -772,7 +779,13 @@ def test_a_kept_document_call_goes_to_the_operator_in_one_attention_call(layout,
         torch.testing.assert_close(got.lse, first.lse, rtol=0, atol=0)
     want = 2 * q + k - v  # what the stub gives, back in the caller's layout
     torch.testing.assert_close(first.out, want, rtol=0, atol=0)
+    if scored:
+        assert 7.0 in seen[-1][3]
+        cap[0] = 5.0  # the kept binding's check sees the new number: bound again (the full way once), then kept
+        run(), run()
+        assert 5.0 in seen[-1][3] and 7.0 not in seen[-1][3] and len(inner) == 2
+        inner.clear()
     ids.copy_(torch.sort(_document_ids(batch, seqlen, 9), dim=1).values)
     changed = [run() for _ in range(2)]
-    assert len(inner) == 2 and seen[-1][2] != offsets and seen[-1][2] == seen[-2][2]
+    assert len(inner) == (1 if scored else 2) and seen[-1][2] != offsets and seen[-1][2] == seen[-2][2]
     torch.testing.assert_close(changed[1].out, want, rtol=0, atol=0)

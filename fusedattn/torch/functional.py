@@ -293,24 +293,27 @@ def _document_call(q, k, v, options: dict, documents, rewrite_key=None):
     found = documents_thd.boundaries(documents.ids, documents.batch, documents.seqlen)
     if found is None:
         return None
-    if rewrite_key is None or _mod_keywords(options) is not None:  # (a mask left in the graph binds per call)
+    if rewrite_key is None:
         return call_as_thd(attention, q, k, v, options, *found, documents.batch)
     layout = options.get("layout") or "bshd"
     thd = {**options, **thd_keywords(*found)}
+    mods = _mod_keywords(options)  # a score_mod beside the documents (or a mask left in the graph)
     kept = _DOCUMENT_CALLS.peek((rewrite_key, id(found)))  # no lock on the hot path, as the bindings
     if kept is not None and kept[0] is found:
-        signature, planned = _recalled(kept[1])
-        if planned is not None and planned[2] is not None:
+        binding = None if mods is None else _kept_binding(kept[1], mods)  # its operands, bound when it was kept
+        signature, planned = (kept[1], binding.planned) if binding is not None else _recalled(kept[1])
+        if planned is not None and planned[2] is not None and (mods is None or binding is not None):
             if layout == "bshd":  # the operator reads the rows as tokens and answers in this layout
-                return _native_call(planned[2], signature, planned, q, k, v, None, None, None, thd)
+                return _native_call(planned[2], signature, planned, q, k, v, None, None, binding, thd)
             tokens = [dense_to_tokens(x, layout) for x in (q, k, v)]
-            return dense_result(_native_call(planned[2], signature, planned, *tokens, None, None, None, thd),
+            return dense_result(_native_call(planned[2], signature, planned, *tokens, None, None, binding, thd),
                                 layout, documents.batch)
     tokens = [dense_to_tokens(x, layout) for x in (q, k, v)]
     result = dense_result(attention(*tokens, **thd), layout, documents.batch)
     offsets = found[0]
     if offsets.is_cuda:  # as the THD call keys itself (its offsets are trusted)
-        signature = _signature(*tokens, None, None, (offsets, offsets, None, None), thd, None)
+        signature = _signature(*tokens, None, None, (offsets, offsets, None, None), thd,
+                               None if mods is None else _score_mod_names(mods))
         if signature is not None:
             _DOCUMENT_CALLS.put((rewrite_key, id(found)), (found, signature))
     return result

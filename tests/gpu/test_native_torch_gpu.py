@@ -491,6 +491,36 @@ def test_scored_sequence_calls_on_the_python_path_match_float64(name, monkeypatc
     _check_sequence_call(name, native=False)
 
 
+def test_a_document_mask_with_a_softcap_runs_as_thd_and_matches_float64():
+    """A document mask_mod beside a softcap runs as THD with the score_mod (the operator's penalties):
+    out, LSE and every gradient against the float64 reference of the pair written as one select; a repeat
+    call (the operator reading the BSHD rows as tokens, the kept binding) repeats the first's bits."""
+    from gpu_checks import assert_close_to_exact, run
+
+    gen = torch.Generator(device="cuda").manual_seed(61)
+    ids = torch.sort(torch.randint(0, 5, (2, 77), generator=gen, device="cuda"), dim=1).values
+    tensors = _inputs(b=2, s=77, seed=62)
+
+    def same(b, h, q_idx, kv_idx):
+        return ids[b, q_idx] == ids[b, kv_idx]
+
+    def selected(score, b, h, q_idx, kv_idx):
+        return torch.where(same(b, h, q_idx, kv_idx), _softcap(score, b, h, q_idx, kv_idx), -float("inf"))
+
+    options = dict(mask_mod=same, score_mod=_softcap, deterministic=True)
+    assert "layout=thd" in fat.explain(*tensors, **options)
+    got, got_grads = run("cudnn", tensors, options)
+    again, again_grads = run("cudnn", tensors, options)  # the warm way: the binding kept for the THD call
+    assert _ran_native(again.out) and torch.equal(again.out, got.out)
+    assert all(torch.equal(a, b) for a, b in zip(again_grads, got_grads))
+    same_dtype, same_grads = run("reference", tensors, {"score_mod": selected})
+    exact, exact_grads = run("reference", [t.double() for t in tensors], {"score_mod": selected})
+    assert_close_to_exact("out", got.out, same_dtype.out, exact.out)
+    torch.testing.assert_close(got.lse, exact.lse.float(), atol=2e-2, rtol=2e-3)
+    for i, (a, b, c) in enumerate(zip(got_grads, same_grads, exact_grads)):
+        assert_close_to_exact(f"grad {i}", a, b, c)
+
+
 def _check_sequence_call(name: str, native: bool):
     from gpu_checks import assert_close_to_exact, run
 
