@@ -133,9 +133,11 @@ def test_thd_forward_rows(softmax, broken):
     assert bool(table.broken()) == broken
     out = torch.randn(tokens, heads, dim, dtype=torch.bfloat16)
     lse = torch.randn(tokens, heads)
+    lse[::4, 0] = -float("inf")  # rows a score_mod emptied: +inf in the backward's stats
     sink = torch.randn(heads)
     before_out, before_lse = out.float().numpy(), lse.numpy().copy()
-    table.fix_rows("q", out, lse=lse, stats=lse, seqlen=6, sink=sink, softmax=softmax)
+    backward_stats = torch.full_like(lse, 7.0)
+    table.fix_rows("q", out, lse=lse, stats=lse, seqlen=6, sink=sink, softmax=softmax, backward_stats=backward_stats)
     token = np.arange(tokens)
     seq = np.clip(np.searchsorted(pad_q, token, side="right") - 1, 0, batch - 1)
     inside = (token - pad_q[seq] < np.diff(cu_q)[seq]) & (token < pad_q[-1])
@@ -144,6 +146,7 @@ def test_thd_forward_rows(softmax, broken):
     want = np.where(alone[:, None], sink_term(softmax, sink, heads)[None, :], before_lse)
     want = np.where(inside[:, None], want, 0.0)
     np.testing.assert_array_equal(lse.numpy(), np.full_like(want, np.nan) if broken else want)
+    np.testing.assert_array_equal(backward_stats.numpy(), np.where(lse.numpy() == -np.inf, np.inf, lse.numpy()))
 
 
 @pytest.mark.parametrize("layout", ["bshd", "bhsd"])

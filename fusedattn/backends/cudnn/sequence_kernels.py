@@ -122,17 +122,18 @@ def _fill_rows(X, base, fill, write, ELEMENTS, HEAD_DIM, stride_h, BLOCK_R: tl.c
 
 @triton.jit
 def fix_rows(
-    X, Y, LSE, STATS, SINK, TABLE, WIDTH, B, ROWS, SEQ, HEADS, DIM_X, DIM_Y, gap_lse,
+    X, Y, LSE, STATS, SINK, BSTATS, TABLE, WIDTH, B, ROWS, SEQ, HEADS, DIM_X, DIM_Y, gap_lse,
     sx_b, sx_s, sx_h, sy_b, sy_s, sy_h, sl_b, sl_s, sl_h,
     SIDE: tl.constexpr, N_UNITS: tl.constexpr, RAGGED: tl.constexpr, SEARCH_STEPS: tl.constexpr,
     HAS_Y: tl.constexpr, HAS_LSE: tl.constexpr, STATS_APART: tl.constexpr, SINK_KIND: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, STEPS_X: tl.constexpr, STEPS_Y: tl.constexpr,
-    BLOCK_H: tl.constexpr,
+    BLOCK_H: tl.constexpr, BACKWARD_STATS: tl.constexpr,
 ):
     """Rows r of one side (SIDE 0: queries, 1: keys and values): THD token r (RAGGED), else (r // SEQ,
     r % SEQ). X (and Y) are that side's (B, S, H, D)-strided outputs or gradients; LSE/STATS (forward,
     queries) are (B, S, H)-strided; gap_lse is the LSE outside every sequence. SINK_KIND: 0 none (-inf),
-    1 a zero logit, 2 SINK's per-head logits."""
+    1 a zero logit, 2 SINK's per-head logits. BACKWARD_STATS: also write BSTATS (strided as LSE), the stats
+    a score_mod graph's backward reads: the LSE, +inf where it is -inf (so those rows' probabilities are 0)."""
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = r < ROWS
     lengths = TABLE + SIDE * WIDTH
@@ -182,5 +183,7 @@ def fix_rows(
             lse = tl.where(inside[:, None], lse, gap_lse)
             lse = tl.where(bad, float("nan"), lse)
             tl.store(LSE + at, lse, mask=cell)
+            if BACKWARD_STATS:
+                tl.store(BSTATS + at, tl.where(lse == float("-inf"), float("inf"), lse), mask=cell)
             if STATS_APART:  # the backward's stats: finite outside every sequence
                 tl.store(STATS + at, tl.zeros((BLOCK_R, BLOCK_H), dtype=tl.float32), mask=cell & ~inside[:, None])

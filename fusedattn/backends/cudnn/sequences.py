@@ -80,10 +80,11 @@ class SequenceTable:
 
     def fix_rows(self, side: str, x: torch.Tensor, y: torch.Tensor | None = None, *, seqlen: int,
                  lse: torch.Tensor | None = None, stats: torch.Tensor | None = None, sink: torch.Tensor | None = None,
-                 softmax: SoftmaxType = SoftmaxType.VANILLA) -> None:
+                 softmax: SoftmaxType = SoftmaxType.VANILLA, backward_stats: torch.Tensor | None = None) -> None:
         """Fix the rows of one side in place. x, y: (B, S, H, D) views (THD: (T, H, D)) of that side's outputs
         or gradients; lse, stats: (B, S, H) views (THD: (T, H)) of the returned LSE and of the stats cuDNN
-        wrote (the same tensor for THD), for the forward's query side."""
+        wrote (the same tensor for THD), for the forward's query side. backward_stats: strided as lse, gets the
+        stats a score_mod backward reads (the native operator's forward writes them so)."""
         layout = self.layout
         ragged = layout.ragged
         rows = x.shape[0] if ragged else x.shape[0] * x.shape[1]
@@ -95,12 +96,13 @@ class SequenceTable:
         has_lse = lse is not None
         _fix_rows((triton.cdiv(rows, ROWS_PER_PROGRAM),),
             x, x if y is None else y, lse if has_lse else x, stats if has_lse else x,
-            sink if sink is not None else x, self.table, layout.width, layout.batch, rows, seqlen, heads,
+            sink if sink is not None else x, x if backward_stats is None else backward_stats, self.table,
+            layout.width, layout.batch, rows, seqlen, heads,
             x.shape[-1], x.shape[-1] if y is None else y.shape[-1], 0.0 if ragged else float("-inf"),
             *strides(x), *strides(x if y is None else y),
             *(strides(lse) if has_lse else (0, 0, 0)),
             **fix_constants(layout, side, heads, x.shape[-1], None if y is None else y.shape[-1], has_lse,
-                            has_lse and stats is not lse, softmax))
+                            has_lse and stats is not lse, softmax, backward_stats is not None))
 
 
 def table_programs(layout: Layout) -> int:
@@ -120,11 +122,12 @@ def table_constants(layout: Layout, padded_q: bool, padded_kv: bool) -> dict:
 
 
 def fix_constants(layout: Layout, side: str, heads: int, dim_x: int, dim_y: int | None, has_lse: bool,
-                  stats_apart: bool, softmax: SoftmaxType) -> dict:
-    """The constexprs of `fix_rows` for one side's rows (dim_y None: no second tensor)."""
+                  stats_apart: bool, softmax: SoftmaxType, backward_stats: bool = False) -> dict:
+    """The constexprs of `fix_rows` for one side's rows (dim_y None: no second tensor). backward_stats: it
+    also writes a score_mod backward's stats (the native operator's forward)."""
     steps = lambda dim: triton.cdiv(heads * dim, _ELEMENTS_PER_STEP)  # noqa: E731
     return dict(SIDE=0 if side == "q" else 1, N_UNITS=len(layout.offsets), RAGGED=layout.ragged,
                 SEARCH_STEPS=max(layout.batch.bit_length() + 1, 1), HAS_Y=dim_y is not None, HAS_LSE=has_lse,
                 STATS_APART=stats_apart, SINK_KIND=_SINK_KINDS[softmax], BLOCK_R=ROWS_PER_PROGRAM,
                 BLOCK_E=_ELEMENTS_PER_STEP, STEPS_X=steps(dim_x), STEPS_Y=steps(dim_x if dim_y is None else dim_y),
-                BLOCK_H=triton.next_power_of_2(max(heads, 1)))
+                BLOCK_H=triton.next_power_of_2(max(heads, 1)), BACKWARD_STATS=backward_stats)

@@ -22,7 +22,7 @@ KERNELS = ("table", "fix_forward", "fix_backward_q", "fix_backward_kv")  # enum 
 _IO_TYPES = {"bfloat16": "*bf16", "float16": "*fp16"}
 # Pointer arguments' element types (the fix-ups' X and Y take the call's dtype); every other is int64.
 _POINTERS = {"CU_Q": "*i32", "CU_KV": "*i32", "STARTS_Q": "*i32", "STARTS_KV": "*i32", "TABLE": "*i32",
-             "X": None, "Y": None, "LSE": "*fp32", "STATS": "*fp32", "SINK": "*fp32"}
+             "X": None, "Y": None, "LSE": "*fp32", "STATS": "*fp32", "SINK": "*fp32", "BSTATS": "*fp32"}
 _FLOATS = frozenset({"gap_lse"})
 
 
@@ -63,7 +63,8 @@ def kernels(cfg: AttentionConfig, stats: bool, target=None) -> list:
         _compile(sequence_kernels.sequence_tables, cfg, target, table_constants(layout, cfg.padded_offsets,
                                                                                  cfg.padded_offsets)),
         _compile(fix, cfg, target, fix_constants(layout, "q", cfg.heads_q, dim_v, None, stats,
-                                                 stats and not layout.ragged, cfg.softmax)),
+                                                 stats and not layout.ragged, cfg.softmax,
+                                                 stats and layout.penalty_rows is not None and cfg.is_training)),
         _compile(fix, cfg, target, fix_constants(layout, "q", cfg.heads_q, dim_qk, None, False, False,
                                                  cfg.softmax)),
         _compile(fix, cfg, target, fix_constants(layout, "kv", heads_kv, dim_qk, dim_v, False, False,

@@ -375,9 +375,11 @@ std::array<int64_t, 3> row_strides(const SequencePlan &plan, const Tensor &x) {
 
 // Writes the rows of one side that cuDNN leaves (sequence_kernels.py: fix_rows). x, y: that side's
 // outputs or gradients as (B, S, H, D) views (THD: (T, H, D)); lse, stats: the forward's (B, S, H)
-// views (THD: (T, H)); sink: the learnable sink logits, where the plan has them.
+// views (THD: (T, H)); sink: the learnable sink logits, where the plan has them; bstats: where the kernel
+// was compiled to write a score_mod backward's stats (strided as lse), their tensor.
 void fix_rows(const SequencePlan &plan, SequenceKernel which, const Tensor &table, const Tensor &x,
-              const Tensor &y, const Tensor &lse, const Tensor &stats, const Tensor &sink, int64_t seqlen) {
+              const Tensor &y, const Tensor &lse, const Tensor &stats, const Tensor &sink, int64_t seqlen,
+              const Tensor &bstats = Tensor()) {
     int64_t rows = plan.ragged ? x.size(0) : x.size(0) * x.size(1);
     if (rows == 0) return;
     const Tensor &second = y.defined() ? y : x;
@@ -386,7 +388,8 @@ void fix_rows(const SequencePlan &plan, SequenceKernel which, const Tensor &tabl
     float gap_lse = plan.ragged ? 0.0f : -std::numeric_limits<float>::infinity();
     std::vector<uint64_t> words = {
         word(x), word(second), word(lse.defined() ? lse : x), word(stats.defined() ? stats : x),
-        word(sink.defined() ? sink : x), word(table), word(plan.width), word(plan.batch), word(rows),
+        word(sink.defined() ? sink : x), word(bstats.defined() ? bstats : x), word(table), word(plan.width),
+        word(plan.batch), word(rows),
         word(plan.ragged ? int64_t(1) : seqlen), word(x.size(-2)), word(x.size(-1)), word(second.size(-1)),
         word(gap_lse), word(sx[0]), word(sx[1]), word(sx[2]), word(sy[0]), word(sy[1]), word(sy[2]),
         word(sl[0]), word(sl[1]), word(sl[2])};
@@ -615,15 +618,17 @@ std::vector<Tensor> forward_cuda(int64_t plan_id, const Tensor &q, const Tensor 
             lse_stats = ragged ? outputs[1] : stats.permute({0, 2, 1});
         }
         if (empty_rows && score_mod_rows) clear_rows_in_sequences(*plan, outputs[0], ragged ? outputs[1] : stats);
-        fix_rows(*sequences, kFixForward, table, ragged ? outputs[0] : bshd(*plan, outputs[0]), Tensor(), lse,
-                 lse_stats, plan->sink_kind == kLearnableSink ? inputs.sinks : Tensor(),
-                 sequences->seqlen_q);
-        if (score_mod_rows && plan->backward >= 0) {  // as the Python path's backward reads them
-            backward_stats = outputs[1].masked_fill(outputs[1].eq(-std::numeric_limits<double>::infinity()),
-                                                    std::numeric_limits<double>::infinity());
+        // A score_mod's backward reads the LSE with +inf for -inf (as the Python path's): fix_rows writes it.
+        Tensor bstats;
+        if (score_mod_rows && plan->backward >= 0) {
+            bstats = new_tensor(outputs[1].sizes(), outputs[1].strides(), at::kFloat, q);
+            backward_stats = bstats;
         } else if (!ragged && plan->backward >= 0) {
             backward_stats = stats;
         }
+        fix_rows(*sequences, kFixForward, table, ragged ? outputs[0] : bshd(*plan, outputs[0]), Tensor(), lse,
+                 lse_stats, plan->sink_kind == kLearnableSink ? inputs.sinks : Tensor(), sequences->seqlen_q,
+                 bstats.defined() ? (ragged ? bstats : bstats.permute({0, 2, 1})) : Tensor());
     }
     if (plan->separate_stats(empty_rows)) outputs.push_back(backward_stats);
     if (sequences != nullptr && plan->backward >= 0) outputs.push_back(table);
