@@ -250,6 +250,12 @@ def build_config(args: CallArguments) -> AttentionConfig:
         elif args.cu_seqlens_q is not None or args.cu_seqlens_kv is not None:
             raise args.error("mask", "a padding mask when cu_seqlens are given", repr(mask.value),
                              hint=f"use {mask.with_padding().value!r} or drop cu_seqlens")
+        else:  # nothing to bound: a length here would be ignored, not applied
+            for name in ("max_seqlen_q", "max_seqlen_kv"):
+                if getattr(args, name) is not None:
+                    raise args.error(name, "None without cu_seqlens (the longest sequence of a THD or padding-mask "
+                                           "call)", repr(getattr(args, name)),
+                                     hint="to attend to fewer positions, pass cu_seqlens with a padding mask")
 
     bias_type, bias_shape = _bias(args, heads_q, batch, dtype, device)
     if softmax is SoftmaxType.LEARNABLE:

@@ -628,3 +628,76 @@ def test_jax_grad_of_vmap_over_a_captured_per_item_table():
     batched = jax.grad(lambda x: jax.vmap(one)(x, tables).sum())(q)
     items = jnp.stack([jax.grad(one)(q[i], tables[i]) for i in range(3)])
     np.testing.assert_allclose(np.asarray(batched), np.asarray(items), rtol=1e-5, atol=1e-6)
+
+
+def test_a_max_length_without_offsets_is_refused_not_ignored():
+    """max_seqlen_q on a dense call without cu_seqlens was accepted and ignored: every position attended."""
+    q = torch.randn(1, 8, 2, 8)
+    fat.attention(q, q, q)  # a plain call first: the plan cache must not let the next one through
+    for name in ("max_seqlen_q", "max_seqlen_kv"):
+        with pytest.raises(ValueError, match=f"{name}: expected None without cu_seqlens"):
+            fat.attention(q, q, q, **{name: 4})
+        with pytest.raises(ValueError, match=f"{name}: expected None without cu_seqlens"):
+            fja.attention(jnp.asarray(q.numpy()), jnp.asarray(q.numpy()), jnp.asarray(q.numpy()), **{name: 4})
+
+
+def test_a_kept_document_rewrite_follows_its_score_mod_starting_to_read_positions():
+    """A document mask beside a score_mod of h alone runs as THD; the same code made over a flag that now reads
+    kv_idx recalled the kept THD rewrite (positions restart at each document): off by 1.18. It now runs the
+    select, in agreement with the float64 naive."""
+    ids = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 2], [0, 0, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3]])
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return ids[b, q_idx] == ids[b, kv_idx]
+
+    def make(by_position):
+        def score_mod(s, b, h, q_idx, kv_idx):
+            return s * (1.0 + 0.2 * (kv_idx if by_position else h))
+        return score_mod
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 12, 2, 4, generator=gen, dtype=torch.float64) for _ in range(3))
+    for by_position in (False, True, False):
+        mod = make(by_position)
+        out = fat.attention(q, k, v, score_mod=mod, mask_mod=mask_mod)
+        exact, _, _ = naive_attention(q, k, v, score_mod=lambda s, b, h, qi, ki, mod=mod: torch.where(
+            mask_mod(b, h, qi, ki), mod(s, b, h, qi, ki), -float("inf")))
+        assert (out - exact).abs().max() < 1e-12, by_position
+
+
+@pytest.mark.parametrize("case", ["h", "table"])
+def test_jax_float64_jit_keeps_float64_in_traced_score_mods(case):
+    """Under jax.jit a float64 call's score_mod pieces (h, captured arrays) were made float32 aux arrays for the
+    reference: errors of 2e-8 to 1.6e-5 against float64. They keep float64 now, as in eager calls."""
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(5)
+        q, k, v = (jnp.asarray(rng.standard_normal((2, 8, 4, 8))) for _ in range(3))
+        table = jnp.asarray(rng.standard_normal((4, 15)) * 1000)
+        mod = {"h": lambda s, b, h, qi, ki: s * (1 + 0.2 * h),
+               "table": lambda s, b, h, qi, ki: s + table[h, ki - qi + 7]}[case]
+        eager = fja.attention(q, k, v, score_mod=mod)
+        jitted = jax.jit(lambda x: fja.attention(x, k, v, score_mod=mod))(q)
+        assert float(jnp.abs(eager - jitted).max()) < 1e-12
+
+
+@pytest.mark.parametrize("transform", ["grad(jit)", "grad(checkpoint)", "grad(vmap)"])
+def test_jax_a_learnable_table_differentiated_outside_jit_gets_its_gradient(transform):
+    """score + table[h, kv - q + M] with jax.grad taken outside jit, checkpoint or vmap: the term stayed an aux
+    array (that it learns is not known when the call is traced) and its gradient came back 0 (the float64
+    naive's is 2.7). The reference now differentiates its forward for such arrays (cuDNN refuses them)."""
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(0)
+        q, k, v, weight = (jnp.asarray(rng.standard_normal((2, 9, 2, 4))) for _ in range(4))
+        table = jnp.asarray(rng.standard_normal((2, 17)))
+
+        def f(t):
+            return fja.attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + t[h, ki - qi + 8], mask="causal")
+
+        wrapped = {"grad(jit)": jax.jit(f), "grad(checkpoint)": jax.checkpoint(f),
+                   "grad(vmap)": lambda t: jax.vmap(f)(t[None])[0]}[transform]
+        got = jax.grad(lambda t: (wrapped(t) * weight).sum())(table)
+    tt = torch.tensor(np.asarray(table), requires_grad=True)
+    qt, kt, vt = (torch.tensor(np.asarray(x)) for x in (q, k, v))
+    out, _, _ = naive_attention(qt, kt, vt, mask="causal", score_mod=lambda s, b, h, qi, ki: s + tt[h, ki - qi + 8])
+    want = torch.autograd.grad((out * torch.tensor(np.asarray(weight))).sum(), tt)[0].numpy()
+    assert np.abs(want).max() > 1 and np.abs(np.asarray(got) - want).max() < 1e-12

@@ -159,14 +159,21 @@ def _for_inference(cfg, backend_name: str):
 def _attention_fwd(cfg, backend_name, score_mod, split, arrays, mod_arrays):
     # symbolic_zeros: primals arrive wrapped; cotangents of unused outputs arrive as SymbolicZero.
     arrays = tuple(None if x is None else x.value for x in arrays)
+    learning = tuple(x.perturbed and jnp.issubdtype(x.value.dtype, jnp.floating) for x in mod_arrays)
     mod_arrays = tuple(x.value for x in mod_arrays)
+    backend = get_backend(backend_name)
+    if any(learning) and (_native(cfg, backend) is not None or backend.array_framework == "torch"):
+        raise ValueError(f"{API}: score_mod: a captured array is differentiated, but the call was traced before "
+                         f"that was known (jax.grad outside jax.jit, checkpoint or vmap), and {backend.name} gives "
+                         "score_mod arrays no gradient; take jax.grad inside the transform (an added term then "
+                         "learns as a bias), pass the term as bias=, or use backend='reference'")
     outputs, saved = _run_forward(cfg, backend_name, _with_arrays(score_mod, mod_arrays), split, arrays)
-    return tuple(outputs), (arrays, mod_arrays, saved, outputs.out, outputs.lse)
+    return tuple(outputs), (arrays, mod_arrays, learning, saved, outputs.out, outputs.lse)
 
 
-def _attention_bwd(cfg, backend_name, score_mod, split, residuals, cotangents):
-    arrays, mod_arrays, saved, out, lse = residuals
-    score_mod = _with_arrays(score_mod, mod_arrays)
+def _attention_bwd(cfg, backend_name, held_mod, split, residuals, cotangents):
+    arrays, mod_arrays, learning, saved, out, lse = residuals
+    score_mod = _with_arrays(held_mod, mod_arrays)
     grad_out, grad_lse, _ = (None if isinstance(c, SymbolicZero) else c for c in cotangents)
     backend = get_backend(backend_name)
     if grad_lse is not None and not backend.lse_gradient:
@@ -179,8 +186,35 @@ def _attention_bwd(cfg, backend_name, score_mod, split, residuals, cotangents):
     else:
         grads = backend.backward(cfg, _inputs(arrays, score_mod), saved, AttentionOutputs(out, lse), grad_out,
                                  grad_lse)
+    mod_grads = tuple(None for _ in mod_arrays)
+    if any(learning):  # (a jax.numpy backend: _attention_fwd refused the others)
+        mod_grads = _mod_array_cotangents(cfg, backend, held_mod, arrays, mod_arrays, learning, out, lse, grad_out,
+                                          grad_lse)
     return (tuple(grads.get(name) if name in DIFFERENTIABLE and x is not None else None
-                  for name, x in zip(ARRAY_NAMES, arrays)), tuple(None for _ in mod_arrays))
+                  for name, x in zip(ARRAY_NAMES, arrays)), mod_grads)
+
+
+def _mod_array_cotangents(cfg, backend, held_mod, arrays, mod_arrays, learning, out, lse, grad_out,
+                          grad_lse) -> tuple:
+    """The cotangents of the score_mod arrays being differentiated (`learning`), on a jax.numpy backend, by
+    autodiff of its forward. Under jit that a captured array is differentiated is not known when the call
+    is traced (an added term that learns then stays an aux array, not a bias): its gradient comes here."""
+    floats = [i for i, wanted in enumerate(learning) if wanted]
+
+    def outputs(*chosen):
+        given = list(mod_arrays)
+        for i, x in zip(floats, chosen):
+            given[i] = x
+        result, _ = backend.forward(cfg, _inputs(arrays, _with_arrays(held_mod, tuple(given))))
+        return result.out, result.lse
+
+    _, pullback = jax.vjp(outputs, *(mod_arrays[i] for i in floats))
+    found = pullback((jnp.zeros_like(out) if grad_out is None else grad_out,
+                      jnp.zeros_like(lse) if grad_lse is None else grad_lse))
+    grads = [None] * len(mod_arrays)
+    for i, g in zip(floats, found):
+        grads[i] = g
+    return tuple(grads)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)

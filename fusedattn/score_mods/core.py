@@ -265,8 +265,9 @@ def refuse_unfollowed(api: str, mod: ScoreMod) -> None:
                 "jax.lax.stop_gradient before the callback captures it)")
 
 
-def _normalize(label: str, value, full: tuple, device: str | None, training: bool):
-    """One aux entry as a 4-D array in a dtype cuDNN reads, or a RuntimeScalar. label: who it is, for errors."""
+def _normalize(label: str, value, full: tuple, device: str | None, training: bool, float64: bool = False):
+    """One aux entry as a 4-D array in a dtype cuDNN reads, or a RuntimeScalar. label: who it is, for errors.
+    float64: a float64 call's (which only the reference runs): its float64 arrays keep their precision."""
     if isinstance(value, bool) or isinstance(value, numbers.Integral):
         return RuntimeScalar(int(value), "int32")
     if isinstance(value, numbers.Real):
@@ -302,7 +303,7 @@ def _normalize(label: str, value, full: tuple, device: str | None, training: boo
         raise ValueError(f"{label}: expected a shape broadcastable to (B, Hq, Sq, Skv) = {full}, got "
                          f"{tuple(shape)}")
     array = ops.reshape(value, (1,) * (4 - len(shape)) + tuple(shape))
-    if _ARRAY_DTYPES[dtype] != dtype:
+    if _ARRAY_DTYPES[dtype] != dtype and not (float64 and dtype == "float64"):
         array = ops.astype(array, _ARRAY_DTYPES[dtype])
     if array.shape[0] > 1 and array.shape[2] == array.shape[3] == 1 and full[2] * full[3] > 1:
         # One value per batch (and head): cuDNN 9.19 reads a (B, 1, 1, 1) or (B, H, 1, 1) tensor as if
@@ -342,7 +343,9 @@ def bind(api: str, mod: ScoreMod, *, batch: int, heads_q: int, seqlen_q: int, se
     # A traced flex mod's tensors are named by the tracer (captured c0, aux f.a0), not by the user.
     label = (f"{api}: score_mod: a captured tensor (or a value the callback makes of one, {{}})" if mod.structure
              else f"{api}: score_mod_tensors[{{!r}}]")
-    values = {name: _normalize(label.format(name), value, full, device, training) for name, value in tensors.items()}
+    float64 = like is not None and getattr(like, "dtype", None) is not None and str(like.dtype).endswith("float64")
+    values = {name: _normalize(label.format(name), value, full, device, training, float64)
+              for name, value in tensors.items()}
     if mod.forward is None:
         return BoundScoreMod(mod, values, EAGER_ONLY_KEY + ((mod.issue,) if mod.issue else ()), None)
     aux = tuple(sorted((name, describe_aux(value)) for name, value in values.items()))

@@ -597,6 +597,8 @@ def flex_score_mod(api: str, framework: str, score_mod=None, mask_mod=None, devi
             check_indices(f"{api}: {label}", expr, shape)
         ops = namespace(like)
         grid = index_grid(ops, like, shape)
+        # float64 calls run on the reference, which computes with these: keep their precision
+        dtype = "float64" if ops.dtype_name(like) == "float64" else "float32"
         made: dict = {}  # the derivative often needs the forward's aux again (a mask's condition)
         for prefix, expr, plan in exprs:
             if swapped:
@@ -604,7 +606,7 @@ def flex_score_mod(api: str, framework: str, score_mod=None, mask_mod=None, devi
             for number, entry in enumerate(plan.aux):
                 same = aux_signature(expr, entry.node)
                 if same not in made:
-                    made[same] = materialize(expr, entry, ops, grid)
+                    made[same] = materialize(expr, entry, ops, grid, dtype)
                 values[aux_name(prefix, number)] = made[same]
         return values
 

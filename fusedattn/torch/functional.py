@@ -44,7 +44,7 @@ from fusedattn.options import (
 from fusedattn.options import settings as settings_of
 from fusedattn.score_mods.builtins import flex_keywords
 from fusedattn.score_mods.core import ScoreMod, as_score_mod, bind, needs_gradient
-from fusedattn.score_mods.flex import PartialMask
+from fusedattn.score_mods.flex import PartialMask, reads_positions
 from fusedattn.score_mods.mask_rewrite import rewrite_mask
 from fusedattn.selection import ENV_BACKEND, recall_call, remember_call
 from fusedattn.torch import compiled_score_mods, mask_rewrites, score_mod_bindings, trace_time
@@ -145,6 +145,9 @@ def attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | 
     if eager and not warm and options.get("mask_mod") is not None and _MASK_WARM_KEYWORDS.issuperset(options):
         rewrite_key = _signature(q, k, v, None, None, (), options, _score_mod_names(_mod_keywords(options)))
         rewritten = mask_rewrites.recall(rewrite_key, options)
+        if (rewritten is not None and rewritten[2] is not None and options.get("score_mod") is not None
+                and reads_positions("torch", options["score_mod"], q.device)):
+            rewritten = None  # its score_mod reads b or a position now (a closure rebound): no longer THD's
         if rewritten is not None:
             options, signature, documents = rewritten  # a document mask runs as THD below
             warm = documents is None

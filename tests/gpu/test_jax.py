@@ -974,3 +974,20 @@ def test_a_call_whose_buffers_do_not_match_its_plan_is_refused():
                   "scalars": np.asarray([7], np.int32)}
     with pytest.raises(Exception, match="binds 4 slots, the call has 2 buffers and 1 scalars"):
         np.asarray(jax.jit(lambda q: stray(q, **attributes)[0])(q))
+
+
+def test_a_captured_table_differentiated_outside_jit_is_refused_on_cudnn_not_left_at_zero(cudnn_calls):
+    """jax.grad outside jit of a call whose score_mod captures the differentiated table: the call was traced
+    before that was known, and cuDNN gives score_mod arrays no gradient. It raises, naming the way out,
+    instead of a zero gradient; the same table under stop_gradient still runs."""
+    q, k, v = _bf16(*qkv(95, hkv=H))
+    table = jnp.asarray(normal(96, (H, 2 * S - 1)), jnp.float32)
+
+    def f(t):
+        return fj.attention(q, k, v, mask="causal", backend="cudnn",
+                            score_mod=lambda s, b, h, qi, ki: s + t[h, ki - qi + S - 1]).astype(jnp.float32).sum()
+
+    with pytest.raises(ValueError, match="a captured array is differentiated"):
+        jax.grad(jax.jit(f))(table)
+    jax.jit(f)(jax.lax.stop_gradient(table)).block_until_ready()
+    assert_cudnn_ran(cudnn_calls, phases=("forward",))
