@@ -18,7 +18,7 @@ import fusedattn.torch as fat
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/
 import common  # noqa: E402
 from bench_score_mod import document_lengths, flex_document, segment_ids  # noqa: E402
-from scored_sequences_host import _Impl  # noqa: E402
+from document_host import _Impl  # noqa: E402
 
 B, H, D = 4, 16, 128
 

@@ -20,6 +20,7 @@ import fusedattn.torch as fat
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/
 import common  # noqa: E402
+from document_host import _Impl  # noqa: E402  (one timed call: fwd without grad, or fwd+bwd)
 
 B, H, D = 4, 16, 128
 LENGTHS = [1024, 700, 333, 901]
@@ -27,29 +28,6 @@ LENGTHS = [1024, 700, 333, 901]
 
 def _softcap(score, b, h, q_idx, kv_idx):
     return 30.0 * torch.tanh(score / 30.0)
-
-
-class _Impl:
-    def __init__(self, call, inputs):
-        self.call, self.inputs = call, inputs
-
-    def context(self):
-        import contextlib
-
-        return contextlib.nullcontext()
-
-    def step(self, mode: str):
-        *tensors, dout = self.inputs
-        if mode == "fwd":
-            def forward():
-                with torch.no_grad():
-                    self.call(*tensors)
-            return forward
-
-        def both():
-            out = self.call(*tensors)
-            torch.autograd.grad(out, tensors, dout)
-        return both
 
 
 def _impls(device) -> dict:
