@@ -319,6 +319,14 @@ def _normalize(label: str, value, full: tuple, device: str | None, training: boo
     return array
 
 
+def precision_of(like) -> str:
+    """The dtype a call computes its score_mod arrays in: float64 for a float64 call (only the reference
+    runs those), else float32 (what cuDNN reads)."""
+    from fusedattn.xp import namespace
+
+    return "float64" if namespace(like).dtype_name(like) == "float64" else "float32"
+
+
 def bind(api: str, mod: ScoreMod, *, batch: int, heads_q: int, seqlen_q: int, seqlen_kv: int,
          device: str | None, training: bool, like=None) -> BoundScoreMod:
     """This call's aux values (checked), the config key and the graph recipe of `mod`. like: q, whose
@@ -343,7 +351,7 @@ def bind(api: str, mod: ScoreMod, *, batch: int, heads_q: int, seqlen_q: int, se
     # A traced flex mod's tensors are named by the tracer (captured c0, aux f.a0), not by the user.
     label = (f"{api}: score_mod: a captured tensor (or a value the callback makes of one, {{}})" if mod.structure
              else f"{api}: score_mod_tensors[{{!r}}]")
-    float64 = like is not None and getattr(like, "dtype", None) is not None and str(like.dtype).endswith("float64")
+    float64 = like is not None and precision_of(like) == "float64"
     values = {name: _normalize(label.format(name), value, full, device, training, float64)
               for name, value in tensors.items()}
     if mod.forward is None:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from fusedattn.cache import LRUCache, register
 from fusedattn.score_mods.aux_plan import Aux, AuxPlan, aux_signature, index_grid, materialize, plan_aux
-from fusedattn.score_mods.core import MASKED, ScoreMod, _differentiated
+from fusedattn.score_mods.core import MASKED, ScoreMod, _differentiated, precision_of
 from fusedattn.score_mods.expr import BOOL, FLOAT, INDEX_INPUTS, Builder, Expr, ExprError, dependencies
 from fusedattn.score_mods.index_bounds import check_indices
 from fusedattn.score_mods.lower_cudnn import CONSTANTS, LOWERING_VERSION, aux_name, lowered, scalar_name
@@ -597,8 +597,7 @@ def flex_score_mod(api: str, framework: str, score_mod=None, mask_mod=None, devi
             check_indices(f"{api}: {label}", expr, shape)
         ops = namespace(like)
         grid = index_grid(ops, like, shape)
-        # float64 calls run on the reference, which computes with these: keep their precision
-        dtype = "float64" if ops.dtype_name(like) == "float64" else "float32"
+        dtype = precision_of(like)  # float64 calls run on the reference, which computes with these
         made: dict = {}  # the derivative often needs the forward's aux again (a mask's condition)
         for prefix, expr, plan in exprs:
             if swapped:
@@ -613,7 +612,7 @@ def flex_score_mod(api: str, framework: str, score_mod=None, mask_mod=None, devi
     def as_bias(values: dict, shape: tuple, like):
         ops = namespace(like)
         grid, deps = index_grid(ops, like, shape), dependencies(traced.forward)
-        dtype = "float64" if ops.dtype_name(like) == "float64" else "float32"  # a float64 call keeps its precision
+        dtype = precision_of(like)
         term = None
         for node, sign in traced.added:
             every_axis = Aux(node, tuple(a for a in INDEX_INPUTS if a in deps[node]), dense=True)

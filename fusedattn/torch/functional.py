@@ -303,9 +303,12 @@ def _document_call(q, k, v, options: dict, documents, rewrite_key=None):
     mods = _mod_keywords(options)  # a score_mod beside the documents (or a mask left in the graph)
     kept = _DOCUMENT_CALLS.peek((rewrite_key, id(found)))  # no lock on the hot path, as the bindings
     if kept is not None and kept[0] is found:
-        binding = None if mods is None else _kept_binding(kept[1], mods)  # its operands, bound when it was kept
-        signature, planned = (kept[1], binding.planned) if binding is not None else _recalled(kept[1])
-        if planned is not None and planned[2] is not None and (mods is None or binding is not None):
+        if mods is None:
+            binding, (signature, planned) = None, _recalled(kept[1])
+        else:  # its operands, bound when it was kept, carry its plan
+            binding = _kept_binding(kept[1], mods)
+            signature, planned = kept[1], None if binding is None else binding.planned
+        if planned is not None and planned[2] is not None:
             if layout == "bshd":  # the operator reads the rows as tokens and answers in this layout
                 return _native_call(planned[2], signature, planned, q, k, v, None, None, binding, thd)
             tokens = [dense_to_tokens(x, layout) for x in (q, k, v)]
