@@ -68,6 +68,19 @@ SCRIPT = textwrap.dedent("""
         print("jit-sequence-sharded: clear error")
     else:
         raise AssertionError("a sequence-sharded input ran under jit without an error")
+
+    # vmap of a jitted call: the identity op is batched, the vmapped axis checked as a batch axis.
+    items = jnp.stack([q, 2 * q])
+    vmapped = jax.vmap(jax.jit(f), in_axes=(0, None, None))
+    np.testing.assert_allclose(vmapped(jax.device_put(items, NamedSharding(mesh, P("data"))), k, v),
+                               jnp.stack([f(q, k, v), f(2 * q, k, v)]), rtol=1e-5, atol=1e-5)
+    try:
+        jax.jit(vmapped, in_shardings=(NamedSharding(mesh, P(None, None, "data")), seq, seq))(items, k, v)
+    except Exception as error:
+        assert "sequence axis (S of VBSHD) sharded over mesh axis 'data'" in str(error), error
+        print("vmap-sequence-sharded: clear error")
+    else:
+        raise AssertionError("a sequence-sharded input ran under vmap(jit) without an error")
 """)
 
 
@@ -78,7 +91,8 @@ def test_batch_and_head_sharding_run_shard_local_and_sequence_sharding_is_refuse
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.split() == ["batch", "shard-local", "heads", "shard-local", "both", "shard-local",
                                      "sequence-sharded:", "clear", "error",
-                                     "jit-sequence-sharded:", "clear", "error"], result.stdout
+                                     "jit-sequence-sharded:", "clear", "error",
+                                     "vmap-sequence-sharded:", "clear", "error"], result.stdout
 
 
 # The bridge path (buffer callbacks run once per shard inside a shard_map, fusedattn/jax/partition.py),

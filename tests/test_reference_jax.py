@@ -692,9 +692,11 @@ def test_jit_thd_traced_offsets_need_static_max_seqlen(ran):
 VMAP_CASES = ("gqa_causal", "bias_sink", "padding_traced_offsets", "thd_traced_offsets")
 
 
+@pytest.mark.parametrize("order", ["jit_of_vmap", "vmap_of_jit"])
 @pytest.mark.parametrize("case", VMAP_CASES)
-def test_vmap_matches_loop(ran, case):
-    """jax.vmap over an extra leading axis equals a Python loop, forward and gradients."""
+def test_vmap_matches_loop(ran, case, order):
+    """jax.vmap over an extra leading axis equals a Python loop, forward and gradients; also when vmap
+    batches an already traced jit (whose trace saw no vmap tracer)."""
     n = 2
     seed = 9800 + 100 * VMAP_CASES.index(case)
     layout, options, shared = "bshd", {"mask": "causal"}, {}
@@ -730,7 +732,8 @@ def test_vmap_matches_loop(ran, case):
         out, pullback = jax.vjp(f, {k: sample[k] for k in float_names})
         return out, pullback(g)[0]
 
-    out_v, grads_v = jax.jit(jax.vmap(one))(stacked, g_out)
+    vmapped = jax.jit(jax.vmap(one)) if order == "jit_of_vmap" else jax.vmap(jax.jit(one))
+    out_v, grads_v = vmapped(stacked, g_out)
     looped = jax.jit(one)
     for i, sample in enumerate(samples):
         out_i, grads_i = looped(sample, g_out[i])

@@ -11,6 +11,7 @@ from __future__ import annotations
 from functools import cache, partial
 
 import jax
+from jax.custom_batching import custom_vmap
 from jax.experimental.custom_partitioning import custom_partitioning
 
 __all__ = ["batched", "check_shard_axes", "guard_whole"]
@@ -24,7 +25,7 @@ def _describe(letter: str) -> str:
 
 def _check(api: str, name: str, axes: str, spec) -> None:
     for letter, entry in zip(axes, tuple(spec)):
-        if entry is not None and letter not in "BH":
+        if entry is not None and letter not in "BHV":
             raise ValueError(f"{api}: {name}: expected sharding over batch (B) or heads (H) only, got its "
                              f"{_describe(letter)} axis ({letter} of {axes}) sharded over mesh axis {entry!r}; "
                              "context parallelism (a sharded sequence) is not supported yet: replicate that axis")
@@ -66,9 +67,26 @@ def _identity_op(api: str, name: str, axes: str, whole_for: str = ""):
     return identity
 
 
+@cache
+def _batchable_identity_op(api: str, name: str, axes: str, whole_for: str = ""):
+    """The identity op, under vmap too: custom_partitioning has no batching rule, and a jitted call
+    that vmap batches later (vmap(jit(f))) reaches it with no vmap tracer to see at trace time. The
+    vmapped axis, V in the axes an error names, may be sharded like the batch (the pass call folds
+    it into the batch)."""
+    @custom_vmap
+    def identity(x):
+        return _identity_op(api, name, axes, whole_for)(x)
+
+    @identity.def_vmap
+    def rule(axis_size, in_batched, x):
+        return _batchable_identity_op(api, name, "V" + axes, whole_for)(x), True
+
+    return identity
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
 def _guarded(api: str, name: str, axes: str, whole_for: str, x):
-    return _identity_op(api, name, axes, whole_for)(x)
+    return _batchable_identity_op(api, name, axes, whole_for)(x)
 
 
 def _guarded_fwd(api, name, axes, whole_for, x):
@@ -103,7 +121,7 @@ def _partition_spec(x):
 
 def check_shard_axes(api: str, layout: str, q, k, v) -> tuple:
     """(q, k, v) after the check: arrays whose sharding is known are checked now; traced ones
-    (outside vmap, which has no batching rule for the op) pass through the identity op.
+    (outside a visible vmap, which checks nothing itself) pass through the identity op.
     Arrays a packed layout does not take stay as they are, so the argument checks refuse them."""
     from fusedattn.layout import layout_spec
 
