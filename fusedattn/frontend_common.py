@@ -19,7 +19,7 @@ from fusedattn.config import BiasType, standard_alibi_slopes
 from fusedattn.layout import dense_to_tokens, lse_tokens_to_dense, offsets_violated, split_packed, tokens_to_dense
 from fusedattn.options import TENSORS
 from fusedattn.score_mods.core import bind, needs_gradient, refuse_unfollowed
-from fusedattn.score_mods.flex import reads_positions
+from fusedattn.score_mods.flex import reads_learners, reads_positions
 from fusedattn.selection import NoBackendError, select_backend
 from fusedattn.xp import namespace
 
@@ -50,10 +50,12 @@ def pick_outputs(cfg, out, lse, max_logit):
 
 def documents_possible(options: dict, framework: str, device=None) -> bool:
     """Whether a document mask_mod may run as THD: nothing else in the call needs the dense layout (a
-    score_mod may come along where it reads only the score and h: flex.reads_positions)."""
+    score_mod may come along where it reads only the score and h (flex.reads_positions) and nothing that
+    learns, whose term would run as a bias)."""
     get = options.get
     mod = get("score_mod")
-    return ((mod is None or (not reads_positions(framework, mod, device) and get("score_mod_tensors") is None))
+    return ((mod is None or (not reads_positions(framework, mod, device) and get("score_mod_tensors") is None
+                             and not reads_learners(framework, mod)))
             and get("bias") is None and get("alibi_slopes") is None and not get("return_max_logit"))
 
 
@@ -137,7 +139,7 @@ def prepare_call(api: str, framework: str, tensors: dict, *, describe, host_copy
         tensors = {**tensors, "bias": term}
         metas["bias"] = describe(tensors["bias"], "bias")
         args = dataclasses.replace(args, bias=metas["bias"], bias_type="post_scale", bias_requires_grad=True,
-                                   score_mod=None)
+                                   score_mod=mod.beside_bias)
         cfg = build_config(args)
     bound = None
     if args.score_mod is not None:  # its key (what its callbacks build) is part of the config

@@ -565,6 +565,81 @@ def test_a_learnable_added_term_learns_beside_a_bias(bias_type):
         torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=1e-5, msg=name)
 
 
+_DOCUMENTS = torch.tensor([[0, 0, 0, 1, 1, 1], [0, 1, 1, 1, 2, 2]])
+_BESIDE_MASKS = {
+    "document": lambda b, h, q_idx, kv_idx: _DOCUMENTS[b, q_idx] == _DOCUMENTS[b, kv_idx],  # THD without a term
+    "dilated": lambda b, h, q_idx, kv_idx: (q_idx - kv_idx) % 2 == 0,  # a select in the graph
+    "causal": lambda b, h, q_idx, kv_idx: q_idx >= kv_idx,  # a native mask
+}
+
+
+@pytest.mark.parametrize("mask", list(_BESIDE_MASKS))
+@pytest.mark.parametrize("term", ["t[h]", "u[kv]"])
+def test_a_learnable_added_term_learns_beside_a_mask_mod(mask, term):
+    """A learnable added term with a mask_mod was refused: beside a mask in the graph ("score_mod tensors get no
+    gradient", as the mask made the score_mod more than an added term) and beside a document mask ("layout 'thd'
+    takes no bias", a layout the user never asked for). The term now runs as a bias and the mask stays a
+    mask_mod (documents: in the graph): out, LSE and every gradient against the float64 naive, torch and JAX."""
+    mask_mod = _BESIDE_MASKS[mask]
+    gen = torch.Generator().manual_seed(47)
+    leaves = [torch.randn(2, 6, 2, 8, generator=gen) for _ in range(3)] + [torch.randn(2, generator=gen),
+                                                                           torch.randn(6, generator=gen)]
+
+    def mod(t, u):
+        return (lambda s, b, h, qi, ki: s + t[h]) if term == "t[h]" else (lambda s, b, h, qi, ki: s + u[ki])
+
+    def masked(score_mod):
+        return lambda s, b, h, qi, ki: torch.where(mask_mod(b, h, qi, ki), score_mod(s, b, h, qi, ki), -1e9)
+
+    got_leaves = [x.clone().requires_grad_() for x in leaves]
+    got = fat.attention(*got_leaves[:3], score_mod=mod(*got_leaves[3:]), mask_mod=mask_mod, return_lse=True)
+    exact_leaves = [x.double().requires_grad_() for x in leaves]
+    out, lse, _ = naive_attention(*exact_leaves[:3], score_mod=masked(mod(*exact_leaves[3:])))
+    torch.testing.assert_close(got.out.double(), out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.lse.double(), lse, atol=1e-5, rtol=1e-5)
+    weight = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    found = torch.autograd.grad((got.out.double() * weight).sum() + got.lse.double().sum(), got_leaves,
+                                allow_unused=True)
+    expected = torch.autograd.grad((out * weight).sum() + lse.sum(), exact_leaves, allow_unused=True)
+    expected = [torch.zeros_like(x) if g is None else g for g, x in zip(expected, exact_leaves)]
+    for name, a, b in zip(("q", "k", "v", "t", "u"), found, expected):
+        torch.testing.assert_close(torch.zeros_like(b) if a is None else a.double(), b, atol=1e-5, rtol=1e-5,
+                                   msg=name)
+    assert expected[3 if term == "t[h]" else 4].abs().max() > 1e-3  # the term's gradient is not trivially 0
+
+    documents = jnp.asarray(_DOCUMENTS.numpy())
+    jax_masks = {"document": lambda b, h, q_idx, kv_idx: documents[b, q_idx] == documents[b, kv_idx],
+                 "dilated": _BESIDE_MASKS["dilated"], "causal": _BESIDE_MASKS["causal"]}
+    q, k, v, t, u = (jnp.asarray(x.numpy()) for x in leaves)
+
+    def loss(t, u):
+        score_mod = (lambda s, b, h, qi, ki: s + t[h]) if term == "t[h]" else (lambda s, b, h, qi, ki: s + u[ki])
+        got = fja.attention(q, k, v, score_mod=score_mod, mask_mod=jax_masks[mask], return_lse=True)
+        return (got.out * jnp.asarray(weight.numpy(), jnp.float32)).sum() + got.lse.sum()
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(t, u)
+    for name, a, b in zip(("t", "u"), grads, expected[3:]):
+        np.testing.assert_allclose(np.asarray(a, np.float64), b.numpy(), atol=2e-5, rtol=2e-5, err_msg=name)
+
+
+def test_a_mask_derivative_lets_a_learning_bias_run_on_cudnn_and_a_softcap_does_not():
+    """cuDNN multiplies dBias by the score_mod's derivative: harmless for a mask's (it is 0 only where the
+    softmax's gradient is 0 already), wrong for a softcap's, which stays refused."""
+    def recipe(score_mod, mask_mod):
+        mod = as_score_mod("test", score_mod, mask_mod=mask_mod, framework="torch", device="cpu")
+        return bind("test", mod, batch=1, heads_q=2, seqlen_q=4, seqlen_kv=4, device="cpu", training=True,
+                    like=torch.empty(1)).recipe
+
+    refusal = "a bias that requires grad"
+    dilated = _BESIDE_MASKS["dilated"]
+    for score_mod, mask_mod, refused in [(None, dilated, False), (lambda s, b, h, qi, ki: s + 1.0, dilated, False),
+                                         (lambda s, b, h, qi, ki: 3.0 * torch.tanh(s / 3.0), dilated, True),
+                                         (lambda s, b, h, qi, ki: 3.0 * torch.tanh(s / 3.0), None, True)]:
+        cfg = _cfg(score_mod_key=("k",), score_mod_recipe=recipe(score_mod, mask_mod), is_training=True,
+                   bias="post_scale", bias_shape=(1, 2, 4, 4), bias_requires_grad=True)
+        assert any(refusal in r for r in unsupported(cfg)) == refused, unsupported(cfg)
+
+
 def test_numpy_integers_are_accepted_as_windows_and_max_lengths():
     """np.int64 windows (torch) and max lengths (JAX) were refused as not ints, while NumPy scales ran."""
     q = torch.randn(1, 8, 2, 8)

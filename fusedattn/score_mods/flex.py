@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from fusedattn.cache import LRUCache, register
 from fusedattn.score_mods.aux_plan import Aux, AuxPlan, aux_signature, index_grid, materialize, plan_aux
-from fusedattn.score_mods.core import MASKED, ScoreMod, _differentiated, precision_of
+from fusedattn.score_mods.core import MASKED, ScoreMod, _differentiated, _wants_gradient, precision_of
 from fusedattn.score_mods.expr import BOOL, FLOAT, INDEX_INPUTS, Builder, Expr, ExprError, dependencies
 from fusedattn.score_mods.index_bounds import check_indices
 from fusedattn.score_mods.lower_cudnn import CONSTANTS, LOWERING_VERSION, aux_name, lowered, scalar_name
@@ -36,8 +36,8 @@ from fusedattn.score_mods.mask_forms import MaskForms, mask_forms
 from fusedattn.score_mods.simplify import simplified, simplified_with_map
 from fusedattn.xp import namespace
 
-__all__ = ["flex_score_mod", "is_flex_score_mod", "Traced", "trace", "trace_mask", "PartialMask", "SCORE_ARGS",
-           "MASK_ARGS", "snapshot", "same_objects", "flat_reads", "same_reads", "reads_key", "identity",
+__all__ = ["flex_score_mod", "is_flex_score_mod", "Traced", "trace", "trace_mask", "PartialMask", "reads_learners",
+           "SCORE_ARGS", "MASK_ARGS", "snapshot", "same_objects", "flat_reads", "same_reads", "reads_key", "identity",
            "library_function", "fixed_reads", "reads_positions"]
 
 SCORE_ARGS = ("score", "b", "h", "q_idx", "kv_idx")
@@ -211,6 +211,24 @@ def _split(builder: Builder, score: int, dscore: int | None) -> tuple[Expr, Expr
 
 
 _LEAVES = frozenset({"input", "scalar", "load"})
+
+
+def masks_only(derivative: Expr | None) -> bool:
+    """Whether a derivative is dscore where conditions free of the score hold and 0 elsewhere (a mask's):
+    it differs from 1 only at masked entries, where the softmax's own gradient is 0 already."""
+    if derivative is None:
+        return False
+    deps = dependencies(derivative)
+    number = derivative.output
+    while derivative.nodes[number].op == "where":
+        condition, chosen, other = derivative.nodes[number].args
+        other_node = derivative.nodes[other]
+        free = not (deps[condition] - {"captured"} - set(INDEX_INPUTS))
+        if not free or other_node.op != "scalar" or derivative.scalars[other_node.attr[0]] != 0:
+            return False
+        number = chosen
+    node = derivative.nodes[number]
+    return number != derivative.output and node.op == "input" and node.attr == ("dscore",)
 
 
 def _all(builder: Builder, expr: Expr, conditions: list[int]) -> int:
@@ -494,6 +512,20 @@ def reads_positions(framework: str, score_mod, device=None) -> bool:
     return bool(dependencies(forward)[forward.output] & {"b", "q_idx", "kv_idx"})
 
 
+def reads_learners(framework: str, score_mod) -> bool:
+    """Whether a score_mod reads arrays being differentiated (True where what it reads is not known): its
+    added term then runs as a bias, which a document's THD call cannot take."""
+    reads = flat_reads(score_mod)
+    if reads is None:
+        return True
+    if framework == "torch":
+        import torch
+
+        if not torch.is_grad_enabled():
+            return False
+    return any(_wants_gradient(x) for x in reads)
+
+
 def trace_mask(framework: str, mask_mod, device=None) -> MaskForms:
     """mask_mod traced alone, and which of its conditions are native masks (cached as `trace`)."""
     key = ("mask", framework, identity(mask_mod), str(device))
@@ -564,7 +596,7 @@ def flex_score_mod(api: str, framework: str, score_mod=None, mask_mod=None, devi
         if fn is not None and (not callable(fn) or _positional_count(fn) not in (None, count)):
             args = ", ".join(SCORE_ARGS if count == 5 else MASK_ARGS)
             raise ValueError(f"{api}: {name}: expected a callable {name}({args}), got {fn!r:.80}")
-    kept = None
+    kept, given_mask = None, mask_mod
     if isinstance(mask_mod, PartialMask):
         mask_mod, kept = mask_mod.mask_mod, mask_mod.kept
     label = " and ".join(getattr(fn, "__name__", type(fn).__name__) for fn in (score_mod, mask_mod) if fn is not None)
@@ -609,14 +641,22 @@ def flex_score_mod(api: str, framework: str, score_mod=None, mask_mod=None, devi
                 values[aux_name(prefix, number)] = made[same]
         return values
 
+    # The added term of the score_mod alone: a mask_mod beside it stays a score_mod (beside_bias) when the term
+    # runs as a bias, so a term that learns keeps learning under any mask.
+    termed, beside_bias = traced, None
+    if traced.added is None and score_mod is not None and mask_mod is not None:
+        alone = trace(framework, score_mod, None, device)
+        if alone.added is not None:
+            termed, beside_bias = alone, flex_score_mod(api, framework, None, given_mask, device)
+
     def as_bias(values: dict, shape: tuple, like):
         ops = namespace(like)
-        grid, deps = index_grid(ops, like, shape), dependencies(traced.forward)
+        grid, deps = index_grid(ops, like, shape), dependencies(termed.forward)
         dtype = precision_of(like)
         term = None
-        for node, sign in traced.added:
+        for node, sign in termed.added:
             every_axis = Aux(node, tuple(a for a in INDEX_INPUTS if a in deps[node]), dense=True)
-            value = sign * materialize(traced.forward, every_axis, ops, grid, dtype)
+            value = sign * materialize(termed.forward, every_axis, ops, grid, dtype)
             term = value if term is None else term + value
         full = (term.shape[0], term.shape[1], shape[2], shape[3])
         return term + ops.full(full, 0.0, like, dtype)
@@ -625,9 +665,9 @@ def flex_score_mod(api: str, framework: str, score_mod=None, mask_mod=None, devi
     bprop = None if traced.derivative is None else lowered(traced.derivative, traced.derivative_plan, DERIVATIVE,
                                                            derivative=True)
     return ScoreMod(forward, bprop, tensors, eager=eager, prepare=prepare,
-                    as_bias=as_bias if traced.added is not None else None, name=label,
+                    as_bias=as_bias if termed.added is not None else None, beside_bias=beside_bias, name=label,
                     unfollowed=_unfollowed_learners(framework, score_mod, captured),
                     structure=(LOWERING_VERSION, traced.forward.key,
                                None if traced.derivative is None else traced.derivative.key),
-                    masks=_selects_the_score(traced.forward))
+                    masks=_selects_the_score(traced.forward), derivative_masks_only=masks_only(traced.derivative))
 

@@ -172,6 +172,29 @@ def test_learnable_captured_tensor_in_an_added_term_gets_its_gradient_on_cudnn()
                                rtol=0)
 
 
+@pytest.mark.parametrize("mask", ["dilated", "document"])
+def test_a_learnable_added_term_beside_a_mask_mod_gets_every_gradient_on_cudnn(mask):
+    """The term runs as a bias (dBias), the mask stays in the graph: its derivative (a mask's) lets cuDNN take
+    the learning bias. Out and the gradients of q, k, v and the table against the float64 reference."""
+    q, k, v = make(B, S, S, H, H, D, D, torch.bfloat16, seed=40)
+    table = torch.randn(S, device="cuda")
+    documents = torch.arange(S, device="cuda").div(40, rounding_mode="floor").expand(B, S)
+    masks = {"dilated": lambda b, h, qi, ki: (qi - ki) % 3 != 1,
+             "document": lambda b, h, qi, ki: documents[b, qi] == documents[b, ki]}
+    results = {}
+    for backend, dtype in (("cudnn", None), ("reference", None), ("reference", torch.float64)):
+        leaves = [x.detach().clone().to(dtype or x.dtype).requires_grad_(True) for x in (q, k, v)]
+        u = table.clone().to(dtype or torch.float32).requires_grad_(True)
+        out = fat.attention(*leaves, score_mod=lambda s, b, h, qi, ki: s + u[ki], mask_mod=masks[mask],
+                            backend=backend)
+        grad = torch.randn(out.shape, generator=torch.Generator(device="cuda").manual_seed(3), device="cuda")
+        out.float().backward(grad)
+        results[backend, dtype] = (out, *(x.grad for x in leaves), u.grad)
+    fused, same, exact = results["cudnn", None], results["reference", None], results["reference", torch.float64]
+    for name, *values in zip(("out", "q", "k", "v", "table"), fused, same, exact):
+        assert_close_to_exact(name, *values, reduction=name == "table")
+
+
 NATIVE = {"causal": "mask=causal", "causal_shifted": "window=(-1, 2)", "sliding_window": "window=(3, 0)",
           "sliding_window_both": "window=(2, 2)", "padding": "mask=padding", "document": "layout=thd",
           "document_causal": "layout=thd"}
