@@ -572,7 +572,16 @@ def test_the_sequence_kernels_compile_for_the_operator_without_scratch():
 
     script = """if True:
         import json
+        import triton
         from triton.backends.compiler import GPUTarget
+        ptx, compile_now = [], triton.compile
+
+        def recording(*args, **kwargs):
+            compiled = compile_now(*args, **kwargs)
+            ptx.append([compiled.metadata.name, "st.global.v4" in compiled.asm["ptx"]])
+            return compiled
+
+        triton.compile = recording
         from fusedattn.backends.cudnn.native import sequence_plans
         from fusedattn.config import AttentionConfig
         cfg = AttentionConfig(dtype="bfloat16", layout="thd", batch=2, seqlen_q=48, seqlen_kv=40, heads_q=4,
@@ -584,11 +593,15 @@ def test_the_sequence_kernels_compile_for_the_operator_without_scratch():
                                  device="cuda", is_training=True)
         compiled[1:1] = sequence_plans.kernels(scored, stats=True, target=GPUTarget("cuda", 90, 32))[:2]
         print(json.dumps([[image[:4].hex(), name, warps, shared] for image, name, warps, shared in compiled]))
+        print(json.dumps(ptx))
     """
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    compiled = json.loads(result.stdout.strip().splitlines()[-1])
+    compiled = json.loads(result.stdout.strip().splitlines()[-2])
+    # The fix-ups store 16 bytes at once (compiled without the hints, each element was a store of its own)
+    wide_stores = json.loads(result.stdout.strip().splitlines()[-1])
+    assert [wide for name, wide in wide_stores if name.startswith("fix_rows")] == [True] * 6, wide_stores
     assert len(compiled) == 6 and all(magic == "7f454c46" and warps >= 1 for magic, _, warps, _ in compiled)
     assert all(c[1].startswith("sequence_tables") for c in compiled[:2])  # without and with penalties
     assert all(c[1].startswith("fix_rows") for c in compiled[2:])  # the first writes the backward's stats too

@@ -86,9 +86,6 @@ class ScoreMod:
     unfollowed: tuple = ()
     # What stays a score_mod when as_bias takes the added term (a flex mask_mod beside it); None: nothing.
     beside_bias: ScoreMod | None = None
-    # Whether bprop only zeroes masked entries (flex.masks_only): a learning bias beside it gets its true
-    # gradient even from cuDNN, which multiplies dBias by the derivative.
-    derivative_masks_only: bool = False
 
     def __repr__(self) -> str:
         return f"ScoreMod({self.name})"
@@ -156,7 +153,6 @@ class GraphRecipe:
     # Without a bprop, why the forward's derivative in the score is not 1 (None: it is). cuDNN
     # would apply derivative 1, so the cudnn backend refuses such a call for training.
     derivative_issue: str | None = None
-    derivative_masks_only: bool = False  # ScoreMod.derivative_masks_only
 
 
 @dataclass(frozen=True, eq=False)
@@ -372,7 +368,7 @@ def bind(api: str, mod: ScoreMod, *, batch: int, heads_q: int, seqlen_q: int, se
         from fusedattn.score_mods.derivative import score_derivative_issue
 
         issue = score_derivative_issue(key, values)
-    return BoundScoreMod(mod, values, key, GraphRecipe(mod.forward, mod.bprop, aux, issue, mod.derivative_masks_only))
+    return BoundScoreMod(mod, values, key, GraphRecipe(mod.forward, mod.bprop, aux, issue))
 
 
 def apply_eager(ops, bound: BoundScoreMod, score, b_idx, h_idx, q_idx, kv_idx, dtype: str):

@@ -590,8 +590,14 @@ def _unfollowed_learners(framework: str, score_mod, captured: dict) -> tuple:
     return tuple({id(x): x for x, grad in zip(found, reached) if grad is not None}.values())
 
 
-def flex_score_mod(api: str, framework: str, score_mod=None, mask_mod=None, device=None) -> ScoreMod:
-    """A ScoreMod for flex-style callbacks; an ExprError's message becomes the cuDNN reason."""
+def flex_score_mod(api: str, framework: str, score_mod=None, mask_mod=None, device=None,
+                   mask_derivative_one: bool = False) -> ScoreMod:
+    """A ScoreMod for flex-style callbacks; an ExprError's message becomes the cuDNN reason.
+
+    mask_derivative_one: a derivative that only zeroes masked entries (masks_only) is left out (derivative
+    1): right for a mask, as the softmax's gradient is 0 where it masks (rows it leaves without keys get
+    +inf stats in every backward, see may_empty_rows), and what a mask_mod beside a learning bias needs, as
+    cuDNN builds no backward with dBias beside a derivative graph."""
     for name, fn, count in (("score_mod", score_mod, 5), ("mask_mod", mask_mod, 4)):
         if fn is not None and (not callable(fn) or _positional_count(fn) not in (None, count)):
             args = ", ".join(SCORE_ARGS if count == 5 else MASK_ARGS)
@@ -608,9 +614,12 @@ def flex_score_mod(api: str, framework: str, score_mod=None, mask_mod=None, devi
     except ExprError as error:
         return ScoreMod(None, eager=eager, name=label, issue=f"{api}: {label}: {error}",
                         unfollowed=_unfollowed_learners(framework, score_mod, {}))
+    derivative = traced.derivative
+    if mask_derivative_one and masks_only(derivative):
+        derivative = None
     exprs = [(FORWARD, traced.forward, traced.forward_plan)]
-    if traced.derivative is not None:
-        exprs.append((DERIVATIVE, traced.derivative, traced.derivative_plan))
+    if derivative is not None:
+        exprs.append((DERIVATIVE, derivative, traced.derivative_plan))
     tensors = dict(CONSTANTS)
     for prefix, expr, _ in exprs:
         tensors.update({scalar_name(prefix, slot): _by_value(v) for slot, v in enumerate(expr.scalars)})
@@ -647,7 +656,8 @@ def flex_score_mod(api: str, framework: str, score_mod=None, mask_mod=None, devi
     if traced.added is None and score_mod is not None and mask_mod is not None:
         alone = trace(framework, score_mod, None, device)
         if alone.added is not None:
-            termed, beside_bias = alone, flex_score_mod(api, framework, None, given_mask, device)
+            termed, beside_bias = alone, flex_score_mod(api, framework, None, given_mask, device,
+                                                        mask_derivative_one=True)
 
     def as_bias(values: dict, shape: tuple, like):
         ops = namespace(like)
@@ -662,12 +672,10 @@ def flex_score_mod(api: str, framework: str, score_mod=None, mask_mod=None, devi
         return term + ops.full(full, 0.0, like, dtype)
 
     forward = lowered(traced.forward, traced.forward_plan, FORWARD, derivative=False)
-    bprop = None if traced.derivative is None else lowered(traced.derivative, traced.derivative_plan, DERIVATIVE,
-                                                           derivative=True)
+    bprop = None if derivative is None else lowered(derivative, traced.derivative_plan, DERIVATIVE, derivative=True)
     return ScoreMod(forward, bprop, tensors, eager=eager, prepare=prepare,
                     as_bias=as_bias if termed.added is not None else None, beside_bias=beside_bias, name=label,
                     unfollowed=_unfollowed_learners(framework, score_mod, captured),
-                    structure=(LOWERING_VERSION, traced.forward.key,
-                               None if traced.derivative is None else traced.derivative.key),
-                    masks=_selects_the_score(traced.forward), derivative_masks_only=masks_only(traced.derivative))
+                    structure=(LOWERING_VERSION, traced.forward.key, None if derivative is None else derivative.key),
+                    masks=_selects_the_score(traced.forward))
 

@@ -172,15 +172,17 @@ def test_learnable_captured_tensor_in_an_added_term_gets_its_gradient_on_cudnn()
                                rtol=0)
 
 
-@pytest.mark.parametrize("mask", ["dilated", "document"])
+@pytest.mark.parametrize("mask", ["dilated", "document", "empty_rows"])
 def test_a_learnable_added_term_beside_a_mask_mod_gets_every_gradient_on_cudnn(mask):
-    """The term runs as a bias (dBias), the mask stays in the graph: its derivative (a mask's) lets cuDNN take
-    the learning bias. Out and the gradients of q, k, v and the table against the float64 reference."""
+    """The term runs as a bias (dBias), the mask stays in the graph with derivative 1 (cuDNN builds no dBias
+    beside a derivative graph): right for a mask, also for the rows it leaves without keys (+inf stats).
+    Out and the gradients of q, k, v and the table against the float64 reference."""
     q, k, v = make(B, S, S, H, H, D, D, torch.bfloat16, seed=40)
     table = torch.randn(S, device="cuda")
     documents = torch.arange(S, device="cuda").div(40, rounding_mode="floor").expand(B, S)
     masks = {"dilated": lambda b, h, qi, ki: (qi - ki) % 3 != 1,
-             "document": lambda b, h, qi, ki: documents[b, qi] == documents[b, ki]}
+             "document": lambda b, h, qi, ki: documents[b, qi] == documents[b, ki],
+             "empty_rows": lambda b, h, qi, ki: (qi % 5 != 0) & ((qi - ki) % 3 != 1)}
     results = {}
     for backend, dtype in (("cudnn", None), ("reference", None), ("reference", torch.float64)):
         leaves = [x.detach().clone().to(dtype or x.dtype).requires_grad_(True) for x in (q, k, v)]

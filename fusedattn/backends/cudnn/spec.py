@@ -185,8 +185,7 @@ def _score_mod_reasons(cfg: AttentionConfig) -> list[str]:
     if cfg.is_training and issue is not None:
         reasons.append(f"score_mod without score_mod_bprop: {issue}; cuDNN would use derivative 1 and give wrong "
                        "gradients: pass score_mod_bprop(graph, dscore, tensors), its derivative")
-    recipe = cfg.score_mod_recipe
-    if cfg.is_training and cfg.bias_requires_grad and recipe.bprop is not None and not recipe.derivative_masks_only:
+    if cfg.is_training and cfg.bias_requires_grad and cfg.score_mod_recipe.bprop is not None:
         reasons.append("score_mod with a derivative (score_mod_bprop, or a traced one that is not 1) and a bias that "
                        "requires grad: cuDNN 9.19 returned dBias multiplied by the score_mod's derivative in our "
                        "tests; detach the bias, or use backend='reference'")

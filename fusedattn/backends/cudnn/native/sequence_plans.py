@@ -24,6 +24,13 @@ _IO_TYPES = {"bfloat16": "*bf16", "float16": "*fp16"}
 _POINTERS = {"CU_Q": "*i32", "CU_KV": "*i32", "STARTS_Q": "*i32", "STARTS_KV": "*i32", "TABLE": "*i32",
              "X": None, "Y": None, "LSE": "*fp32", "STATS": "*fp32", "SINK": "*fp32", "BSTATS": "*fp32"}
 _FLOATS = frozenset({"gap_lse"})
+# What the fix-ups may assume of the rows they write, as Triton's JIT would see it at a Python launch:
+# without it each element is its own 2-byte store (the padded forward's fix-up took 288 us against 9 on
+# the Python path, H100). The operator allocates every tensor a fix-up writes (16-byte aligned; strides
+# and head dims multiples of the head dim, which cuDNN needs a multiple of 8) and checks this before each
+# launch (torch_op.cc: fix_rows).
+_FIX_DIVISIBILITY = {"X": 16, "Y": 16, **{name: 8 for name in ("sx_b", "sx_s", "sx_h", "sy_b", "sy_s", "sy_h",
+                                                               "DIM_X", "DIM_Y")}}
 
 
 def _layout(cfg: AttentionConfig):
@@ -64,26 +71,29 @@ def kernels(cfg: AttentionConfig, stats: bool, target=None) -> list:
                                                                                  cfg.padded_offsets)),
         _compile(fix, cfg, target, fix_constants(layout, "q", cfg.heads_q, dim_v, None, stats,
                                                  stats and not layout.ragged, cfg.softmax,
-                                                 stats and layout.penalty_rows is not None and cfg.is_training)),
+                                                 stats and layout.penalty_rows is not None and cfg.is_training),
+                 _FIX_DIVISIBILITY),
         _compile(fix, cfg, target, fix_constants(layout, "q", cfg.heads_q, dim_qk, None, False, False,
-                                                 cfg.softmax)),
+                                                 cfg.softmax), _FIX_DIVISIBILITY),
         _compile(fix, cfg, target, fix_constants(layout, "kv", heads_kv, dim_qk, dim_v, False, False,
-                                                 cfg.softmax)),
+                                                 cfg.softmax), _FIX_DIVISIBILITY),
     ]
 
 
-def _compile(function, cfg: AttentionConfig, target, constants: dict) -> tuple:
-    return compile_kernel(function, cfg.dtype, target, constants, _POINTERS)
+def _compile(function, cfg: AttentionConfig, target, constants: dict, divisible: dict | None = None) -> tuple:
+    return compile_kernel(function, cfg.dtype, target, constants, _POINTERS, divisible)
 
 
-def compile_kernel(function, dtype: str, target, constants: dict, pointers: dict) -> tuple:
+def compile_kernel(function, dtype: str, target, constants: dict, pointers: dict,
+                   divisible: dict | None = None) -> tuple:
     """(cubin, name, warps, shared bytes) of a Triton kernel for the operator's launch: `pointers` names
     its pointer arguments' element types (None: the call's dtype), every other argument is int64 but
-    the float32 ones of _FLOATS. target: a triton GPUTarget; the current device's when None."""
+    the float32 ones of _FLOATS. divisible: {argument: what every launch's value is a multiple of} (bytes
+    for a pointer). target: a triton GPUTarget; the current device's when None."""
     import triton
     from triton.compiler import ASTSource
 
-    signature, constexprs = {}, {}
+    signature, constexprs, attrs = {}, {}, {}
     for index, name in enumerate(function.arg_names):
         if function.params[index].is_constexpr:
             signature[name] = "constexpr"
@@ -92,8 +102,10 @@ def compile_kernel(function, dtype: str, target, constants: dict, pointers: dict
             signature[name] = pointers[name] or _IO_TYPES[dtype]
         else:
             signature[name] = "fp32" if name in _FLOATS else "i64"
+        if divisible and name in divisible:
+            attrs[(index,)] = [["tt.divisibility", divisible[name]]]
     target = target or triton.runtime.driver.active.get_current_target()
-    compiled = triton.compile(ASTSource(function, signature, constexprs), target=target)
+    compiled = triton.compile(ASTSource(function, signature, constexprs, attrs), target=target)
     metadata = compiled.metadata
     if metadata.global_scratch_size or getattr(metadata, "profile_scratch_size", 0):
         raise RuntimeError(f"{function.__name__} needs scratch memory, which the operator's launch does not give")

@@ -14,6 +14,7 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -384,6 +385,14 @@ void fix_rows(const SequencePlan &plan, SequenceKernel which, const Tensor &tabl
     if (rows == 0) return;
     const Tensor &second = y.defined() ? y : x;
     auto sx = row_strides(plan, x), sy = row_strides(plan, second);
+    // The kernels were compiled to store 16 bytes at once (sequence_plans.py: _FIX_DIVISIBILITY).
+    for (const Tensor *t : {&x, &second}) {
+        auto strides = row_strides(plan, *t);
+        bool aligned = reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0 && t->size(-1) % 8 == 0;
+        for (int64_t stride : strides) aligned = aligned && stride % 8 == 0;
+        TORCH_CHECK(aligned, "fusedattn: internal: a fix-up's rows are not 16-byte aligned (sizes ", t->sizes(),
+                    ", strides ", t->strides(), "); please report this");
+    }
     std::array<int64_t, 3> sl = lse.defined() ? row_strides(plan, lse) : std::array<int64_t, 3>{0, 0, 0};
     float gap_lse = plan.ragged ? 0.0f : -std::numeric_limits<float>::infinity();
     std::vector<uint64_t> words = {
