@@ -89,6 +89,21 @@ def user_scores(framework: str, score_mod, mask_mod, score, index):
     return value
 
 
+def per_element(framework: str, fn):
+    """fn applied to one score at a time (FlexAttention's meaning), for callbacks that are not elementwise."""
+    vmap = torch.vmap if framework == "torch" else jax.vmap
+
+    def run(*args):
+        shape = np.broadcast_shapes(*(tuple(x.shape) for x in args))
+        args = [x.expand(shape) if framework == "torch" else jnp.broadcast_to(x, shape) for x in args]
+        mapped = fn
+        for _ in shape:
+            mapped = vmap(mapped)
+        return mapped(*args)
+
+    return run
+
+
 def normal(framework: str, seed: int, shape: tuple, scale: float = 1.0):
     """Float64 standard normal values (times scale) in the framework's arrays."""
     values = np.random.default_rng(seed).standard_normal(shape) * scale
@@ -451,7 +466,7 @@ if HAS_TORCH:
     TABLE = torch.randn(H, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     SQUARE = torch.tensor(SQUARE_VALUES)
 
-# name -> (score_mod, what the issue names, whether eager torch can run it on the whole score matrix)
+# name -> (score_mod, what the issue names, whether it means anything applied to one score at a time)
 TORCH_UNTRACEABLE = {
     "round": (lambda s, b, h, q, kv: torch.round(s), "'round'", True),
     "reduction": (lambda s, b, h, q, kv: s - s.sum(), "'sum'", True),
@@ -460,7 +475,7 @@ TORCH_UNTRACEABLE = {
     "float_index": (lambda s, b, h, q, kv: s + TABLE[h, q * 0.5], "indices", False),
     "score_index": (lambda s, b, h, q, kv: s + TABLE[h, s.long().clamp(0, 6)], "indexed by an expression of the score",
                     True),
-    "whole_tensor": (lambda s, b, h, q, kv: s + SQUARE, "used whole", True),
+    "whole_tensor": (lambda s, b, h, q, kv: s + SQUARE, "used whole", False),
 }
 JAX_UNTRACEABLE = {
     "round": (lambda s, b, h, q, kv: jnp.round(s), "'round'"),
@@ -488,9 +503,21 @@ def test_torch_reference_runs_what_cuDNN_cannot(name, ran):
     leaves = [x.requires_grad_() for x in qkv("torch", 7, 7, seed=40)]
     cotangent = normal("torch", 47, (B, 7, H, D))
     got = torch_out_and_grads(lambda q, k, v: fat.attention(q, k, v, score_mod=score_mod), leaves, cotangent)
-    want = torch_out_and_grads(lambda q, k, v: naive_torch(q, k, v, score_mod, None), leaves, cotangent)
+    want = torch_out_and_grads(lambda q, k, v: naive_torch(q, k, v, per_element("torch", score_mod), None), leaves,
+                               cotangent)
     assert_all_close(got, want)
     assert {n for n, _, _ in ran} == {"reference"}
+
+
+@torch_side
+def test_a_callback_giving_more_than_one_value_per_score_is_refused():
+    """s + SQUARE adds a (7, 7) matrix to each score: no meaning one score at a time (FlexAttention fails on it)."""
+    q, k, v = qkv("torch", 7, 7)
+    with pytest.raises(ValueError, match=r"score_mod: expected one value per score .* shape \(7, 7\)"):
+        fat.attention(q, k, v, score_mod=TORCH_UNTRACEABLE["whole_tensor"][0])
+    qj, kj, vj = qkv("jax", 7, 7)
+    with pytest.raises(ValueError, match=r"score_mod: expected one value per score .* shape \(7, 7\)"):
+        fj.attention(qj, kj, vj, score_mod=JAX_UNTRACEABLE["whole_tensor"][0])
 
 
 @pytest.fixture
@@ -526,12 +553,13 @@ def test_jax_callback_without_a_graph_form_says_why_and_runs_on_the_reference(na
     score_mod, needle = JAX_UNTRACEABLE[name]
     mod = as_score_mod("test", score_mod, framework="jax")
     assert mod.forward is None and needle in mod.issue, mod.issue
-    if name == "control_flow":
-        return  # Python control flow on the score matrix fails eagerly too
+    if name in ("control_flow", "whole_tensor"):
+        return  # Python control flow on a traced score fails eagerly too; a whole matrix per score is refused
     arrays = qkv("jax", 7, 7, seed=50)
     cotangent = normal("jax", 57, (B, 7, H, D))
     got = jax_out_and_grads(lambda q, k, v: fj.attention(q, k, v, score_mod=score_mod), arrays, cotangent)
-    want = jax_out_and_grads(lambda q, k, v: naive_jax(q, k, v, score_mod, None), arrays, cotangent)
+    want = jax_out_and_grads(lambda q, k, v: naive_jax(q, k, v, per_element("jax", score_mod), None), arrays,
+                             cotangent)
     assert_all_close(got, want)
 
 

@@ -645,6 +645,41 @@ def test_a_mask_beside_a_learning_term_runs_on_cudnn_with_derivative_one():
                                 mask_mod=_BESIDE_MASKS["dilated"], framework="torch", device="cpu"))
 
 
+def test_a_callback_that_does_not_trace_is_applied_per_element_as_flex_applies_it():
+    """A reduction in a score_mod (s - s.max()) ran on the whole (B, H, Sq, Skv) score matrix: ordinary
+    attention, 0.85 off FlexAttention, which applies score_mod to one score at a time (every score 0 here,
+    so the output is the mean of v). The reference now applies it per element too, torch and JAX."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    gen = torch.Generator().manual_seed(53)
+    q, k, v = (torch.randn(1, 2, 4, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+
+    def centered(score, b, h, q_idx, kv_idx):
+        return score - score.max()
+
+    ours = fat.flex_attention(q, k, v, score_mod=centered)
+    torch.testing.assert_close(ours, flex_attention(q, k, v, score_mod=centered))
+    torch.testing.assert_close(ours, v.mean(2, keepdim=True).expand_as(ours))
+    qj, kj, vj = (jnp.asarray(x.transpose(1, 2).float().numpy()) for x in (q, k, v))
+    got = fja.attention(qj, kj, vj, score_mod=lambda s, b, h, qi, ki: s - jnp.max(s))
+    np.testing.assert_allclose(np.asarray(got), np.broadcast_to(np.asarray(vj).mean(1, keepdims=True), got.shape),
+                               atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["float score", "python mask", "int mask", "index"])
+def test_callbacks_returning_the_wrong_kind_get_an_error_naming_them(case):
+    """They met torch's own errors (AttributeError, a TypeError of where(), a bare IndexError)."""
+    q = torch.randn(1, 4, 2, 8)
+    options, match = {
+        "float score": ({"score_mod": lambda s, b, h, qi, ki: 0.0}, "score_mod: expected it to return a float array"),
+        "python mask": ({"mask_mod": lambda b, h, qi, ki: True}, "mask_mod: expected it to return a boolean array"),
+        "int mask": ({"mask_mod": lambda b, h, qi, ki: (qi >= ki).int()}, "boolean array .* got torch.int32"),
+        "index": ({"mask_mod": lambda b, h, qi, ki: torch.arange(2)[ki] >= 0}, "mask_mod: an index is out of range"),
+    }[case]
+    with pytest.raises(ValueError, match=match):
+        fat.attention(q, q, q, **options)
+
+
 def test_numpy_integers_are_accepted_as_windows_and_max_lengths():
     """np.int64 windows (torch) and max lengths (JAX) were refused as not ints, while NumPy scales ran."""
     q = torch.randn(1, 8, 2, 8)

@@ -306,6 +306,44 @@ def test_generated_call_sequences_pass_what_a_fresh_bind_passes(operator):
         assert len(aux) == len(fresh_aux) and all(torch.equal(a, b) for a, b in zip(aux, fresh_aux))
 
 
+CAPS = {"cap": 30.0}
+
+
+def test_a_repeat_call_follows_a_rebound_cell_a_global_and_a_dict_it_reads(operator):
+    """A repeat call compares what its function reads in place (its cells, its globals) where nothing read
+    is looked inside; a dict it reads is looked inside, so a new value there binds again too."""
+    global CAP
+    q = torch.randn(1, 16, 2, 8)
+    cap = 10.0
+
+    def rebound(score, b, h, q_idx, kv_idx):
+        return cap * sm.tanh(score / cap)
+
+    def from_dict(score, b, h, q_idx, kv_idx):
+        return CAPS["cap"] * sm.tanh(score / CAPS["cap"])
+
+    for fn in (rebound, _softcap, from_dict):
+        _call(q, score_mod=fn)
+        _call(q, score_mod=fn)
+        assert operator[-1][2] is operator[-2][2]  # the kept binding
+    cap = 4.0
+    _call(q, score_mod=rebound)
+    assert 4.0 in operator[-1][2] and 10.0 not in operator[-1][2]
+    before = CAP
+    try:
+        CAP = 6.0
+        _call(q, score_mod=_softcap)
+        assert 6.0 in operator[-1][2]
+    finally:
+        CAP = before
+    CAPS["cap"] = 7.0
+    try:
+        _call(q, score_mod=from_dict)
+        assert 7.0 in operator[-1][2]
+    finally:
+        CAPS["cap"] = 30.0
+
+
 def test_a_copy_of_a_score_mod_leaves_the_kept_signature_part_behind(operator):
     """What the bindings keep on a ScoreMod names this process's objects by id: a copy or a pickle (here
     its state) carries the fields only, and the copy still finds the binding by its callbacks and dicts."""

@@ -37,7 +37,7 @@ from fusedattn.score_mods.simplify import simplified, simplified_with_map
 from fusedattn.xp import namespace
 
 __all__ = ["flex_score_mod", "is_flex_score_mod", "Traced", "trace", "trace_mask", "PartialMask", "reads_learners",
-           "SCORE_ARGS", "MASK_ARGS", "snapshot", "same_objects", "flat_reads", "same_reads", "reads_key", "identity",
+           "SCORE_ARGS", "MASK_ARGS", "plain_reads", "unchanged_reads", "snapshot", "same_objects", "flat_reads", "same_reads", "reads_key", "identity",
            "library_function", "fixed_reads", "reads_positions"]
 
 SCORE_ARGS = ("score", "b", "h", "q_idx", "kv_idx")
@@ -80,6 +80,66 @@ def _modded(where, score_mod, mask_mod):
         return value
 
     return modded
+
+
+def _checked(api: str, name: str, fn):
+    """fn, whose result must be an array of the framework: a float score (score_mod) or booleans (mask_mod)
+    (else the reference met it as an unclear error of the framework's, or a cast)."""
+    if fn is None:
+        return None
+    wanted = "bool" if name == "mask_mod" else "float"
+
+    def checked(*args):
+        try:
+            result = fn(*args)
+        except IndexError as error:  # an array the callback makes itself (captured ones are checked at bind)
+            raise ValueError(f"{api}: {name}: an index is out of range of an array it reads: {error}") from None
+        if not hasattr(result, "shape"):
+            dtype = f"a Python {type(result).__name__}"
+        else:
+            dtype = str(result.dtype)
+        kind = "bool" if dtype.endswith("bool") else "float" if "float" in dtype else None
+        if not hasattr(result, "shape") or kind != wanted:
+            expected = ("a boolean array (True keeps the key)" if wanted == "bool"
+                        else "a float array (the modified score)")
+            raise ValueError(f"{api}: {name}: expected it to return {expected}, got {dtype}")
+        return result
+
+    return checked
+
+
+def _per_element(framework: str, api: str, name: str, fn):
+    """fn applied to one score at a time, as FlexAttention applies it: a callback that does not trace
+    (a reduction, sorting) runs so on the reference, where a reduction then sees one score, not the
+    whole (B, Hq, Sq, Skv) matrix."""
+    if fn is None:
+        return None
+
+    def one(*args):
+        result = fn(*args)
+        if tuple(result.shape) != ():
+            raise ValueError(f"{api}: {name}: expected one value per score (it is applied to one score at a "
+                             f"time, as in FlexAttention), got an array of shape {tuple(result.shape)}")
+        return result
+
+    def run(*args):
+        if framework == "torch":
+            import torch
+
+            shape, vmap = torch.broadcast_shapes(*(x.shape for x in args)), torch.vmap
+            args = [x.expand(shape) for x in args]
+        else:
+            import jax
+            import jax.numpy as jnp
+
+            shape, vmap = jnp.broadcast_shapes(*(x.shape for x in args)), jax.vmap
+            args = [jnp.broadcast_to(x, shape) for x in args]
+        mapped = one
+        for _ in shape:
+            mapped = vmap(mapped)
+        return mapped(*args)
+
+    return run
 
 
 def _joint_fn(framework: str, fn):
@@ -384,6 +444,35 @@ def snapshot(fn, depth: int = _DEPTH) -> tuple | None:
     return (cells, fn.__defaults__, names)
 
 
+def plain_reads(fn, reads: tuple | None) -> bool:
+    """Whether flat_reads(fn) gave `reads` as they lie in fn (its cells' contents, None for its defaults, its
+    names' globals) with none looked inside: then unchanged_reads compares them in place."""
+    if reads is None or type(fn) is not types.FunctionType or fn.__defaults__ is not None:
+        return False
+    cells = 0 if fn.__closure__ is None else len(fn.__closure__)
+    names = 0 if library_function(fn) else len(fn.__code__.co_names)
+    return len(reads) == cells + 1 + names and not any(_expands(x, _DEPTH) for x in reads)
+
+
+def unchanged_reads(fn, kept: tuple) -> bool:
+    """For a fn whose reads were plain_reads: whether it reads the same objects now (flat_reads and
+    same_reads without building either: a repeat score_mod call's check)."""
+    closure = fn.__closure__
+    cells = 0
+    if closure is not None:
+        cells = len(closure)
+        for cell, was in zip(closure, kept):
+            if cell.cell_contents is not was:
+                return False
+    if len(kept) == cells + 1:
+        return True
+    read = fn.__globals__.get
+    for name, was in zip(fn.__code__.co_names, kept[cells + 1:]):
+        if read(name) is not was:
+            return False
+    return True
+
+
 def flat_reads(fn) -> tuple | None:
     """snapshot(fn) flattened to its objects, to compare item by item with `is` (None as snapshot's)."""
     if type(fn) is types.FunctionType and fn.__defaults__ is None:
@@ -606,13 +695,20 @@ def flex_score_mod(api: str, framework: str, score_mod=None, mask_mod=None, devi
     if isinstance(mask_mod, PartialMask):
         mask_mod, kept = mask_mod.mask_mod, mask_mod.kept
     label = " and ".join(getattr(fn, "__name__", type(fn).__name__) for fn in (score_mod, mask_mod) if fn is not None)
-    def eager(ops, score, b, h, q_idx, kv_idx, values):  # the reference: the user's own functions
-        return _modded(ops.where, score_mod, mask_mod)(score, b, h, q_idx, kv_idx)
+    checked = _checked(api, "score_mod", score_mod), _checked(api, "mask_mod", mask_mod)
+
+    def eager(ops, score, b, h, q_idx, kv_idx, values):  # the reference: the user's own functions, which
+        return _modded(ops.where, *checked)(score, b, h, q_idx, kv_idx)  # traced, are elementwise
 
     try:
         traced = trace(framework, score_mod, mask_mod, device, kept)
     except ExprError as error:
-        return ScoreMod(None, eager=eager, name=label, issue=f"{api}: {label}: {error}",
+        each = tuple(_per_element(framework, api, name, fn) for name, fn in zip(("score_mod", "mask_mod"), checked))
+
+        def untraced(ops, score, b, h, q_idx, kv_idx, values):
+            return _modded(ops.where, *each)(score, b, h, q_idx, kv_idx)
+
+        return ScoreMod(None, eager=untraced, name=label, issue=f"{api}: {label}: {error}",
                         unfollowed=_unfollowed_learners(framework, score_mod, {}))
     derivative = traced.derivative
     if mask_derivative_one and masks_only(derivative):

@@ -30,8 +30,10 @@ from fusedattn.score_mods.flex import (
     flat_reads,
     identity,
     library_function,
+    plain_reads,
     reads_key,
     same_reads,
+    unchanged_reads,
 )
 
 __all__ = ["Binding", "recall", "remember", "forget", "may_empty_rows", "signature_part"]
@@ -44,7 +46,7 @@ class Binding(NamedTuple):
 
     given: tuple  # the score_mod keywords' values (kept alive: the signature holds their code's ids)
     reads: tuple  # what each keyword given reads (see _parts), kept alive: the key holds their ids
-    checks: tuple  # (value, what of it can change, flat) of each keyword given: see recall
+    checks: tuple  # (value, what of it can change, compared in place) of each keyword given: see recall
     watched: tuple  # (tensor, version) of every tensor the mod holds: in-place changes rebind
     aux: list
     scalars: list
@@ -174,6 +176,12 @@ def _changeable(value) -> tuple | None:
     return None if parts is None else tuple([x for part in parts for x in part])
 
 
+def _check(value) -> tuple:
+    """(value, what of it can change, whether that is plain_reads: compared in place by recall)."""
+    read = _changeable(value)
+    return value, read, type(value) is types.FunctionType and not fixed_reads(value) and plain_reads(value, read)
+
+
 def recall(signature, given: tuple) -> Binding | None:
     """The binding kept for this signature and callbacks that read these objects, while the tensors they
     hold keep their versions. given: the call's score_mod keywords' values in SCORE_MOD_NAMES' order."""
@@ -181,7 +189,12 @@ def recall(signature, given: tuple) -> Binding | None:
     # find it first, checking only what of them can change; those made anew, by all they read.
     kept = _BINDINGS.peek((signature, *map(id, given)))
     if kept is not None:
-        for value, read in kept.checks:
+        for value, read, plain in kept.checks:
+            if plain:
+                if not unchanged_reads(value, read):
+                    kept = None
+                    break
+                continue
             now = _changeable(value)
             if now is None or not same_reads(read, now):
                 kept = None
@@ -218,7 +231,7 @@ def remember(signature, options: dict, bound: BoundScoreMod, operands, planned: 
     aux = [x if x.data_ptr() % ALIGNMENT == 0 else aligned_copy(x) for x in aux]
     given = _given(options)
     reads = _reads_of(given)
-    checks = tuple((value, _changeable(value)) for value in given if value is not None)
+    checks = tuple(_check(value) for value in given if value is not None)
     binding = Binding(given, reads, checks, _watched(bound.mod), aux, scalars, may_empty_rows(planned[0], bound),
                       planned)
     if signature is not None and reads is not None and not needs_gradient(bound.mod):
