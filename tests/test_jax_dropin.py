@@ -237,6 +237,15 @@ def test_errors_as_jax_nn(name):
         fj.dot_product_attention(*args, **kwargs)
 
 
+@pytest.mark.parametrize("scale", [0.0, -0.5, float("nan")])
+def test_a_scale_that_is_not_positive_is_refused_in_the_drop_ins_name(scale):
+    """jax.nn takes it; fusedattn refuses it (its docstring says so), naming dot_product_attention, not the
+    attention call inside."""
+    x = jax.random.normal(jax.random.key(2), (B, 4, N, H))
+    with pytest.raises(ValueError, match=r"fusedattn.jax.dot_product_attention: scale: expected a finite float > 0"):
+        fj.dot_product_attention(x, x, x, scale=scale)
+
+
 def test_bias_heads_neither_one_nor_n():
     x = jnp.zeros((B, 4, N, H))
     with pytest.raises(ValueError, match=r"bias: expected a shape broadcastable to \(B, N, T, S\)"):

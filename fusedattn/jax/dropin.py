@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from fusedattn.checks import check_scale
 from fusedattn.jax.functional import _is_torch, _type_name, attention
 
 __all__ = ["dot_product_attention"]
@@ -137,7 +138,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
             (fewer dimensions gain leading unit axes); cast to query's dtype (jax.nn adds it in
             float32), with a gradient.
         mask: boolean, True = takes part, broadcastable to (B, N, T, S).
-        scale: multiplies `q kᵀ`; default 1/sqrt(H).
+        scale: multiplies `q kᵀ`; default 1/sqrt(H). Zero or negative scales raise, as in
+            fusedattn.jax.attention (jax.nn takes them).
         is_causal: query i sees keys j <= i (top-left diagonal, also when T != S).
         query_seq_lengths, key_value_seq_lengths: (B,) int32; rows past a query length give 0,
             keys past a key length are masked.
@@ -165,6 +167,10 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     """
     if implementation not in _IMPLEMENTATIONS:
         raise _error("implementation", "None, 'xla' or 'cudnn'", repr(implementation))
+    try:
+        check_scale(scale)
+    except ValueError as error:
+        raise ValueError(f"{API}: {error}") from None
     out_shape = getattr(query, "shape", None)
     q, k, v = (_as_4d(x, name) for x, name in ((query, "query"), (key, "key"), (value, "value")))
     batch, skv, heads_kv, dim = k.shape
