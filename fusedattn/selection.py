@@ -45,6 +45,12 @@ def remember_call(signature, planned) -> None:
     _calls.put(signature, planned)
 
 
+def forget_calls() -> None:
+    """Drop every remembered call: one holds a native plan the library evicted, under a signature its
+    caller does not have (a call run as part of another), so the next calls plan again."""
+    _calls.clear()
+
+
 @dataclass(frozen=True)
 class Selection:
     """The backend chosen for a config, and why each other backend was not."""

@@ -46,8 +46,8 @@ from fusedattn.score_mods.builtins import flex_keywords
 from fusedattn.score_mods.core import ScoreMod, as_score_mod, bind, needs_gradient
 from fusedattn.score_mods.flex import PartialMask, reads_positions
 from fusedattn.score_mods.mask_rewrite import rewrite_mask
-from fusedattn.selection import ENV_BACKEND, recall_call, remember_call
-from fusedattn.torch import compiled_score_mods, mask_rewrites, score_mod_bindings, trace_time
+from fusedattn.selection import ENV_BACKEND, forget_calls, recall_call, remember_call
+from fusedattn.torch import compiled_score_mods, mask_rewrites, rows_with_keys, score_mod_bindings, trace_time
 from fusedattn.torch import documents as documents_thd
 from fusedattn.torch.autograd import run_attention
 from fusedattn.torch.ops import backend_of, config_of, register_config
@@ -355,10 +355,12 @@ def explain(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | No
     return explain_config(configured.cfg, kwargs.get("backend"))
 
 
-def _native_plan(cfg, selection, q) -> int | None:
+def _native_plan(cfg, selection, q) -> int | rows_with_keys.RowsPlan | None:
     """The native operator's plan for a cuDNN call (registered once per config), or None: the Python
-    path runs it (another backend, a feature the operator does not run, or no native library here)."""
-    return _native_plan_on(cfg, selection.name, q.device)
+    path runs it (another backend, a feature the operator does not run, or no native library here).
+    Bottom-right causal with Sq > Skv: a RowsPlan (the operator runs the rows that see keys)."""
+    rows = rows_with_keys.plan(cfg, selection, lambda sub: _native_plan_on(sub, selection.name, q.device))
+    return rows if rows is not None else _native_plan_on(cfg, selection.name, q.device)
 
 
 def _native_plan_on(cfg, backend_name: str, device: torch.device) -> int | None:
@@ -367,9 +369,12 @@ def _native_plan_on(cfg, backend_name: str, device: torch.device) -> int | None:
     return torch_plans.plan_for(cfg, device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _native_call(plan: int, signature, planned, q, k, v, sink, bias, binding, options: dict):
+def _native_call(plan, signature, planned, q, k, v, sink, bias, binding, options: dict):
     """The call through the native operator fusedattn_native.attention (see backends/cudnn/native).
-    binding: a score_mod's operands (score_mod_bindings), or None."""
+    binding: a score_mod's operands (score_mod_bindings), or None. plan: the native plan, or a RowsPlan."""
+    if type(plan) is not int:  # rows without keys (never with a score_mod): the others through the operator
+        return rows_with_keys.run(plan, planned[0], lambda sub, q, bias: _native_call(
+            sub[2], None, sub, q, k, v, sink, bias, None, options), q, bias)
     cfg = planned[0]
     if v is None:  # a packed layout: views of the pack
         q, k, v = split_packed(cfg.layout, [x for x in (q, k) if x is not None])
@@ -390,6 +395,8 @@ def _native_call(plan: int, signature, planned, q, k, v, sink, bias, binding, op
         plan = _native_plan(cfg, planned[1], q)
         if signature is not None:
             remember_call(signature, (*planned[:2], plan))
+        else:  # the rows of a RowsPlan (rows_with_keys): the outer call's entry holds the old plan
+            forget_calls()
         if plan is None:
             raise
         outputs = _operator(plan, q, k, v, sink, seed, offset, *extra)

@@ -179,6 +179,49 @@ def test_a_model_step_is_captured_in_a_cuda_graph_and_replays_eagers_bits():
             assert torch.equal(got, want), f"replay {seed}: {name} differs from the eager step"
 
 
+def _reaches_native(out: torch.Tensor) -> bool:
+    """Whether the operator's autograd node is in out's graph (a call padded by torch ops after it)."""
+    seen, nodes = set(), [out.grad_fn]
+    while nodes:
+        node = nodes.pop()
+        if node is None or id(node) in seen:
+            continue
+        if node.name() == "FusedAttentionBackward":
+            return True
+        seen.add(id(node))
+        nodes.extend(next_node for next_node, _ in node.next_functions)
+    return False
+
+
+@pytest.mark.parametrize("layout", ["bshd", "sbhd", "bhsd"])
+def test_bottom_right_with_more_queries_than_keys_runs_on_the_operator(layout):
+    """The rows that see keys run as the operator's call (rows_with_keys.py), the others are padded:
+    out, LSE and every gradient (a learning bias's too) against the float64 reference, a warm call
+    repeating the cold call's bits and never waiting for the device."""
+    from gpu_checks import _pack, assert_close_to_exact, make, run
+
+    q, k, v = make(2, 160, 96, 4, 2, 64, 64, torch.bfloat16, seed=21)
+    tensors, _ = _pack(layout, q, k, v)
+    bias = torch.randn(1, 4, 160, 96, device="cuda").to(torch.bfloat16)
+    options = {"layout": layout, "mask": "causal_bottom_right", "bias": bias, "deterministic": True}
+    first, first_grads = run("cudnn", tensors, options)
+    assert _reaches_native(first.out), first.out.grad_fn
+    again, again_grads = run("cudnn", tensors, options)
+    assert torch.equal(first.out, again.out) and all(torch.equal(a, b) for a, b in zip(first_grads, again_grads))
+    same, same_grads = run("reference", tensors, options)
+    wide = {key: value.double() if isinstance(value, torch.Tensor) else value for key, value in options.items()}
+    exact, exact_grads = run("reference", [t.double() for t in tensors], wide)
+    assert_close_to_exact("out", first.out, same.out, exact.out)
+    finite = torch.isfinite(exact.lse)
+    assert torch.isneginf(first.lse[~finite]).all()
+    torch.testing.assert_close(first.lse[finite], exact.lse[finite].float(), atol=2e-2, rtol=2e-3)
+    for i, (got, s, e) in enumerate(zip(first_grads, same_grads, exact_grads)):
+        assert_close_to_exact(f"grad {i}", got, s, e, reduction=i >= 3)
+    leaves = [x.detach().clone().requires_grad_() for x in tensors]
+    _never_waiting(lambda: torch.autograd.grad(
+        fat.attention(*leaves, backend="cudnn", **options).float().sum(), leaves))
+
+
 def test_evicted_plans_are_registered_again():
     """With room for two plans in the core and the operator, four configurations in turn keep their bits."""
     q, k, v = _inputs(seed=4)

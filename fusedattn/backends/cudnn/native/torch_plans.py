@@ -8,7 +8,8 @@ records its C++ autograd node. A score_mod's aux tensors and numbers travel as `
 in the order `operands(cfg)` gives. Where Python's headers exist, the library is also a Python
 module whose `attention` calls the same operator more cheaply (`entry`) and whose `tensor_key`
 names a call's tensors for its plan-cache signature in one C call (`tensor_key`).
-Configs it does not run (max_logit with sequence lengths, rows without keys) keep the Python path;
+Configs it does not run keep the Python path (max_logit with sequence lengths); one with rows without keys
+runs the config of its other rows (torch/rows_with_keys.py);
 `unavailable()` says why the library cannot be used at all on this machine.
 FUSEDATTN_TORCH_NATIVE=0 turns the operator off.
 """

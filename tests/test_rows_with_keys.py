@@ -1,0 +1,72 @@
+"""Bottom-right causal with Sq > Skv on the native operator (fusedattn/torch/rows_with_keys.py): the operator
+gets the rows that see keys, as a view of q, and the call answers for every row. Here the operator is a
+stand-in that computes attention itself, so the padding and the gradients' way back are checked against the
+float64 naive on the CPU."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from naive import naive_attention
+
+import fusedattn.torch as fat
+from fusedattn.torch import functional
+
+B, SQ, SKV, H, D = 2, 7, 4, 2, 8
+
+
+@pytest.fixture
+def operator(monkeypatch):
+    """Every config has native plan 7; the stand-in runs the plan's rows (top-left causal: Sq == Skv there)."""
+    seen = []
+    monkeypatch.setattr(functional, "_native_plan_on", lambda cfg, name, device: 7)
+
+    def attend(plan, q, k, v, sink, seed, offset, bias=None, *rest):
+        seen.append(tuple(q.shape))
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
+        if bias is not None:
+            scores = scores + bias
+        rows, keys = scores.shape[-2:]
+        visible = torch.ones(rows, keys, dtype=torch.bool).tril()
+        scores = scores.masked_fill(~visible, float("-inf"))
+        lse = torch.logsumexp(scores, -1)
+        return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, -1), v), lse
+
+    monkeypatch.setattr(functional, "_operator", attend)
+    return seen
+
+
+@pytest.mark.parametrize("bias_shape", [None, (1, H, SQ, SKV), (B, 1, 1, SKV)])
+def test_rows_without_keys_run_on_the_operator_and_come_back_empty(operator, bias_shape):
+    gen = torch.Generator().manual_seed(61)
+    leaves = [torch.randn(B, n, H, D, generator=gen, dtype=torch.float64) for n in (SQ, SKV, SKV)]
+    if bias_shape is not None:
+        leaves.append(torch.randn(bias_shape, generator=gen, dtype=torch.float64))
+    got_leaves = [x.clone().requires_grad_() for x in leaves]
+    options = dict(mask="causal_bottom_right", return_lse=True)
+    bias = {} if bias_shape is None else {"bias": got_leaves[3]}
+    for _ in range(2):  # planned, then recalled
+        got = fat.attention(*got_leaves[:3], **bias, **options)
+    assert operator == [(B, SKV, H, D)] * 2  # the operator ran the rows with keys, twice
+    exact_leaves = [x.clone().requires_grad_() for x in leaves]
+    out, lse, _ = naive_attention(*exact_leaves[:3], mask="causal_bottom_right",
+                                  bias=None if bias_shape is None else exact_leaves[3])
+    torch.testing.assert_close(got.out, out)
+    torch.testing.assert_close(got.lse, lse)
+    assert (got.out[:, :SQ - SKV] == 0).all() and torch.isneginf(got.lse[:, :, :SQ - SKV]).all()
+    weight = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    found = torch.autograd.grad((got.out * weight).sum(), got_leaves)
+    expected = torch.autograd.grad((out * weight).sum(), exact_leaves)
+    for name, a, b in zip(("q", "k", "v", "bias"), found, expected):
+        torch.testing.assert_close(a, b, msg=name)
+    assert (found[0][:, :SQ - SKV] == 0).all()
+
+
+def test_a_plain_output_is_padded_too(operator):
+    q, k, v = (torch.randn(B, n, H, D, dtype=torch.float64) for n in (SQ, SKV, SKV))
+    out = fat.attention(q, k, v, mask="causal_bottom_right", layout="bshd")
+    assert out.shape == (B, SQ, H, D) and (out[:, :SQ - SKV] == 0).all()
+    exact, _, _ = naive_attention(q, k, v, mask="causal_bottom_right")
+    torch.testing.assert_close(out, exact)
