@@ -37,8 +37,8 @@ from fusedattn.score_mods.simplify import simplified, simplified_with_map
 from fusedattn.xp import namespace
 
 __all__ = ["flex_score_mod", "is_flex_score_mod", "Traced", "trace", "trace_mask", "PartialMask", "reads_learners",
-           "SCORE_ARGS", "MASK_ARGS", "plain_reads", "unchanged_reads", "snapshot", "same_objects", "flat_reads", "same_reads", "reads_key", "identity",
-           "library_function", "fixed_reads", "reads_positions"]
+           "SCORE_ARGS", "MASK_ARGS", "plain_reads", "unchanged_reads", "snapshot", "same_objects", "flat_reads",
+           "same_reads", "reads_key", "identity", "library_function", "fixed_reads", "reads_positions"]
 
 SCORE_ARGS = ("score", "b", "h", "q_idx", "kv_idx")
 MASK_ARGS = ("b", "h", "q_idx", "kv_idx")

@@ -172,6 +172,10 @@ def test_learnable_captured_tensor_in_an_added_term_gets_its_gradient_on_cudnn()
                                rtol=0)
 
 
+def _added_by_key(table):
+    return lambda s, b, h, qi, ki: s + table[ki]
+
+
 @pytest.mark.parametrize("mask", ["dilated", "document", "empty_rows"])
 def test_a_learnable_added_term_beside_a_mask_mod_gets_every_gradient_on_cudnn(mask):
     """The term runs as a bias (dBias), the mask stays in the graph with derivative 1 (cuDNN builds no dBias
@@ -187,8 +191,7 @@ def test_a_learnable_added_term_beside_a_mask_mod_gets_every_gradient_on_cudnn(m
     for backend, dtype in (("cudnn", None), ("reference", None), ("reference", torch.float64)):
         leaves = [x.detach().clone().to(dtype or x.dtype).requires_grad_(True) for x in (q, k, v)]
         u = table.clone().to(dtype or torch.float32).requires_grad_(True)
-        out = fat.attention(*leaves, score_mod=lambda s, b, h, qi, ki: s + u[ki], mask_mod=masks[mask],
-                            backend=backend)
+        out = fat.attention(*leaves, score_mod=_added_by_key(u), mask_mod=masks[mask], backend=backend)
         grad = torch.randn(out.shape, generator=torch.Generator(device="cuda").manual_seed(3), device="cuda")
         out.float().backward(grad)
         results[backend, dtype] = (out, *(x.grad for x in leaves), u.grad)
