@@ -720,7 +720,9 @@ def test_flex_score_mods_reading_global_tensors_compile_with_fullgraph():
         before = compiled(q, k, v)
         GLOBAL_SLOPES.mul_(3)
         after, eager_after = compiled(q, k, v), loss(q, k, v)
-        assert torch.equal(after, eager_after) and not torch.equal(before, after), backend
+        # (the loss's own sum: inductor may add in another order, 148189.5 against 148189.5156 on an H100)
+        torch.testing.assert_close(after, eager_after, rtol=1e-6, atol=0, msg=backend)
+        assert not torch.equal(before, after), backend
 
 
 @pytest.mark.parametrize("name", ["alibi_closure", "alibi_builtin", "native_callback"])
