@@ -723,6 +723,10 @@ def test_flex_score_mods_reading_global_tensors_compile_with_fullgraph():
         # (the loss's own sum: inductor may add in another order, 148189.5 against 148189.5156 on an H100)
         torch.testing.assert_close(after, eager_after, rtol=1e-6, atol=0, msg=backend)
         assert not torch.equal(before, after), backend
+        attend = torch.compile(lambda q, k, v: fat.attention(q, k, v, mask="causal", score_mod=_global_alibi),
+                               fullgraph=True, backend=backend)
+        GLOBAL_SLOPES.mul_(0.5)  # the attention itself, new values and all, gives eager's bits
+        assert torch.equal(attend(q, k, v), fat.attention(q, k, v, mask="causal", score_mod=_global_alibi)), backend
 
 
 @pytest.mark.parametrize("name", ["alibi_closure", "alibi_builtin", "native_callback"])
