@@ -320,3 +320,14 @@ def test_return_residual_is_jax_nns_log_sum_exp(options, rank):
     assert residual.shape == want.shape and residual.dtype == want.dtype
     np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(residual), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("q_shape, kv_shape", [((0, 4, 2, 8), (0, 5, 2, 8)), ((2, 0, 2, 8), (2, 5, 2, 8)),
+                                               ((2, 4, 0, 8), (2, 5, 0, 8))])
+def test_empty_batches_queries_and_heads_answer_an_empty_array(q_shape, kv_shape):
+    """They raised ("batch: expected an integer >= 1"); jax.nn answers an empty array (with no heads it divides
+    by zero itself)."""
+    q, k = jnp.ones(q_shape), jnp.ones(kv_shape)
+    out, residual = fj.dot_product_attention(q, k, k, return_residual=True)
+    assert out.shape == q_shape and residual.shape == q_shape[:-1]
+    assert jax.grad(lambda q: fj.dot_product_attention(q, k, k).sum())(q).shape == q_shape

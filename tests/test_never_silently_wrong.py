@@ -680,6 +680,27 @@ def test_callbacks_returning_the_wrong_kind_get_an_error_naming_them(case):
         fat.attention(q, q, q, **options)
 
 
+@pytest.mark.parametrize("sizes", [(4, 5), (5, 4), (6, 5)])
+def test_jax_segment_ids_need_one_id_per_packed_token(sizes):
+    """Fewer ids than tokens ran: the tokens without one became padding (out 0, off by 0.90), a key without
+    one was dropped (1.34), eagerly and under jit; more named cu_seqlens_q. Now the side is named."""
+    x = jax.random.normal(jax.random.key(5), (5, 2, 8))
+    ids_q, ids_kv = (jnp.zeros(n, jnp.int32) for n in sizes)
+    name = "segment_ids_q" if sizes[0] != 5 else "segment_ids_kv"
+    for run in (lambda f: f(), lambda f: jax.jit(f)()):
+        with pytest.raises(ValueError, match=f"{name}: expected one id per packed (query|key) token \\(5\\)"):
+            run(lambda: fja.attention(x, x, x, layout="thd", mask="padding", segment_ids_q=ids_q,
+                                      segment_ids_kv=ids_kv, num_sequences=1, max_seqlen_q=5, max_seqlen_kv=5))
+
+
+@pytest.mark.parametrize("shard_axes", [{"sequence": "data"}, "data", 42])
+def test_jax_shard_axes_are_checked_whichever_backend_runs(shard_axes):
+    """The reference backend (jax.numpy) ignored any shard_axes; a callback backend refused the same call."""
+    x = jax.random.normal(jax.random.key(6), (2, 4, 2, 8))
+    with pytest.raises(ValueError, match="shard_axes: expected a dict with keys 'batch' and/or 'heads'"):
+        jax.jit(lambda x: fja.attention(x, x, x, shard_axes=shard_axes))(x)
+
+
 def test_numpy_integers_are_accepted_as_windows_and_max_lengths():
     """np.int64 windows (torch) and max lengths (JAX) were refused as not ints, while NumPy scales ran."""
     q = torch.randn(1, 8, 2, 8)

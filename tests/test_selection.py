@@ -243,7 +243,7 @@ def test_explain_output_is_pinned():
         selected: reference
         backends (in selection order):
           small_seq: rejected
-            - Sq=128: needs at most one query per sequence
+            - Sq=128: needs Sq = 1 (THD: max_seqlen_q = 1, sequences of one query or none)
             - Skv=128 > 64 (longer key sequences are faster elsewhere; 64 needs Hq == Hkv and D <= 128)
           cudnn: rejected
             - package nvidia-cudnn-frontend not installed (import cudnn)

@@ -175,3 +175,17 @@ def test_a_zero_or_negative_scale_raises():  # PyTorch's CPU math gives NaN rows
     for scale in (0.0, -0.5):
         with pytest.raises(ValueError, match="scale: expected a finite float > 0"):
             fat.scaled_dot_product_attention(q, q, q, scale=scale)
+
+
+@pytest.mark.parametrize("q_shape, kv_shape, gqa", [
+    ((0, 2, 4, 8), (0, 2, 5, 8), False), ((2, 0, 4, 8), (2, 0, 5, 8), False), ((2, 2, 0, 8), (2, 2, 5, 8), False),
+    ((0, 4, 3, 8), (0, 2, 5, 8), True), ((3, 0, 8), (3, 5, 8), False)])
+def test_empty_batches_heads_and_queries_answer_as_sdpa(q_shape, kv_shape, gqa):
+    """An empty batch, no heads or no queries raised ("batch: expected an integer >= 1"); SDPA answers an empty
+    output, and empty gradients."""
+    q, k = torch.randn(q_shape, requires_grad=True), torch.randn(kv_shape, requires_grad=True)
+    v = torch.randn((*kv_shape[:-1], 6), requires_grad=True)
+    got = fat.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+    assert got.shape == F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa).shape
+    got.sum().backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape

@@ -25,7 +25,7 @@ from fusedattn.frontend_common import (
 from fusedattn.jax import cudnn_call, small_seq_call, torch_bridge
 from fusedattn.jax import documents as documents_thd
 from fusedattn.jax.offset_guard import guard_inputs, poisoned
-from fusedattn.jax.partition import find_split
+from fusedattn.jax.partition import check_declared, find_split
 from fusedattn.jax.shard_guard import batched, check_shard_axes, guard_whole
 from fusedattn.layout import layout_spec
 from fusedattn.options import SCORE_MOD_NAMES, TENSORS, check_keywords, describe_arguments
@@ -294,7 +294,7 @@ def attention(q, k=None, v=None, **options):
     if get("segment_ids_q") is not None or get("segment_ids_kv") is not None:
         tensors["cu_seqlens_q"], tensors["cu_seqlens_kv"], segments_violated = _from_segment_ids(
             get("segment_ids_q"), get("segment_ids_kv"), get("num_sequences"), get("cu_seqlens_q"),
-            get("cu_seqlens_kv"))
+            get("cu_seqlens_kv"), _token_counts(get("layout", "bshd"), q, k))
     call = prepare_call(
         API, "jax", tensors, describe=_meta, host_copy=lambda x: OPS.to_host(x) if _is_concrete(x) else None,
         # Whether a gradient will be taken is unknown at trace time: assume it may.
@@ -315,6 +315,7 @@ def attention(q, k=None, v=None, **options):
     if call.cfg.dropout_p > 0.0:
         seed, offset = _dropout_state(get("dropout_rng"), get("dropout_seed"), get("dropout_offset", 0))
     split = None
+    check_declared(API, get("shard_axes"))
     if get_backend(call.selection.name).array_framework == "torch" and not any(map(batched, (q, k, v))):
         split = find_split(API, call.cfg, q, layout_spec(call.cfg.layout).tensors[0][1], get("shard_axes"))
         if split is None:  # sharded inputs would be gathered: refused when XLA partitions the program
@@ -329,8 +330,21 @@ def attention(q, k=None, v=None, **options):
 describe_arguments(attention, "jax")
 
 
-def _from_segment_ids(ids_q, ids_kv, num_sequences, cu_q, cu_kv):
+def _token_counts(layout, q, k) -> tuple | None:
+    """(query tokens, key tokens) of a packed-token (THD) layout's arrays, else None."""
+    from fusedattn.layout import layout_spec
+
+    try:
+        ragged = layout_spec(layout).layout.is_ragged
+    except (ValueError, TypeError, AttributeError):
+        return None  # a bad layout: build_config says so
+    shape_q, shape_kv = getattr(q, "shape", ()), getattr(k if k is not None else q, "shape", ())
+    return (shape_q[0], shape_kv[0]) if ragged and shape_q and shape_kv else None
+
+
+def _from_segment_ids(ids_q, ids_kv, num_sequences, cu_q, cu_kv, tokens: tuple | None = None):
     """(cu_seqlens_q, cu_seqlens_kv, violated) from packed segment ids (both sides), with clear errors.
+    tokens: the (query, key) token counts the ids must match, where the layout packs tokens.
 
     Concrete ids are checked here (unsorted ids raise); traced ones give `violated`, a 0-d boolean
     on the device that the call turns into NaN results (None when every id was checked)."""
@@ -343,10 +357,13 @@ def _from_segment_ids(ids_q, ids_kv, num_sequences, cu_q, cu_kv):
         raise ValueError(f"{API}: cu_seqlens_q/kv: expected None with segment ids, got arrays (pass one or the other)")
     if not isinstance(num_sequences, int) or isinstance(num_sequences, bool) or num_sequences < 1:
         raise ValueError(f"{API}: num_sequences: expected a static int >= 1 with segment ids, got {num_sequences!r}")
-    for name, ids in (("segment_ids_q", ids_q), ("segment_ids_kv", ids_kv)):
+    for side, (name, ids) in enumerate((("segment_ids_q", ids_q), ("segment_ids_kv", ids_kv))):
         if len(getattr(ids, "shape", ())) != 1:
             raise ValueError(f"{API}: {name}: expected a (T,) integer array, got shape "
                              f"{getattr(ids, 'shape', type(ids).__name__)}")
+        if tokens is not None and ids.shape[0] != tokens[side]:
+            raise ValueError(f"{API}: {name}: expected one id per packed {('query', 'key')[side]} token "
+                             f"({tokens[side]}), got {ids.shape[0]}")
     violated = None
     for name, ids in (("segment_ids_q", ids_q), ("segment_ids_kv", ids_kv)):
         if _is_concrete(ids):

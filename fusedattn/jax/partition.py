@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec
 
 from fusedattn.config import AttentionConfig
 
-__all__ = ["ShardedCall", "Split", "find_split", "shard_local"]
+__all__ = ["ShardedCall", "Split", "check_declared", "find_split", "shard_local"]
 
 # Added to the dropout seed per shard (times the shard's index), so shards draw different masks.
 _SEED_STRIDE = 0x9E3779B9
@@ -100,6 +100,13 @@ def _declared(api: str, shard_axes) -> tuple:
     if missing:
         raise ValueError(f"{api}: shard_axes: expected axes of the mesh {tuple(mesh.axis_names)}, got {missing}")
     return mesh, batch_axes, head_axes
+
+
+def check_declared(api: str, shard_axes) -> None:
+    """ValueError for a shard_axes argument that is not a dict of the current mesh's axes, whichever backend
+    runs the call (one in jax.numpy needs no split, but the same call elsewhere would refuse it)."""
+    if shard_axes is not None:
+        _declared(api, shard_axes)
 
 
 def find_split(api: str, cfg: AttentionConfig, q, role: str, shard_axes=None) -> Split | None:

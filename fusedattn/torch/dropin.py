@@ -85,9 +85,20 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
         options = _recognized(attn_mask, mask, batch, q.shape[-2], k.shape[-2], q.device)
         if options is None:
             options = {"bias": _as_bias(mask, query)}
-    out = attention(q, k, v, layout="bhsd", dropout_p=dropout_p, scale=scale, **options)
+    if batch == 0 or heads_q == 0 or q.shape[-2] == 0:  # nothing to compute: SDPA answers an empty tensor
+        out = _empty_output(q, k, v)
+    else:
+        out = attention(q, k, v, layout="bhsd", dropout_p=dropout_p, scale=scale, **options)
     out = out.reshape(*lead, *out.shape[1:])
     return out.squeeze(-3) if one_head else out
+
+
+def _empty_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The (batch, Hq, L, Ev) output of a call with no batch, heads or queries: empty, on autograd's graph
+    of q, k and v (their gradients come back empty, as SDPA's do)."""
+    groups = q.shape[1] // max(k.shape[1], 1)
+    k, v = (x.repeat_interleave(groups, 1) if groups > 1 else x.expand(-1, q.shape[1], -1, -1) for x in (k, v))
+    return torch.matmul(torch.matmul(q, k.transpose(-2, -1)), v)
 
 
 def _folded(mask: torch.Tensor, query: torch.Tensor, lead: tuple, one_head: bool, sizes: tuple) -> torch.Tensor:

@@ -58,7 +58,7 @@ class SmallSeqBackend(Backend):
         if cfg.layout.value not in _LAYOUTS:
             reasons.append(f"layout {cfg.layout.value!r}: reads {', '.join(_LAYOUTS)}")
         if cfg.seqlen_q != 1:
-            reasons.append(f"Sq={cfg.seqlen_q}: needs at most one query per sequence")
+            reasons.append(f"Sq={cfg.seqlen_q}: needs Sq = 1 (THD: max_seqlen_q = 1, sequences of one query or none)")
         limit = max_seqlen_kv(cfg)
         if cfg.seqlen_kv > limit:
             reasons.append(f"Skv={cfg.seqlen_kv} > {limit} (longer key sequences are faster elsewhere; "
