@@ -99,6 +99,10 @@ def _checked(api: str, name: str, fn):
         else:
             dtype = str(result.dtype)
         kind = "bool" if dtype.endswith("bool") else "float" if "float" in dtype else None
+        if name == "score_mod" and kind == "bool" and hasattr(result, "shape"):
+            raise ValueError(f"{api}: score_mod {getattr(fn, '__name__', type(fn).__name__)}: expected a float "
+                             "score, got booleans; a mask goes as mask_mod=(b, h, q_idx, kv_idx) -> bool (True "
+                             "keeps the key)")
         if not hasattr(result, "shape") or kind != wanted:
             expected = ("a boolean array (True keeps the key)" if wanted == "bool"
                         else "a float array (the modified score)")
