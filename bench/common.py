@@ -100,6 +100,40 @@ def time_ms(step: Callable[[], object], *, warmup: int, repeats: int, device: to
 HOLD_MARGIN_US = 2000.0  # a held loop's spin outlasts twice the plain loop's enqueue time by this much
 
 
+def kernel_table(step: Callable[[], object], repeats: int = 10, warmup: int = 3) -> dict[str, tuple[float, float]]:
+    """{kernel name (90 characters): (launches, GPU us)} per call of step, from torch's profiler (diagnostics:
+    which kernels a call launches, and for how long)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            step()
+        torch.cuda.synchronize()
+    table: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            row = table.setdefault(event.name[:90], [0.0, 0.0])
+            row[0] += 1
+            row[1] += event.device_time_total
+    return {name: (launches / repeats, us / repeats) for name, (launches, us) in table.items()}
+
+
+def with_python_path(measure: Callable[[], dict], script: str, child_flag: str) -> tuple[dict, dict]:
+    """(measure() here, measure() in a child process running `script` with the native operator off,
+    FUSEDATTN_TORCH_NATIVE=0): a diagnostic's two paths on the same inputs. The script prints its
+    measure() as JSON on its last line when child_flag is set in its environment."""
+    native = measure()
+    env = dict(os.environ, **{child_flag: "1"}, FUSEDATTN_TORCH_NATIVE="0")
+    child = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=400)
+    if child.returncode:
+        print(child.stderr[-2000:])
+        return native, {}
+    return native, json.loads(child.stdout.strip().splitlines()[-1])
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -4,31 +4,22 @@ with their GPU time (torch.profiler), for ours and SDPA on cuDNN, B4 H16 S1024 b
 Also rebuilds our graphs under other heuristic modes (FUSEDATTN_DIAG_HEUR=B) to see whether the
 engine cuDNN picks is the cause, and prints the engine the frontend selected for each graph.
 """
-import collections
 import sys
+from pathlib import Path
 
 import cudnn
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import fusedattn.torch as fat
 from fusedattn import cache
 from fusedattn.backends.cudnn import graphs, runtime
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/
+import common  # noqa: E402
+
 
 def kernels(fn, repeats=10):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(repeats):
-            fn()
-        torch.cuda.synchronize()
-    totals = collections.defaultdict(float)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            totals[event.name[:90]] += event.device_time / repeats
-    return totals
+    return {name: us for name, (_, us) in common.kernel_table(fn, repeats).items()}
 
 
 def show(label, totals):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -71,12 +70,7 @@ def main() -> int:
     if os.environ.get("SCORED_CHILD") == "1":
         print(json.dumps(measure()))
         return 0
-    native = measure()
-    env = dict(os.environ, SCORED_CHILD="1", FUSEDATTN_TORCH_NATIVE="0")
-    child = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=400)
-    python_path = json.loads(child.stdout.strip().splitlines()[-1]) if child.returncode == 0 else {}
-    if child.returncode:
-        print(child.stderr[-2000:])
+    native, python_path = common.with_python_path(measure, __file__, "SCORED_CHILD")
     print(f"{'call':>24} {'native host us':>15} {'python host us':>15} {'native ms':>10} {'python ms':>10}")
     for name, row in native.items():
         other = python_path.get(name, {})
