@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 
 from fusedattn.cache import LRUCache, register
-from fusedattn.score_mods.flex import flat_reads, reads_key
+from fusedattn.score_mods.flex import flat_reads, plain_reads, reads_key, unchanged_reads
 
 __all__ = ["recall", "remember"]
 
@@ -36,6 +36,7 @@ class Rewrite(NamedTuple):
     changed: dict  # the options the rewrite set (a PartialMask of the kept conditions, mask, window)
     signature: tuple | None  # the rewritten call's plan-cache signature (None for documents)
     documents: object  # a document mask to run as THD (mask_rewrite.Documents), or None
+    plain: bool  # reads are flex.plain_reads: a repeat call with this mask_mod compares them in place
 
 
 _REWRITES: LRUCache = register("torch.mask_mod.rewrites", LRUCache(CAPACITY))
@@ -44,12 +45,15 @@ _REWRITES: LRUCache = register("torch.mask_mod.rewrites", LRUCache(CAPACITY))
 def recall(signature, options: dict) -> tuple[dict, tuple | None, object] | None:
     """(rewritten options, their signature, documents or None) kept for this call, if its mask_mod still
     reads the same objects."""
-    reads = flat_reads(options["mask_mod"])
-    if reads is None:
-        return None
-    kept = _REWRITES.peek((signature, reads_key(reads)))  # no lock on the hot path, as score_mod_bindings.recall
-    if kept is None:
-        return None
+    mask_mod = options["mask_mod"]
+    kept = _REWRITES.peek((signature, id(mask_mod)))  # no lock on the hot path, as score_mod_bindings.recall
+    if kept is None or kept.mask_mod is not mask_mod or not unchanged_reads(mask_mod, kept.reads):
+        reads = flat_reads(mask_mod)  # a mask_mod made anew, or one reading other objects now
+        if reads is None:
+            return None
+        kept = _REWRITES.peek((signature, reads_key(reads)))
+        if kept is None:
+            return None
     return {**options, **kept.changed}, kept.signature, kept.documents
 
 
@@ -65,4 +69,8 @@ def remember(signature, before: dict, after: dict, rewritten_signature, document
     changed = {name: value for name, value in after.items() if before.get(name, _ABSENT) is not value}
     if any(isinstance(value, torch.Tensor) for value in changed.values()):
         return
-    _REWRITES.put((signature, reads_key(reads)), Rewrite(mask_mod, reads, changed, rewritten_signature, documents))
+    plain = plain_reads(mask_mod, reads)
+    rewrite = Rewrite(mask_mod, reads, changed, rewritten_signature, documents, plain)
+    _REWRITES.put((signature, reads_key(reads)), rewrite)
+    if plain:  # (the entry keeps mask_mod alive, so its id stays its own)
+        _REWRITES.put((signature, id(mask_mod)), rewrite)
