@@ -693,6 +693,14 @@ def test_jax_segment_ids_need_one_id_per_packed_token(sizes):
                                       segment_ids_kv=ids_kv, num_sequences=1, max_seqlen_q=5, max_seqlen_kv=5))
 
 
+def test_jax_num_sequences_without_segment_ids_is_refused_not_ignored():
+    x = jax.random.normal(jax.random.key(7), (5, 2, 8))
+    offsets = jnp.array([0, 2, 5], jnp.int32)
+    with pytest.raises(ValueError, match="num_sequences: expected None without segment_ids_q/kv"):
+        fja.attention(x, x, x, layout="thd", mask="padding", cu_seqlens_q=offsets, cu_seqlens_kv=offsets,
+                      num_sequences=2)
+
+
 @pytest.mark.parametrize("shard_axes", [{"sequence": "data"}, "data", 42])
 def test_jax_shard_axes_are_checked_whichever_backend_runs(shard_axes):
     """The reference backend (jax.numpy) ignored any shard_axes; a callback backend refused the same call."""

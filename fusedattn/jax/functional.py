@@ -295,6 +295,9 @@ def attention(q, k=None, v=None, **options):
         tensors["cu_seqlens_q"], tensors["cu_seqlens_kv"], segments_violated = _from_segment_ids(
             get("segment_ids_q"), get("segment_ids_kv"), get("num_sequences"), get("cu_seqlens_q"),
             get("cu_seqlens_kv"), _token_counts(get("layout", "bshd"), q, k))
+    elif get("num_sequences") is not None:
+        raise ValueError(f"{API}: num_sequences: expected None without segment_ids_q/kv (it counts their "
+                         f"sequences), got {get('num_sequences')!r}")
     call = prepare_call(
         API, "jax", tensors, describe=_meta, host_copy=lambda x: OPS.to_host(x) if _is_concrete(x) else None,
         # Whether a gradient will be taken is unknown at trace time: assume it may.
