@@ -170,6 +170,17 @@ def test_bottom_right_rows_without_keys_run_the_rows_that_have_keys(fake):
     assert grads["q"].shape == (B, 12, H, D) and (np.asarray(grads["q"][:, :4], np.float32) == 0).all()
 
 
+@pytest.mark.parametrize("softmax", ["learnable", "off_by_one"])
+def test_bottom_right_rows_without_keys_take_the_sinks_lse(fake, softmax):
+    """The rows that see no key: output 0 and the LSE of the sink term alone (they were padded with -inf)."""
+    cfg = _cfg(mask="causal_bottom_right", seqlen_q=12, seqlen_kv=8, softmax=softmax)
+    sink = np.array([0.5, -1.0, 2.0, 0.25][:H]) if softmax == "learnable" else None
+    arrays = _arrays(cfg, sink=sink)
+    _, lse, _ = cudnn_call.forward(cfg, None, arrays)
+    expected = np.asarray(jnp.asarray(sink, jnp.bfloat16), np.float32) if sink is not None else np.zeros(H)
+    np.testing.assert_array_equal(np.asarray(lse)[:, :, :4], np.broadcast_to(expected[None, :, None], (B, H, 4)))
+
+
 def test_vmap_folds_into_the_batch_unless_a_shared_operand_is_vmapped(fake):
     """A vmapped q with a shared (1, H, S, S) bias runs one pass of batch N * B; a vmapped bias has no
     batch axis to fold into, so each item runs alone (its own pass, batch B)."""

@@ -622,6 +622,29 @@ def test_a_learnable_added_term_learns_beside_a_mask_mod(mask, term):
         np.testing.assert_allclose(np.asarray(a, np.float64), b.numpy(), atol=2e-5, rtol=2e-5, err_msg=name)
 
 
+def test_a_term_that_starts_learning_beside_a_kept_document_rewrite_learns():
+    """A document call made while the table was frozen kept its THD rewrite; once the table required grad the
+    repeat call was refused ("layout 'thd' takes no bias", a layout the user never asked for). Sweep 7."""
+    gen = torch.Generator().manual_seed(71)
+    q, k, v = (torch.randn(2, 6, 2, 8, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    table = torch.nn.Parameter(torch.randn(2, generator=gen, dtype=torch.float64), requires_grad=False)
+    mask_mod = _BESIDE_MASKS["document"]
+
+    def call():
+        return fat.attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + table[h], mask_mod=mask_mod,
+                             return_lse=True)
+
+    call()
+    table.requires_grad_(True)
+    got = call()
+    out, lse, _ = naive_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: torch.where(
+        mask_mod(b, h, qi, ki), s + table[h], -1e9))
+    torch.testing.assert_close(got.out, out)
+    torch.testing.assert_close(got.lse.double(), lse, atol=1e-6, rtol=1e-6)  # (the LSE is float32)
+    found = torch.autograd.grad(got.lse.double().sum() + got.out.sum(), table)[0]
+    torch.testing.assert_close(found, torch.autograd.grad(lse.sum() + out.sum(), table)[0], atol=1e-6, rtol=1e-6)
+
+
 def test_a_mask_beside_a_learning_term_runs_on_cudnn_with_derivative_one():
     """cuDNN builds no backward with dBias beside a score_mod derivative graph (9.19: "No valid engine
     configs"); the mask that stays beside the term's bias has derivative 1, right for a mask. A softcap

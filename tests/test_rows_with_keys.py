@@ -19,20 +19,31 @@ B, SQ, SKV, H, D = 2, 7, 4, 2, 8
 
 @pytest.fixture
 def operator(monkeypatch):
-    """Every config has native plan 7; the stand-in runs the plan's rows (top-left causal: Sq == Skv there)."""
-    seen = []
-    monkeypatch.setattr(functional, "_native_plan_on", lambda cfg, name, device: 7)
+    """Every config has a native plan (its config, kept here); the stand-in runs the plan's rows (top-left causal:
+    Sq == Skv there) with the plan's sink."""
+    seen, plans = [], {}
+
+    def plan_on(cfg, name, device):
+        plans[len(plans)] = cfg
+        return len(plans) - 1
+
+    monkeypatch.setattr(functional, "_native_plan_on", plan_on)
 
     def attend(plan, q, k, v, sink, seed, offset, bias=None, *rest):
         seen.append(tuple(q.shape))
+        if plans[plan].softmax.value == "off_by_one":
+            sink = torch.zeros(q.shape[2], dtype=q.dtype)
         scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
         if bias is not None:
             scores = scores + bias
         rows, keys = scores.shape[-2:]
         visible = torch.ones(rows, keys, dtype=torch.bool).tril()
         scores = scores.masked_fill(~visible, float("-inf"))
+        if sink is not None:  # the sink's logit as one more key that adds to the denominator only
+            scores = torch.cat([scores, sink.view(1, -1, 1, 1).expand(*scores.shape[:3], 1)], -1)
         lse = torch.logsumexp(scores, -1)
-        return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, -1), v), lse
+        weights = torch.softmax(scores, -1)[..., :keys]
+        return torch.einsum("bhqk,bkhd->bqhd", weights, v), lse
 
     monkeypatch.setattr(functional, "_operator", attend)
     return seen
@@ -70,3 +81,23 @@ def test_a_plain_output_is_padded_too(operator):
     assert out.shape == (B, SQ, H, D) and (out[:, :SQ - SKV] == 0).all()
     exact, _, _ = naive_attention(q, k, v, mask="causal_bottom_right")
     torch.testing.assert_close(out, exact)
+
+
+@pytest.mark.parametrize("softmax_type", ["learnable", "off_by_one"])
+def test_rows_without_keys_keep_the_sinks_lse(operator, softmax_type):
+    """Their LSE is the log of the sink term alone (the sink's logit, 0 for off_by_one), as the reference
+    gives and the README promises; it was padded with -inf (sweep 7), here and on the Python path and JAX's."""
+    gen = torch.Generator().manual_seed(67)
+    q, k, v = (torch.randn(B, n, H, D, generator=gen, dtype=torch.float64) for n in (SQ, SKV, SKV))
+    sink = torch.tensor([0.5, -1.0], dtype=torch.float64)
+    options = dict(mask="causal_bottom_right", softmax_type=softmax_type, return_lse=True)
+    if softmax_type == "learnable":
+        options["sink"] = sink
+    got = fat.attention(q, k, v, **options)
+    assert operator == [(B, SKV, H, D)]
+    out, lse, _ = naive_attention(q, k, v, mask="causal_bottom_right", softmax_type=softmax_type,
+                                  sink=sink if softmax_type == "learnable" else None)
+    torch.testing.assert_close(got.out, out)
+    torch.testing.assert_close(got.lse, lse.to(got.lse.dtype))
+    expected = sink if softmax_type == "learnable" else torch.zeros(H, dtype=torch.float64)
+    torch.testing.assert_close(got.lse[:, :, :SQ - SKV], expected.view(1, -1, 1).expand(B, -1, SQ - SKV).to(got.lse))

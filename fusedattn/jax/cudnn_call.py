@@ -21,7 +21,7 @@ import numpy as np
 
 from fusedattn.backends.cudnn.score_mod_masks import aux_name, operands
 from fusedattn.backends.cudnn.sequence_layout import config_layout
-from fusedattn.backends.cudnn.spec import rows_with_keys_config, rows_without_keys, sdpa_spec
+from fusedattn.backends.cudnn.spec import lse_without_keys, rows_with_keys_config, rows_without_keys, sdpa_spec
 from fusedattn.config import AttentionConfig, BiasType, Layout, SoftmaxType
 from fusedattn.jax import native
 from fusedattn.jax.partition import Split
@@ -209,10 +209,7 @@ def _fix_forward_rows(cfg: AttentionConfig, sequences: _Sequences, out, lse, sin
     rows = sequences.rows("q", out)
     inside, alone = rows
     out = _clear_rows(out, rows, cfg)
-    if cfg.softmax is SoftmaxType.LEARNABLE:
-        sink_lse = sink.astype(jnp.float32)
-    else:
-        sink_lse = jnp.full((cfg.heads_q,), 0.0 if cfg.softmax is SoftmaxType.OFF_BY_ONE else -jnp.inf, jnp.float32)
+    sink_lse = lse_without_keys(cfg, sink, lse)
     sink_lse = sink_lse[None, :] if cfg.layout.is_ragged else sink_lse[None, :, None]
     lse = jnp.where(_rows_as(alone, cfg, lse=True), sink_lse, lse)
     gap = 0.0 if cfg.layout.is_ragged else -jnp.inf
@@ -258,7 +255,8 @@ def _backward_pass(cfg: AttentionConfig, named: dict, aux: dict, score_mod, out,
 
 
 # Bottom-right causal with Sq > Skv: the first Sq - Skv query rows see no key. cuDNN refuses the mask
-# there, so the last Skv rows run on their own and the others are filled in (output 0, LSE -inf).
+# there, so the last Skv rows run on their own and the others are filled in (output 0, the LSE of the
+# sink term alone: -inf without one).
 def _rows_with_keys(cfg: AttentionConfig, named: dict) -> tuple:
     skipped, axis = rows_without_keys(cfg), _SEQ_AXIS[cfg.layout]
     sub = rows_with_keys_config(cfg)
@@ -277,7 +275,8 @@ def _pad_rows(x, skipped: int, axis: int, fill):
 def _forward_rows_with_keys(cfg: AttentionConfig, named: dict, aux: dict, score_mod) -> tuple:
     sub, skipped, axis, named = _rows_with_keys(cfg, named)
     out, lse, max_logit = _forward_pass(sub, named, aux, score_mod)
-    return _pad_rows(out, skipped, axis, 0), _pad_rows(lse, skipped, 2, -jnp.inf), max_logit
+    empty = jnp.broadcast_to(lse_without_keys(cfg, named.get("sink"), lse)[None, :, None], (*lse.shape[:2], skipped))
+    return _pad_rows(out, skipped, axis, 0), jnp.concatenate([empty, lse], axis=2), max_logit
 
 
 def _backward_rows_with_keys(cfg: AttentionConfig, named: dict, aux: dict, score_mod, out, lse, grad_out,

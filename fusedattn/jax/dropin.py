@@ -180,10 +180,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         raise _error("query", f"shape ({batch}, T, N, {dim}) and dtype {k.dtype} like key",
                      f"shape {q.shape}, dtype {q.dtype}")
     sq, heads = q.shape[1], q.shape[2]
-    if batch == 0 or sq == 0 or heads == 0:  # nothing to compute: jax.nn answers an empty array
-        out = jnp.zeros(out_shape, q.dtype)
-        return (out, jnp.zeros((*out_shape[:-1],), jnp.float32)) if return_residual else out
-    if heads % heads_kv:
+    if (heads_kv == 0 and heads) or (heads_kv and heads % heads_kv):
         raise _error("query", f"a number of heads N that is a multiple of key's K={heads_kv}", f"N={heads}")
     full = (batch, heads, sq, skv)
     if bias is not None:
@@ -199,6 +196,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     kv_lengths = _lengths(key_value_seq_lengths, "key_value_seq_lengths", batch, skv)
     window = _window(local_window_size)
     padded = q_lengths is not None or kv_lengths is not None
+    if batch == 0 or sq == 0 or heads == 0:  # nothing to compute (every argument checked): jax.nn answers empty
+        out = jnp.zeros(out_shape, q.dtype)
+        return (out, jnp.zeros((*out_shape[:-1],), jnp.float32)) if return_residual else out
 
     mask_name, native_window, leftover = _translate(bool(is_causal), window, padded, sq, skv)
     if leftover is not None:

@@ -94,7 +94,8 @@ def _declared(api: str, shard_axes) -> tuple:
                          f"got {shard_axes!r}")
     mesh = jax.sharding.get_abstract_mesh()
     if not getattr(mesh, "axis_names", ()):
-        raise ValueError(f"{api}: shard_axes: expected a mesh set with jax.set_mesh(mesh) around the call, got none")
+        raise ValueError(f"{api}: shard_axes: expected a mesh set with jax.set_mesh(mesh) around the call, got "
+                         "none (a `with mesh:` block does not set it)")
     batch_axes, head_axes = _names(shard_axes.get("batch")), _names(shard_axes.get("heads"))
     missing = [a for a in batch_axes + head_axes if a not in mesh.axis_names]
     if missing:

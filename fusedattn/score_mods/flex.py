@@ -87,7 +87,7 @@ def _checked(api: str, name: str, fn):
     (else the reference met it as an unclear error of the framework's, or a cast)."""
     if fn is None:
         return None
-    wanted = "bool" if name == "mask_mod" else "float"
+    wanted = ("bool",) if name == "mask_mod" else ("float", "int")  # (an integer score is cast, as it was)
 
     def checked(*args):
         try:
@@ -98,13 +98,13 @@ def _checked(api: str, name: str, fn):
             dtype = f"a Python {type(result).__name__}"
         else:
             dtype = str(result.dtype)
-        kind = "bool" if dtype.endswith("bool") else "float" if "float" in dtype else None
+        kind = "bool" if dtype.endswith("bool") else "float" if "float" in dtype else "int" if "int" in dtype else None
         if name == "score_mod" and kind == "bool" and hasattr(result, "shape"):
             raise ValueError(f"{api}: score_mod {getattr(fn, '__name__', type(fn).__name__)}: expected a float "
                              "score, got booleans; a mask goes as mask_mod=(b, h, q_idx, kv_idx) -> bool (True "
                              "keeps the key)")
-        if not hasattr(result, "shape") or kind != wanted:
-            expected = ("a boolean array (True keeps the key)" if wanted == "bool"
+        if not hasattr(result, "shape") or kind not in wanted:
+            expected = ("a boolean array (True keeps the key)" if name == "mask_mod"
                         else "a float array (the modified score)")
             raise ValueError(f"{api}: {name}: expected it to return {expected}, got {dtype}")
         return result

@@ -86,6 +86,9 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
         if options is None:
             options = {"bias": _as_bias(mask, query)}
     if batch == 0 or heads_q == 0 or q.shape[-2] == 0:  # nothing to compute: SDPA answers an empty tensor
+        if q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2]:
+            raise ValueError(f"{API}: key/value: expected key of query's head dim E={q.shape[-1]} and value of "
+                             f"key's length, got key {tuple(key.shape)}, value {tuple(value.shape)}")
         out = _empty_output(q, k, v)
     else:
         out = attention(q, k, v, layout="bhsd", dropout_p=dropout_p, scale=scale, **options)
@@ -97,6 +100,8 @@ def _empty_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Te
     """The (batch, Hq, L, Ev) output of a call with no batch, heads or queries: empty, on autograd's graph
     of q, k and v (their gradients come back empty, as SDPA's do)."""
     groups = q.shape[1] // max(k.shape[1], 1)
+    if groups == 0:  # no query heads: none of the keys' heads is read
+        k, v = k[:, :0], v[:, :0]
     k, v = (x.repeat_interleave(groups, 1) if groups > 1 else x.expand(-1, q.shape[1], -1, -1) for x in (k, v))
     return torch.matmul(torch.matmul(q, k.transpose(-2, -1)), v)
 

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from fusedattn.backends.cudnn.spec import rows_with_keys_config, rows_without_keys
+from fusedattn.backends.cudnn.spec import lse_without_keys, rows_with_keys_config, rows_without_keys
 from fusedattn.config import AttentionConfig, Layout
 from fusedattn.frontend_common import AttentionResult
 from fusedattn.layout import layout_spec
@@ -43,17 +43,20 @@ def plan(cfg: AttentionConfig, selection, plan_on) -> RowsPlan | None:
     return RowsPlan((sub, selection, native), skipped, _SEQUENCE_AXIS[layout_spec(cfg.layout).base])
 
 
-def run(rows: RowsPlan, cfg: AttentionConfig, call, q: torch.Tensor, bias):
-    """call(planned, q, bias) on the rows with keys, its result with the empty rows in front."""
+def run(rows: RowsPlan, cfg: AttentionConfig, call, q: torch.Tensor, bias, sink):
+    """call(planned, q, bias) on the rows with keys, its result with the empty rows in front (output 0, the
+    LSE of the sink term alone)."""
     sub = rows.planned[0]
     if bias is not None and sub.bias_shape != cfg.bias_shape:
         bias = bias.reshape(cfg.bias_shape)[:, :, rows.skipped:]
     result = call(rows.planned, q.narrow(rows.axis, rows.skipped, sub.seqlen_q), bias)
     if not isinstance(result, AttentionResult):
         return _padded(result, rows.axis, rows.skipped, 0.0)
-    return AttentionResult(_padded(result.out, rows.axis, rows.skipped, 0.0),
-                           None if result.lse is None else _padded(result.lse, 2, rows.skipped, float("-inf")),
-                           result.max_logit)
+    lse = result.lse
+    if lse is not None:
+        empty = lse_without_keys(cfg, sink, lse).view(1, -1, 1).expand(lse.shape[0], -1, rows.skipped)
+        lse = torch.cat([empty, lse], 2)
+    return AttentionResult(_padded(result.out, rows.axis, rows.skipped, 0.0), lse, result.max_logit)
 
 
 def _padded(x: torch.Tensor, axis: int, rows: int, value: float) -> torch.Tensor:

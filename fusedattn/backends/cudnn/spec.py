@@ -231,6 +231,18 @@ def rows_without_keys(cfg: AttentionConfig) -> int:
     return 0
 
 
+def lse_without_keys(cfg: AttentionConfig, sink, like):
+    """(Hq,) float32 in like's framework and device: the LSE of a row that sees no key, the log of its sink
+    term alone (the learnable logits, 0 for off_by_one, -inf without a sink)."""
+    from fusedattn.xp import namespace
+
+    ops = namespace(like)
+    if cfg.softmax is SoftmaxType.LEARNABLE:
+        return ops.astype(ops.reshape(sink, (cfg.heads_q,)), "float32")
+    value = 0.0 if cfg.softmax is SoftmaxType.OFF_BY_ONE else float("-inf")
+    return ops.full((cfg.heads_q,), value, like, "float32")
+
+
 def rows_with_keys_config(cfg: AttentionConfig) -> AttentionConfig:
     """The config of the rows that see keys (see rows_without_keys); cfg itself when all do."""
     if not rows_without_keys(cfg):

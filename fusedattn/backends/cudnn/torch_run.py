@@ -20,6 +20,7 @@ from fusedattn.backends.cudnn.spec import (
     SdpaSpec,
     TensorSpec,
     gradient_spec,
+    lse_without_keys,
     rows_with_keys_config,
     rows_without_keys,
     sdpa_spec,
@@ -330,7 +331,8 @@ def dropout_mask(cfg: AttentionConfig, inputs: AttentionInputs) -> torch.Tensor:
 
 
 # Bottom-right causal with Sq > Skv: the first Sq - Skv query rows see no key. cuDNN refuses
-# the mask there, so the last Skv rows run on their own and the others are filled in.
+# the mask there, so the last Skv rows run on their own and the others are filled in (output 0,
+# the LSE of the sink term alone).
 _SEQ_AXIS = {Layout.BSHD: 1, Layout.SBHD: 0, Layout.BHSD: 2}
 
 
@@ -350,7 +352,8 @@ def _forward_rows_with_keys(cfg: AttentionConfig, inputs: AttentionInputs) -> At
     shape[axis] = cfg.seqlen_q
     out = result.out.new_zeros(shape)
     out.narrow(axis, skipped, sub.seqlen_q).copy_(result.out)
-    lse = result.lse.new_full((cfg.batch, cfg.heads_q, cfg.seqlen_q), float("-inf"))
+    lse = result.lse.new_empty((cfg.batch, cfg.heads_q, cfg.seqlen_q))
+    lse[:, :, :skipped] = lse_without_keys(cfg, inputs.sink, result.lse).view(1, -1, 1)
     lse[:, :, skipped:] = result.lse
     return AttentionOutputs(out, lse, result.max_logit)
 
