@@ -193,17 +193,21 @@ def _reaches_native(out: torch.Tensor) -> bool:
     return False
 
 
-@pytest.mark.parametrize("layout", ["bshd", "sbhd", "bhsd"])
-def test_bottom_right_with_more_queries_than_keys_runs_on_the_operator(layout):
-    """The rows that see keys run as the operator's call (rows_with_keys.py), the others are padded:
-    out, LSE and every gradient (a learning bias's too) against the float64 reference, a warm call
-    repeating the cold call's bits and never waiting for the device."""
+@pytest.mark.parametrize("layout, softmax", [("bshd", "vanilla"), ("sbhd", "vanilla"), ("bhsd", "vanilla"),
+                                             ("bshd", "learnable"), ("bshd", "off_by_one")])
+def test_bottom_right_with_more_queries_than_keys_runs_on_the_operator(layout, softmax):
+    """The rows that see keys run as the operator's call (rows_with_keys.py), the others are padded (output
+    0, the LSE of the sink term alone): out, LSE and every gradient (a learning bias's and sink's too)
+    against the float64 reference, a warm call repeating the cold call's bits and never waiting."""
     from gpu_checks import _pack, assert_close_to_exact, make, run
 
     q, k, v = make(2, 160, 96, 4, 2, 64, 64, torch.bfloat16, seed=21)
     tensors, _ = _pack(layout, q, k, v)
     bias = torch.randn(1, 4, 160, 96, device="cuda").to(torch.bfloat16)
-    options = {"layout": layout, "mask": "causal_bottom_right", "bias": bias, "deterministic": True}
+    options = {"layout": layout, "mask": "causal_bottom_right", "bias": bias, "deterministic": True,
+               "softmax_type": softmax}
+    if softmax == "learnable":
+        options["sink"] = torch.randn(4, device="cuda")
     first, first_grads = run("cudnn", tensors, options)
     assert _reaches_native(first.out), first.out.grad_fn
     again, again_grads = run("cudnn", tensors, options)
@@ -215,6 +219,9 @@ def test_bottom_right_with_more_queries_than_keys_runs_on_the_operator(layout):
     finite = torch.isfinite(exact.lse)
     assert torch.isneginf(first.lse[~finite]).all()
     torch.testing.assert_close(first.lse[finite], exact.lse[finite].float(), atol=2e-2, rtol=2e-3)
+    if softmax != "vanilla":  # the rows without keys: the sink term alone
+        expected = options["sink"] if softmax == "learnable" else torch.zeros(4, device="cuda")
+        torch.testing.assert_close(first.lse[:, :, :64], expected.view(1, -1, 1).expand(2, -1, 64))
     for i, (got, s, e) in enumerate(zip(first_grads, same_grads, exact_grads)):
         assert_close_to_exact(f"grad {i}", got, s, e, reduction=i >= 3)
     leaves = [x.detach().clone().requires_grad_() for x in tensors]
