@@ -645,6 +645,24 @@ def test_a_term_that_starts_learning_beside_a_kept_document_rewrite_learns():
     torch.testing.assert_close(found, torch.autograd.grad(lse.sum() + out.sum(), table)[0], atol=1e-6, rtol=1e-6)
 
 
+def test_keyword_only_defaults_are_read_at_every_call():
+    """A mask_mod or score_mod made anew with another keyword-only default (`*, w=w`) reused the first one's
+    kept rewrite or binding: out off by 3.28 (sweep 7). Each call now gives its own window and cap."""
+    gen = torch.Generator().manual_seed(73)
+    q, k, v = (torch.randn(1, 8, 2, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    for w in (1, 3, 0):
+        mask_mod = lambda b, h, qi, ki, *, w=w: (qi - ki <= w) & (ki <= qi)  # noqa: E731
+        score_mod = lambda s, b, h, qi, ki, *, c=w + 1.0: c * torch.tanh(s / c)  # noqa: E731
+        got = fat.attention(q, k, v, mask_mod=mask_mod, score_mod=score_mod)
+        exact, _, _ = naive_attention(q, k, v, score_mod=_masked_by(mask_mod, score_mod))
+        torch.testing.assert_close(got, exact, msg=f"w={w}")
+
+
+def _masked_by(mask_mod, score_mod):
+    """score_mod, then -1e9 where mask_mod is False: both as one callback of the float64 naive."""
+    return lambda s, b, h, qi, ki: torch.where(mask_mod(b, h, qi, ki), score_mod(s, b, h, qi, ki), -1e9)
+
+
 def test_a_mask_beside_a_learning_term_runs_on_cudnn_with_derivative_one():
     """cuDNN builds no backward with dBias beside a score_mod derivative graph (9.19: "No valid engine
     configs"); the mask that stays beside the term's bias has derivative 1, right for a mask. A softcap

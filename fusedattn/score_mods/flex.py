@@ -419,6 +419,12 @@ def _fixed_value(value) -> bool:
 _DEPTH = 2  # how deep snapshots follow helper functions
 
 
+def _defaults(fn):
+    """A function's defaults, keyword-only ones too (`*, w=w`: both are read at every call)."""
+    keyword_only = getattr(fn, "__kwdefaults__", None)
+    return fn.__defaults__ if not keyword_only else (fn.__defaults__, tuple(keyword_only.items()))
+
+
 def snapshot(fn, depth: int = _DEPTH) -> tuple | None:
     """The objects fn reads besides its arguments, compared by identity (helper functions it calls
     and items of dicts and lists it reads, two levels deep; only its closure for a function of this
@@ -428,9 +434,9 @@ def snapshot(fn, depth: int = _DEPTH) -> tuple | None:
         names = fn.__code__.co_names  # the globals and attributes it names
         cells = () if closure is None else tuple([_value_snapshot(c.cell_contents, depth, names) for c in closure])
         if library_function(fn):  # a built-in's callback: the names it reads are this library's own
-            return (cells, fn.__defaults__, ())
+            return (cells, _defaults(fn), ())
         read = fn.__globals__.get
-        return (cells, fn.__defaults__, tuple([_value_snapshot(read(n), depth, names) for n in names]))
+        return (cells, _defaults(fn), tuple([_value_snapshot(read(n), depth, names) for n in names]))
     if fn is None:
         return ()
     if isinstance(fn, functools.partial):
@@ -445,13 +451,13 @@ def snapshot(fn, depth: int = _DEPTH) -> tuple | None:
         return None
     cells = tuple(_value_snapshot(c.cell_contents, depth, code.co_names) for c in (fn.__closure__ or ()))
     names = tuple(_value_snapshot(fn.__globals__.get(n), depth, code.co_names) for n in code.co_names)
-    return (cells, fn.__defaults__, names)
+    return (cells, _defaults(fn), names)
 
 
 def plain_reads(fn, reads: tuple | None) -> bool:
     """Whether flat_reads(fn) gave `reads` as they lie in fn (its cells' contents, None for its defaults, its
     names' globals) with none looked inside: then unchanged_reads compares them in place."""
-    if reads is None or type(fn) is not types.FunctionType or fn.__defaults__ is not None:
+    if reads is None or type(fn) is not types.FunctionType or _defaults(fn) is not None:
         return False
     cells = 0 if fn.__closure__ is None else len(fn.__closure__)
     names = 0 if library_function(fn) else len(fn.__code__.co_names)
@@ -479,7 +485,7 @@ def unchanged_reads(fn, kept: tuple) -> bool:
 
 def flat_reads(fn) -> tuple | None:
     """snapshot(fn) flattened to its objects, to compare item by item with `is` (None as snapshot's)."""
-    if type(fn) is types.FunctionType and fn.__defaults__ is None:
+    if type(fn) is types.FunctionType and fn.__defaults__ is None and fn.__kwdefaults__ is None:
         # The common case (a user's callback over numbers, tensors and modules) without building the
         # snapshot: its flat form is the cells' contents, the defaults (None) and the names' values.
         closure = fn.__closure__
