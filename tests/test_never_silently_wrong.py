@@ -7,6 +7,7 @@ refusal with the reason, or a ValueError naming the argument.
 
 from __future__ import annotations
 
+import types
 from types import SimpleNamespace
 
 import jax
@@ -661,6 +662,46 @@ def test_keyword_only_defaults_are_read_at_every_call():
 def _masked_by(mask_mod, score_mod):
     """score_mod, then -1e9 where mask_mod is False: both as one callback of the float64 naive."""
     return lambda s, b, h, qi, ki: torch.where(mask_mod(b, h, qi, ki), score_mod(s, b, h, qi, ki), -1e9)
+
+
+_CONFIG = types.ModuleType("user_config")  # a user's config module, as `import config` gives
+_CONFIG.WINDOW = 1
+
+
+class _Sizes:
+    WINDOW = 1
+
+
+def _window_from_module(b, h, qi, ki):
+    return (qi - ki <= _CONFIG.WINDOW) & (ki <= qi)
+
+
+def _window_from_class(b, h, qi, ki):
+    return (qi - ki <= _Sizes.WINDOW) & (ki <= qi)
+
+
+def test_attributes_of_a_users_module_or_class_are_read_at_every_call():
+    """A mask_mod reading `config.WINDOW` or `Sizes.WINDOW` kept the first call's rewrite after the value
+    changed (off by up to 3.2); a learning term scaled by one kept its first traced number (LSE off by 0.57).
+    Modules and classes counted as fixed state (sweep 7); a user's are now read like an object's."""
+    gen = torch.Generator().manual_seed(79)
+    q, k, v = (torch.randn(1, 8, 2, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    table = torch.randn(2, generator=gen, dtype=torch.float64, requires_grad=True)
+
+    def scaled_term(s, b, h, qi, ki):
+        return s + _CONFIG.WINDOW * table[h]
+
+    try:
+        for window in (1, 3, 0):
+            _CONFIG.WINDOW = _Sizes.WINDOW = window
+            for mask_mod in (_window_from_module, _window_from_class):
+                exact, _, _ = naive_attention(q, k, v, score_mod=_masked_by(mask_mod, lambda s, b, h, qi, ki: s))
+                torch.testing.assert_close(fat.attention(q, k, v, mask_mod=mask_mod), exact, msg=f"{window}")
+            got = fat.attention(q, k, v, score_mod=scaled_term, return_lse=True)
+            _, lse, _ = naive_attention(q, k, v, score_mod=scaled_term)
+            torch.testing.assert_close(got.lse.double(), lse, atol=1e-6, rtol=1e-6, msg=f"term {window}")
+    finally:
+        _CONFIG.WINDOW = _Sizes.WINDOW = 1
 
 
 def test_a_mask_beside_a_learning_term_runs_on_cudnn_with_derivative_one():

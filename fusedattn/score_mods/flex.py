@@ -23,6 +23,7 @@ import functools
 import inspect
 import math
 import operator
+import sys
 import types
 from dataclasses import dataclass
 
@@ -330,9 +331,35 @@ _NOT_STATE = (type, types.ModuleType, *_CODE, types.BuiltinFunctionType, functoo
 _USER_TYPES: dict = {}  # type -> whether its instances are user objects (decided once per type: hot path)
 
 
+_STANDARD = frozenset(sys.stdlib_module_names) | {"builtins"}
+_USER_NAMESPACES: dict = {}  # module or class -> whether it is the user's (decided once each: hot path)
+
+
+def _user_namespace(value) -> bool:
+    """A module or class of the user's (a config module, a class of constants): the attributes a callback
+    names there (`cfg.window`, `Sizes.W`) are read like an object's. A framework's, this library's and the
+    standard library's are not (torch.tanh, math.pi read as fixed)."""
+    try:
+        known = _USER_NAMESPACES.get(value)
+    except TypeError:  # a class whose metaclass makes it unhashable: decided each time
+        known = None
+    if known is None:
+        name = value.__name__ if isinstance(value, types.ModuleType) else getattr(value, "__module__", None) or ""
+        top = str(name).partition(".")[0]
+        known = top not in _LIBRARIES and top not in _STANDARD
+        try:
+            _USER_NAMESPACES[value] = known
+        except TypeError:
+            pass
+    return known
+
+
 def _user_object(value) -> bool:
-    """An object of the user's (a torch module, a config) whose attributes a callback may read as numbers
-    (`self.window`): not a class, module, function or array, nor one of a framework's or this library's."""
+    """An object of the user's (a torch module, a config, a config module or class) whose attributes a
+    callback may read as numbers (`self.window`): not a function or array, nor one of a framework's or this
+    library's."""
+    if isinstance(value, (types.ModuleType, type)):
+        return _user_namespace(value)
     cls = type(value)
     known = _USER_TYPES.get(cls)
     if known is None:
