@@ -668,8 +668,12 @@ _CONFIG = types.ModuleType("user_config")  # a user's config module, as `import 
 _CONFIG.WINDOW = 1
 
 
-class _Sizes:
+class _BaseSizes:
     WINDOW = 1
+
+
+class _Sizes(_BaseSizes):  # its WINDOW is its base's
+    pass
 
 
 def _window_from_module(b, h, qi, ki):
@@ -693,7 +697,7 @@ def test_attributes_of_a_users_module_or_class_are_read_at_every_call():
 
     try:
         for window in (1, 3, 0):
-            _CONFIG.WINDOW = _Sizes.WINDOW = window
+            _CONFIG.WINDOW = _BaseSizes.WINDOW = window
             for mask_mod in (_window_from_module, _window_from_class):
                 exact, _, _ = naive_attention(q, k, v, score_mod=_masked_by(mask_mod, lambda s, b, h, qi, ki: s))
                 torch.testing.assert_close(fat.attention(q, k, v, mask_mod=mask_mod), exact, msg=f"{window}")
@@ -701,7 +705,7 @@ def test_attributes_of_a_users_module_or_class_are_read_at_every_call():
             _, lse, _ = naive_attention(q, k, v, score_mod=scaled_term)
             torch.testing.assert_close(got.lse.double(), lse, atol=1e-6, rtol=1e-6, msg=f"term {window}")
     finally:
-        _CONFIG.WINDOW = _Sizes.WINDOW = 1
+        _CONFIG.WINDOW = _BaseSizes.WINDOW = 1
 
 
 def test_a_mask_beside_a_learning_term_runs_on_cudnn_with_derivative_one():

@@ -379,6 +379,8 @@ def _attribute_reads(value, names: tuple, depth: int) -> tuple:
     object's identity does not show."""
     state = vars(value)
     stores = [state, *(state[name] for name in _MODULE_STORES if isinstance(state.get(name), dict))]
+    if isinstance(value, type):  # a class's attributes include its bases' (Sizes.WINDOW set on a base)
+        stores = [vars(cls) for cls in value.__mro__ if cls is not object]
     found = []
     for name in names:
         for store in stores:
