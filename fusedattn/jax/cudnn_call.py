@@ -21,7 +21,14 @@ import numpy as np
 
 from fusedattn.backends.cudnn.score_mod_masks import aux_name, operands
 from fusedattn.backends.cudnn.sequence_layout import config_layout
-from fusedattn.backends.cudnn.spec import lse_without_keys, rows_with_keys_config, rows_without_keys, sdpa_spec
+from fusedattn.backends.cudnn.spec import (
+    lse_without_keys,
+    rows_axis,
+    rows_with_keys_bias,
+    rows_with_keys_config,
+    rows_without_keys,
+    sdpa_spec,
+)
 from fusedattn.config import AttentionConfig, BiasType, Layout, SoftmaxType
 from fusedattn.jax import native
 from fusedattn.jax.partition import Split
@@ -31,7 +38,6 @@ from fusedattn.xp.jax_ops import OPS
 
 __all__ = ["unavailable", "forward", "backward"]
 
-_SEQ_AXIS = {Layout.BSHD: 1, Layout.SBHD: 0, Layout.BHSD: 2}  # the sequence axis of q/k/v/o
 _SCALAR_BITS = {"float32": np.float32, "int32": np.int32}
 
 
@@ -258,12 +264,10 @@ def _backward_pass(cfg: AttentionConfig, named: dict, aux: dict, score_mod, out,
 # there, so the last Skv rows run on their own and the others are filled in (output 0, the LSE of the
 # sink term alone: -inf without one).
 def _rows_with_keys(cfg: AttentionConfig, named: dict) -> tuple:
-    skipped, axis = rows_without_keys(cfg), _SEQ_AXIS[cfg.layout]
-    sub = rows_with_keys_config(cfg)
-    named = dict(named, q=jax.lax.slice_in_dim(named["q"], skipped, cfg.seqlen_q, axis=axis))
-    if named.get("bias") is not None and sub.bias_shape != cfg.bias_shape:
-        named["bias"] = named["bias"].reshape(cfg.bias_shape)[:, :, skipped:]
-    return sub, skipped, axis, named
+    skipped, axis = rows_without_keys(cfg), rows_axis(cfg)
+    named = dict(named, q=jax.lax.slice_in_dim(named["q"], skipped, cfg.seqlen_q, axis=axis),
+                 bias=rows_with_keys_bias(cfg, named.get("bias")))
+    return rows_with_keys_config(cfg), skipped, axis, named
 
 
 def _pad_rows(x, skipped: int, axis: int, fill):

@@ -318,12 +318,13 @@ def attention(q, k=None, v=None, **options):
     if call.cfg.dropout_p > 0.0:
         seed, offset = _dropout_state(get("dropout_rng"), get("dropout_seed"), get("dropout_offset", 0))
     split = None
-    check_declared(API, get("shard_axes"))
     if get_backend(call.selection.name).array_framework == "torch" and not any(map(batched, (q, k, v))):
         split = find_split(API, call.cfg, q, layout_spec(call.cfg.layout).tensors[0][1], get("shard_axes"))
         if split is None:  # sharded inputs would be gathered: refused when XLA partitions the program
             call = call._replace(arrays=(*guard_whole(API, layout_spec(call.cfg.layout).base.value, call.arrays[:3],
                                                       call.selection.name), *call.arrays[3:]))
+    else:  # no split to find (find_split checks shard_axes itself): the same argument is refused the same way
+        check_declared(API, get("shard_axes"))
     score_mod, mod_arrays = _without_arrays(call.score_mod)
     out, lse, max_logit = _attention(call.cfg, call.selection.name, score_mod, split, (*call.arrays, seed, offset),
                                      mod_arrays)
@@ -335,8 +336,6 @@ describe_arguments(attention, "jax")
 
 def _token_counts(layout, q, k) -> tuple | None:
     """(query tokens, key tokens) of a packed-token (THD) layout's arrays, else None."""
-    from fusedattn.layout import layout_spec
-
     try:
         ragged = layout_spec(layout).layout.is_ragged
     except (ValueError, TypeError, AttributeError):

@@ -25,6 +25,7 @@ import math
 import operator
 import sys
 import types
+import weakref
 from dataclasses import dataclass
 
 from fusedattn.cache import LRUCache, register
@@ -332,7 +333,9 @@ _USER_TYPES: dict = {}  # type -> whether its instances are user objects (decide
 
 
 _STANDARD = frozenset(sys.stdlib_module_names) | {"builtins"}
-_USER_NAMESPACES: dict = {}  # module or class -> whether it is the user's (decided once each: hot path)
+# module or class -> whether it is the user's (decided once each: hot path); weak, so classes made at run time
+# are not kept alive by it
+_USER_NAMESPACES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _user_namespace(value) -> bool:
@@ -341,7 +344,7 @@ def _user_namespace(value) -> bool:
     standard library's are not (torch.tanh, math.pi read as fixed)."""
     try:
         known = _USER_NAMESPACES.get(value)
-    except TypeError:  # a class whose metaclass makes it unhashable: decided each time
+    except TypeError:  # a class whose metaclass makes it unhashable or unreferenceable: decided each time
         known = None
     if known is None:
         name = value.__name__ if isinstance(value, types.ModuleType) else getattr(value, "__module__", None) or ""

@@ -44,7 +44,7 @@ from fusedattn.options import (
 from fusedattn.options import settings as settings_of
 from fusedattn.score_mods.builtins import flex_keywords
 from fusedattn.score_mods.core import ScoreMod, as_score_mod, bind, needs_gradient
-from fusedattn.score_mods.flex import PartialMask, reads_learners, reads_positions
+from fusedattn.score_mods.flex import PartialMask
 from fusedattn.score_mods.mask_rewrite import rewrite_mask
 from fusedattn.selection import ENV_BACKEND, forget_calls, recall_call, remember_call
 from fusedattn.torch import compiled_score_mods, mask_rewrites, rows_with_keys, score_mod_bindings, trace_time
@@ -146,8 +146,7 @@ def attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | 
         rewrite_key = _signature(q, k, v, None, None, (), options, _score_mod_names(_mod_keywords(options)))
         rewritten = mask_rewrites.recall(rewrite_key, options)
         if (rewritten is not None and rewritten[2] is not None and options.get("score_mod") is not None
-                and (reads_positions("torch", options["score_mod"], q.device)
-                     or reads_learners("torch", options["score_mod"]))):
+                and not documents_possible(options, "torch", q.device)):
             rewritten = None  # its score_mod reads b, a position or a tensor that learns now: no longer THD's
         if rewritten is not None:
             options, signature, documents = rewritten  # a document mask runs as THD below

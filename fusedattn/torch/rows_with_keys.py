@@ -1,6 +1,7 @@
 """Bottom-right causal with Sq > Skv on the native operator: its first Sq - Skv query rows see no key.
 
-cuDNN refuses that mask there, and the rows are simply empty (output 0, LSE -inf). The operator runs
+cuDNN refuses that mask there, and the rows are simply empty (output 0, the LSE of the sink term alone:
+-inf without a sink). The operator runs
 the config of the rows that do see keys (spec.rows_with_keys_config: the last Skv rows, where both
 diagonals meet) on a view of q, and torch ops put the empty rows in front, so autograd gives q's
 gradient 0 there. The Python path does the same around its own runs (torch_run.py).
@@ -12,15 +13,17 @@ from typing import NamedTuple
 
 import torch
 
-from fusedattn.backends.cudnn.spec import lse_without_keys, rows_with_keys_config, rows_without_keys
-from fusedattn.config import AttentionConfig, Layout
+from fusedattn.backends.cudnn.spec import (
+    lse_without_keys,
+    rows_axis,
+    rows_with_keys_bias,
+    rows_with_keys_config,
+    rows_without_keys,
+)
+from fusedattn.config import AttentionConfig
 from fusedattn.frontend_common import AttentionResult
-from fusedattn.layout import layout_spec
 
 __all__ = ["RowsPlan", "plan", "run"]
-
-_SEQUENCE_AXIS = {Layout.BSHD: 1, Layout.SBHD: 0, Layout.BHSD: 2}  # of q and out
-
 
 class RowsPlan(NamedTuple):
     """What the operator runs for such a config: the native plan of the rows with keys, and where they lie."""
@@ -40,16 +43,14 @@ def plan(cfg: AttentionConfig, selection, plan_on) -> RowsPlan | None:
     native = plan_on(sub)
     if native is None:
         return None
-    return RowsPlan((sub, selection, native), skipped, _SEQUENCE_AXIS[layout_spec(cfg.layout).base])
+    return RowsPlan((sub, selection, native), skipped, rows_axis(cfg))
 
 
 def run(rows: RowsPlan, cfg: AttentionConfig, call, q: torch.Tensor, bias, sink):
     """call(planned, q, bias) on the rows with keys, its result with the empty rows in front (output 0, the
     LSE of the sink term alone)."""
     sub = rows.planned[0]
-    if bias is not None and sub.bias_shape != cfg.bias_shape:
-        bias = bias.reshape(cfg.bias_shape)[:, :, rows.skipped:]
-    result = call(rows.planned, q.narrow(rows.axis, rows.skipped, sub.seqlen_q), bias)
+    result = call(rows.planned, q.narrow(rows.axis, rows.skipped, sub.seqlen_q), rows_with_keys_bias(cfg, bias))
     if not isinstance(result, AttentionResult):
         return _padded(result, rows.axis, rows.skipped, 0.0)
     lse = result.lse

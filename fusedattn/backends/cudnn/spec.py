@@ -243,6 +243,24 @@ def lse_without_keys(cfg: AttentionConfig, sink, like):
     return ops.full((cfg.heads_q,), value, like, "float32")
 
 
+_ROWS_AXIS = {Layout.BSHD: 1, Layout.SBHD: 0, Layout.BHSD: 2}  # the sequence axis of q and out, by base layout
+
+
+def rows_axis(cfg: AttentionConfig) -> int:
+    """The axis of q (and out) along which rows_without_keys counts, in the config's (dense) layout."""
+    from fusedattn.layout import layout_spec
+
+    return _ROWS_AXIS[layout_spec(cfg.layout).base]
+
+
+def rows_with_keys_bias(cfg: AttentionConfig, bias):
+    """The bias (torch or JAX, in its own shape) of the rows that see keys: its last rows where it has a
+    row per query, else itself."""
+    if bias is None or rows_with_keys_config(cfg).bias_shape == cfg.bias_shape:
+        return bias
+    return bias.reshape(cfg.bias_shape)[:, :, rows_without_keys(cfg):]
+
+
 def rows_with_keys_config(cfg: AttentionConfig) -> AttentionConfig:
     """The config of the rows that see keys (see rows_without_keys); cfg itself when all do."""
     if not rows_without_keys(cfg):

@@ -21,6 +21,8 @@ from fusedattn.backends.cudnn.spec import (
     TensorSpec,
     gradient_spec,
     lse_without_keys,
+    rows_axis,
+    rows_with_keys_bias,
     rows_with_keys_config,
     rows_without_keys,
     sdpa_spec,
@@ -333,16 +335,11 @@ def dropout_mask(cfg: AttentionConfig, inputs: AttentionInputs) -> torch.Tensor:
 # Bottom-right causal with Sq > Skv: the first Sq - Skv query rows see no key. cuDNN refuses
 # the mask there, so the last Skv rows run on their own and the others are filled in (output 0,
 # the LSE of the sink term alone).
-_SEQ_AXIS = {Layout.BSHD: 1, Layout.SBHD: 0, Layout.BHSD: 2}
-
-
 def _rows_with_keys(cfg: AttentionConfig, inputs: AttentionInputs):
-    skipped, axis = rows_without_keys(cfg), _SEQ_AXIS[layout_spec(cfg.layout).base]
+    skipped, axis = rows_without_keys(cfg), rows_axis(cfg)
     sub = rows_with_keys_config(cfg)
-    bias = inputs.bias
-    if bias is not None and sub.bias_shape != cfg.bias_shape:
-        bias = bias.reshape(cfg.bias_shape)[:, :, skipped:]
-    return sub, skipped, axis, inputs.replace(q=inputs.q.narrow(axis, skipped, sub.seqlen_q), bias=bias)
+    return sub, skipped, axis, inputs.replace(q=inputs.q.narrow(axis, skipped, sub.seqlen_q),
+                                              bias=rows_with_keys_bias(cfg, inputs.bias))
 
 
 def _forward_rows_with_keys(cfg: AttentionConfig, inputs: AttentionInputs) -> AttentionOutputs:
