@@ -96,6 +96,31 @@ class PreparedCall(NamedTuple):
     selection: Any
     arrays: tuple
     score_mod: Any = None  # the call's BoundScoreMod, or None
+    term: Any = None  # the LearningTerm that made the bias in `arrays`, or None
+
+
+class LearningTerm:
+    """A score_mod's added term whose tensors learn, as the post-scale bias it runs as (it has a gradient;
+    cuDNN gives a score_mod's tensors none): called with q and the call's own bias, it sums the term from
+    the tensors' current values, so a repeat call of a training loop reuses the rest of the call's work.
+    In q's dtype, as every bias (the cast passes the gradient back to the term's own dtype)."""
+
+    def __init__(self, mod, cfg):
+        self.mod, self.shape = mod, (cfg.batch, cfg.heads_q, cfg.seqlen_q, cfg.seqlen_kv)
+        self.scale = cfg.scale if cfg.bias is BiasType.PRE_SCALE else None
+        self.dtype = cfg.dtype
+        self.memo: dict = {}  # what the term's sum keeps between calls (the mod's as_bias)
+
+    def learns(self) -> bool:
+        """Whether the term's tensors still ask for a gradient (else the call binds it as a score_mod)."""
+        return needs_gradient(self.mod)
+
+    def __call__(self, q, given_bias):
+        term = self.mod.as_bias(dict(self.mod.tensors), self.shape, q, self.memo)
+        if given_bias is not None:  # one post-scale bias: the call's own (times the scale where pre-scale) + the term
+            term = term + (given_bias if self.scale is None else given_bias * self.scale)
+        ops = namespace(term)
+        return term if ops.dtype_name(term) == self.dtype else ops.astype(term, self.dtype)
 
 
 def prepare_call(api: str, framework: str, tensors: dict, *, describe, host_copy, is_training: bool,
@@ -121,22 +146,15 @@ def prepare_call(api: str, framework: str, tensors: dict, *, describe, host_copy
     mod = args.score_mod
     if mod is not None and is_training:
         refuse_unfollowed(api, mod)  # (before an added term runs as a bias: it would not reach them either)
+    term = None
     if mod is not None and mod.as_bias is not None and is_training and needs_gradient(mod):
         if cfg.layout.is_ragged or tensors.get("alibi_slopes") is not None:
             where = f"layout {cfg.layout.value!r}" if cfg.layout.is_ragged else "alibi_slopes"
             raise ValueError(f"{api}: score_mod: its tensors require grad, so its added term runs as a post-scale "
                              f"bias (which has a gradient), and {where} takes no bias; detach the tensors, or "
                              "use a padded layout without alibi_slopes")
-        # An added term that must learn: the same sum as a post-scale bias, which has a gradient
-        # (in q's dtype, as every bias; the cast passes the gradient back to the term's own dtype).
-        term = mod.as_bias(dict(mod.tensors), (cfg.batch, cfg.heads_q, cfg.seqlen_q, cfg.seqlen_kv), tensors["q"])
-        given = tensors.get("bias")
-        if given is not None:  # one post-scale bias: the call's own (times the scale where pre-scale) plus the term
-            term = term + (given * cfg.scale if cfg.bias is BiasType.PRE_SCALE else given)
-        ops = namespace(term)
-        if ops.dtype_name(term) != cfg.dtype:
-            term = ops.astype(term, cfg.dtype)
-        tensors = {**tensors, "bias": term}
+        term = LearningTerm(mod, cfg)
+        tensors = {**tensors, "bias": term(tensors["q"], tensors.get("bias"))}
         metas["bias"] = describe(tensors["bias"], "bias")
         args = dataclasses.replace(args, bias=metas["bias"], bias_type="post_scale", bias_requires_grad=True,
                                    score_mod=mod.beside_bias)
@@ -157,7 +175,7 @@ def prepare_call(api: str, framework: str, tensors: dict, *, describe, host_copy
         raise
     except ValueError as error:  # a bad backend name, from the argument or the environment
         raise ValueError(f"{api}: {error}") from None
-    return PreparedCall(cfg, selection, (*unpacked, *(tensors[n] for n in TENSOR_ARGUMENTS[3:])), bound)
+    return PreparedCall(cfg, selection, (*unpacked, *(tensors[n] for n in TENSOR_ARGUMENTS[3:])), bound, term)
 
 
 def on_backend_only(api: str, attention, backend: str, q, k, v, kwargs: dict):

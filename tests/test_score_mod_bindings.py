@@ -358,3 +358,100 @@ def test_a_copy_of_a_score_mod_leaves_the_kept_signature_part_behind(operator):
     assert not any(name.startswith("_binding") for name in vars(twin))
     _call(q, score_mod=twin)
     assert operator[1][2] is operator[0][2]
+
+
+# ---------------------------------------------------------------- added terms that learn (run as a bias)
+
+@pytest.fixture
+def biased_operator(monkeypatch):
+    """As `operator`, but the output depends on the bias it is given (out = q + sum of the bias), so a
+    backward reaches the tensors the bias was summed from."""
+    seen = []
+    monkeypatch.setattr(functional, "_native_plan_on", lambda cfg, name, device: 7)
+
+    def record(plan, q, k, v, sink, seed, offset, *extra):
+        seen.append(extra)
+        bias = extra[0] if extra else None
+        out = q.clone() if bias is None else q + bias.float().sum()
+        return out, q[..., 0].float()
+
+    monkeypatch.setattr(functional, "_operator", record)
+    return seen
+
+
+def _learners(seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.rand(2, generator=gen).requires_grad_(), torch.randn(2, 31, generator=gen).requires_grad_()
+
+
+def _learning_mods(slopes, table):
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    def relpos(score, b, h, q_idx, kv_idx):
+        return score + table[h, q_idx - kv_idx + 15]
+
+    def both(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * (q_idx - kv_idx) + 0.5 * table[h, kv_idx - q_idx + 15]
+
+    def every_other(b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx) % 2 == 0
+
+    return {"alibi": (alibi, None), "relpos": (relpos, None), "both": (both, None),
+            "relpos beside a mask_mod": (relpos, every_other), "alibi beside a mask_mod": (alibi, every_other)}
+
+
+@pytest.mark.parametrize("name", list(_learning_mods(*_learners(0))))
+def test_a_repeat_call_sums_a_learning_term_anew_as_its_bias(biased_operator, name):
+    """Every call of a training loop (the tensors updated in place between steps) passes the bias and gets
+    the gradients that the same call with every cache empty gives; beside a mask_mod the repeat calls
+    passed no bias at all before (the kept binding was the mask's)."""
+    from fusedattn.cache import clear_all
+
+    slopes, table = _learners(1)
+    score_mod, mask_mod = _learning_mods(slopes, table)[name]
+    q = torch.randn(1, 16, 2, 8)
+    given = torch.randn(1, 2, 16, 16)
+    for step in range(4):
+        options = {"score_mod": score_mod, "mask_mod": mask_mod, **({"bias": given} if step % 2 else {})}
+        fat.attention(q, q, q, **options)  # (the first call of these options after the caches were emptied)
+        fat.attention(q, q, q, **options).sum().backward()
+        warm_bias, warm_grads = biased_operator[-1][0].clone(), (slopes.grad, table.grad)
+        slopes.grad = table.grad = None
+        clear_all()
+        fat.attention(q, q, q, **options).sum().backward()
+        assert torch.equal(warm_bias, biased_operator[-1][0]), (step, name)
+        for warm, fresh in zip(warm_grads, (slopes.grad, table.grad)):
+            assert (warm is None) == (fresh is None) and (warm is None or torch.equal(warm, fresh)), (step, name)
+        assert any(grad is not None for grad in warm_grads)
+        slopes.grad = table.grad = None
+        with torch.no_grad():  # the optimizer's step
+            slopes.mul_(0.9).add_(0.05)
+            table.add_(0.25)
+    assert len(biased_operator) == 12
+
+
+def test_a_learning_term_whose_tensors_stop_learning_binds_as_a_score_mod_again(biased_operator):
+    slopes, table = _learners(2)
+    relpos = _learning_mods(slopes, table)["relpos"][0]
+    q = torch.randn(1, 16, 2, 8)
+    for _ in range(2):
+        fat.attention(q, q, q, score_mod=relpos)
+    assert [len(extra[1]) for extra in biased_operator] == [0, 0]  # the term as the bias, no aux
+    table.requires_grad_(False)
+    fat.attention(q, q, q, score_mod=relpos)
+    assert biased_operator[-1][0] is None and len(biased_operator[-1][1]) == 1  # the gather, bound as aux
+
+
+def test_learning_tensors_bind_once_without_grad_and_again_after_an_in_place_step(operator):
+    slopes, table = _learners(3)
+    relpos = _learning_mods(slopes, table)["relpos"][0]
+    q = torch.randn(1, 16, 2, 8)
+    with torch.no_grad():
+        _call(q, score_mod=relpos)
+        _call(q, score_mod=relpos)
+        assert operator[1][1][0] is operator[0][1][0]  # inference: the aux of the first call
+        table.add_(1.0)
+        _call(q, score_mod=relpos)
+    assert operator[2][1][0] is not operator[0][1][0]
+    assert torch.equal(operator[2][1][0], operator[0][1][0] + 1.0)

@@ -269,7 +269,7 @@ def test_score_mod_aux_binds_the_tensors_of_each_run():
     q = torch.randn(2, 16, 4, 8)
     _, options, described = _compiled_description(q, q, q, {"score_mod": alibi, "mask": "causal"})
     mod = as_score_mod(compiled.API, alibi, framework="torch", device=q.device)
-    cfg, _, _, bound = trace_time.configure(described, options, None, False, mod)
+    cfg, _, _, bound, _ = trace_time.configure(described, options, None, False, mod)
     aux, _ = torch_plans.operands(cfg).values(bound.values)
     key = compiled._remember_aux(mod, ("c0",), cfg, bound.key, aux)
     other = torch.rand(4) + 1

@@ -131,12 +131,13 @@ def index_grid(ops, like, shape: tuple) -> dict:
     return grid
 
 
-def materialize(expr: Expr, entry: Aux, ops, grid: dict, dtype: str = "float32"):
+def materialize(expr: Expr, entry: Aux, ops, grid: dict, dtype: str = "float32", memo: dict | None = None):
     """One aux tensor for this call: `dtype` (float32 for the graphs; float64 for a float64 call's term
-    run as a bias), 4-D, extent 1 on the axes it does not use (a host entry is a Python float)."""
+    run as a bias), 4-D, extent 1 on the axes it does not use (a host entry is a Python float). memo:
+    expr.evaluate's, kept by a caller that materializes the same entry again."""
     if entry.host:
         return evaluate_numbers(expr, entry.node)
-    value = evaluate(expr, ops, grid, dtype, only=entry.node)
+    value = evaluate(expr, ops, grid, dtype, only=entry.node, memo=memo)
     if ops.dtype_name(value) == "bool" or expr.nodes[entry.node].kind == BOOL:
         value = ops.astype(value, dtype)
     node = expr.nodes[entry.node]

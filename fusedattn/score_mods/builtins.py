@@ -179,7 +179,7 @@ def additive_bias(bias) -> ScoreMod:
     if getattr(bias, "shape", None) is None:
         raise ValueError(f"score_mods.additive_bias: bias: expected a tensor, got {type(bias).__name__}")
     return ScoreMod(_add_bias_forward, None, {"bias": bias}, eager=_add_bias_eager, masks=False, name="additive_bias()",
-                    as_bias=lambda tensors, full, like: tensors["bias"])
+                    as_bias=lambda tensors, full, like, memo=None: tensors["bias"])
 
 
 def relative_position_bias(table) -> ScoreMod:

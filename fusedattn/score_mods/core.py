@@ -53,9 +53,10 @@ class ScoreMod:
     prepare(tensors, shape, like) -> tensors: per-call derived tensors (for example a
         relative-position table expanded to (1, H, Sq, Skv)); shape is (B, Hq, Sq, Skv) and
         like is q (the framework and device of new arrays).
-    as_bias(tensors, shape, like) -> array: for a mod that only adds a term, that term
-        as a post-scale bias. A call whose tensors need a gradient runs it as `bias=` (which
-        has one) instead of a score_mod (whose tensors have none).
+    as_bias(tensors, shape, like, memo=None) -> array: for a mod that only adds a term, that
+        term as a post-scale bias. A call whose tensors need a gradient runs it as `bias=` (which
+        has one) instead of a score_mod (whose tensors have none). memo: a dict the caller keeps
+        between calls of one shape, device and dtype, where the mod may keep what does not learn.
     """
 
     forward: Callable | None

@@ -288,12 +288,15 @@ def _as_float(ops, x, dtype: str):
     return x if ops.dtype_name(x) == dtype else ops.astype(x, dtype)
 
 
-def evaluate(expr: Expr, ops, env: dict, dtype: str = "float32", values: tuple | None = None, only=None):
+def evaluate(expr: Expr, ops, env: dict, dtype: str = "float32", values: tuple | None = None, only=None,
+             memo: dict | None = None):
     """The Expr on arrays of one framework: env maps input names to arrays (broadcasting).
 
     Everything is computed in `dtype` (ints and bools as exact floats, as the cuDNN lowering
     does), so int division and remainders follow the op names, not a framework's int rules.
     values: the scalar slots (default the traced ones). only: a node number to stop at.
+    memo: kept between calls with the same env, dtype and scalars: holds the nodes that read no
+    captured tensor (indices, numbers) and their int64 casts, so a repeat call computes only the rest.
     Returns the output (or node `only`) as a float array of `dtype`, or a bool array.
     """
     table = _math(ops)
@@ -301,7 +304,13 @@ def evaluate(expr: Expr, ops, env: dict, dtype: str = "float32", values: tuple |
     results: dict = {}
     like = next(iter(env.values()))
     stop = expr.output if only is None else only
+    fixed = () if memo is None else memo.get(_FIXED_NODES)
+    if fixed is None:
+        fixed = memo[_FIXED_NODES] = frozenset(n for n, deps in enumerate(dependencies(expr)) if "captured" not in deps)
     for number in ancestors(expr, stop):
+        if number in fixed and number in memo:
+            results[number] = memo[number]
+            continue
         node = expr.nodes[number]
         args = [results[a] for a in node.args]
         if node.op == "input":
@@ -310,7 +319,7 @@ def evaluate(expr: Expr, ops, env: dict, dtype: str = "float32", values: tuple |
             value = ops.full((), scalars[node.attr[0]], like, "bool" if node.kind == BOOL else dtype)
         elif node.op == "load":
             array = expr.captured[node.attr[0]]
-            index = tuple(_as_index(ops, i) for i in args)
+            index = tuple(_memo_index(ops, memo, fixed, a, i) for a, i in zip(node.args, args))
             value = _as_float(ops, array[index], dtype)
         elif node.op == "cast":
             value = _cast(ops, table, args[0], node.attr[0], dtype)
@@ -321,7 +330,22 @@ def evaluate(expr: Expr, ops, env: dict, dtype: str = "float32", values: tuple |
         else:
             value = table[node.op](*args)
         results[number] = value
+        if number in fixed:
+            memo[number] = value
     return results[stop]
+
+
+_FIXED_NODES = "fixed nodes"  # evaluate's memo: which nodes it may keep
+
+
+def _memo_index(ops, memo: dict | None, fixed, number: int, value):
+    """Node `number`'s value as int64 indices, kept in the memo where the node is."""
+    if number not in fixed:
+        return _as_index(ops, value)
+    key = ("index", number)
+    if key not in memo:
+        memo[key] = _as_index(ops, value)
+    return memo[key]
 
 
 def _as_bool(ops, x):

@@ -797,17 +797,27 @@ def flex_score_mod(api: str, framework: str, score_mod=None, mask_mod=None, devi
             termed, beside_bias = alone, flex_score_mod(api, framework, None, given_mask, device,
                                                         mask_derivative_one=True)
 
-    def as_bias(values: dict, shape: tuple, like):
+    def as_bias(values: dict, shape: tuple, like, memo: dict | None = None):
+        # memo: kept by a caller that sums the term again for the same shape and like's device and dtype
+        # (a repeat call): the grid, the index arithmetic and the zeros it broadcasts onto are made once.
+        memo = {} if memo is None else memo
         ops = namespace(like)
-        grid, deps = index_grid(ops, like, shape), dependencies(termed.forward)
+        if "grid" not in memo:
+            memo["grid"], memo["deps"] = index_grid(ops, like, shape), dependencies(termed.forward)
+        grid, deps = memo["grid"], memo["deps"]
         dtype = precision_of(like)
         term = None
         for node, sign in termed.added:
             every_axis = Aux(node, tuple(a for a in INDEX_INPUTS if a in deps[node]), dense=True)
-            value = sign * materialize(termed.forward, every_axis, ops, grid, dtype)
+            value = materialize(termed.forward, every_axis, ops, grid, dtype, memo.setdefault(node, {}))
+            value = value if sign == 1 else sign * value
             term = value if term is None else term + value
         full = (term.shape[0], term.shape[1], shape[2], shape[3])
-        return term + ops.full(full, 0.0, like, dtype)
+        if tuple(term.shape) == full:  # (read only by the kernels: a kept value may be the bias itself)
+            return term
+        if "zeros" not in memo:
+            memo["zeros"] = ops.full(full, 0.0, like, dtype)
+        return term + memo["zeros"]
 
     forward = lowered(traced.forward, traced.forward_plan, FORWARD, derivative=False)
     bprop = None if derivative is None else lowered(derivative, traced.derivative_plan, DERIVATIVE, derivative=True)

@@ -122,7 +122,7 @@ def _plan(described, options, backend, grad_enabled, score_mod, mask_mod, device
     sources = _sources((score_mod, mask_mod), captured) if captured else ()
     if sources is None:
         return NOT_IN_GRAPH  # a ScoreMod's tensors, or a tensor read through a helper or a container
-    cfg, selection, _, bound = trace_time.configure(described, options, backend, grad_enabled, mod)
+    cfg, selection, _, bound, _ = trace_time.configure(described, options, backend, grad_enabled, mod)
     native = _native_plan_on(cfg, selection.name, device)
     operands = torch_plans.operands(cfg)
     if native is None or bound is None or bool(operands.aux) != bool(captured):

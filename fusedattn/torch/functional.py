@@ -159,8 +159,7 @@ def attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | 
         if has_mod:  # the binding carries its plan
             binding = _kept_binding(signature, mods)
             if binding is not None:
-                return _native_call(binding.planned[2], signature, binding.planned, q, k, v, None, None, binding,
-                                    options)
+                return _kept_call(binding, signature, q, k, v, None, None, options)
         signature, planned = _recalled(signature)
         if planned is not None and planned[2] is not None and not has_mod:
             return _native_call(planned[2], signature, planned, q, k, v, None, None, None, options)
@@ -212,8 +211,7 @@ def attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | 
     if has_mod:
         binding = None if warm else _kept_binding(signature, mods)
         if binding is not None:
-            return _native_call(binding.planned[2], signature, binding.planned, q, k, v, sink, bias, binding,
-                                options)
+            return _kept_call(binding, signature, q, k, v, sink, bias, options)
     elif planned is not None and planned[2] is not None:
         return _native_call(planned[2], signature, planned, q, k, v, sink, bias, None, options)
     mod = None
@@ -253,7 +251,7 @@ def attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | 
             alibi_standard=isinstance(alibi_slopes, torch.Tensor)
             and slopes_are_standard(OPS.to_host(alibi_slopes.float())),
         )
-        cfg, selection, arrays, bound = call
+        cfg, selection, arrays, bound, term = call
         if _explaining.get():
             return _Configured(cfg)
         native = _native_plan(cfg, selection, q)
@@ -262,9 +260,9 @@ def attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | 
                 signature = _signature(*signed)  # the library loaded in this call: key it as the next call will
             remember_call(signature, (cfg, selection, native))
         if native is not None:
-            binding = None if bound is None else score_mod_bindings.remember(
-                signature, options, bound, torch_plans.operands(cfg), (cfg, selection, native))
-            # arrays[3]: the bias, or a learning score_mod's added term as one (prepare_call)
+            binding = None if bound is None and term is None else score_mod_bindings.remember(
+                signature, options, bound, torch_plans.operands(cfg), (cfg, selection, native), term)
+            # arrays[3]: the bias, or a learning score_mod's added term as one (term, made by prepare_call)
             return _native_call(native, signature, (cfg, selection, native), q, k, v, sink, arrays[3], binding,
                                 options)
     check = None
@@ -367,6 +365,14 @@ def _native_plan_on(cfg, backend_name: str, device: torch.device) -> int | None:
     if backend_name != "cudnn" or device.type != "cuda":
         return None
     return torch_plans.plan_for(cfg, device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _kept_call(binding, signature, q, k, v, sink, bias, options: dict):
+    """A repeat call whose score_mod binding was kept: its plan and operands, and a learning added term
+    summed anew from its tensors as the plan's bias."""
+    if binding.term is not None:
+        bias = binding.term(q, bias)
+    return _native_call(binding.planned[2], signature, binding.planned, q, k, v, sink, bias, binding, options)
 
 
 def _native_call(plan, signature, planned, q, k, v, sink, bias, binding, options: dict):
@@ -573,7 +579,7 @@ def _compile_time_plan(described: tuple, options: tuple, backend, grad_enabled: 
 
     Dynamo runs this once per distinct call and bakes the key into the graph as a constant.
     """
-    cfg, selection, _, _ = trace_time.configure(described, dict(options), backend, grad_enabled)
+    cfg, selection = trace_time.configure(described, dict(options), backend, grad_enabled)[:2]
     return register_config(cfg, selection.name)
 
 

@@ -52,6 +52,7 @@ class Binding(NamedTuple):
     scalars: list
     empty_rows: bool
     planned: tuple  # (cfg, selection, native plan) these operands were bound for
+    term: object = None  # a learning added term (frontend_common.LearningTerm): the call's bias is term(q, bias)
 
 
 _BINDINGS: LRUCache = register("torch.score_mod.bindings", LRUCache(CAPACITY))
@@ -207,6 +208,8 @@ def recall(signature, given: tuple) -> Binding | None:
     for x, version in kept.watched:
         if x._version != version:
             return None
+    if kept.term is not None and not kept.term.learns():  # frozen since: its term binds as a score_mod
+        return None
     return kept
 
 
@@ -223,18 +226,22 @@ def may_empty_rows(cfg, bound: BoundScoreMod) -> bool:
     return core_may_empty_rows(cfg, bound, lambda x: x.is_floating_point(), arrays_may_mask)
 
 
-def remember(signature, options: dict, bound: BoundScoreMod, operands, planned: tuple) -> Binding:
+def remember(signature, options: dict, bound: BoundScoreMod | None, operands, planned: tuple,
+             term=None) -> Binding:
     """This call's bound operands (operands: the plan's torch_plans.Operands; planned: the call's (cfg,
     selection, native plan)), kept for the next call with this signature whose callbacks read the same
-    objects, unless a mod's tensors learn or the callbacks' reads cannot be known."""
-    aux, scalars = operands.values(bound.values)
+    objects, unless the bound mod's tensors learn or the callbacks' reads cannot be known. term: a learning
+    added term that runs as the plan's bias (bound: the mask beside it, or None): kept too, as each call
+    sums it anew from its tensors' current values (their in-place updates are what training does)."""
+    aux, scalars = operands.values(bound.values) if bound is not None else ([], [])
     aux = [x if x.data_ptr() % ALIGNMENT == 0 else aligned_copy(x) for x in aux]
     given = _given(options)
     reads = _reads_of(given)
     checks = tuple(_check(value) for value in given if value is not None)
-    binding = Binding(given, reads, checks, _watched(bound.mod), aux, scalars, may_empty_rows(planned[0], bound),
-                      planned)
-    if signature is not None and reads is not None and not needs_gradient(bound.mod):
+    binding = Binding(given, reads, checks, () if bound is None else _watched(bound.mod), aux, scalars,
+                      bound is not None and may_empty_rows(planned[0], bound), planned, term)
+    learns = bound is not None and planned[0].is_training and needs_gradient(bound.mod)
+    if signature is not None and reads is not None and not learns:
         _BINDINGS.put(_key(signature, reads), binding)
         _BINDINGS.put((signature, *map(id, given)), binding)  # (the binding keeps `given` alive)
     return binding
