@@ -136,3 +136,44 @@ def test_torch_names_the_tensor_instead_of_an_index_error():
         ft.attention(q, q, q, mask_mod=lambda b, h, q_idx, kv_idx: ids[b, q_idx] == ids[b, kv_idx])
     table = torch.randn(2, 9)
     ft.attention(q, q, q, score_mod=lambda s, b, h, q_idx, kv_idx: s + table[h, (kv_idx - q_idx).clamp(-4, 4) + 4])
+
+
+@requires_torch("the torch frontend")
+def test_a_learning_term_read_past_its_table_is_named_in_torch():
+    """A term whose table requires grad runs as a bias gathered from the table (on a GPU a gather past it
+    is a device-side assert): the same named error as a bound aux, at the first call of each shape; out of
+    range at index 0 said "no gradient can reach" it before."""
+    import torch
+
+    import fusedattn.torch as ft
+
+    table = torch.randn(2, 40, requires_grad=True)
+
+    def relpos(score, b, h, q_idx, kv_idx):
+        return score + table[h, q_idx - kv_idx + 15]
+
+    for _ in range(2):
+        q = torch.randn(1, 16, 2, 8, requires_grad=True)
+        ft.attention(q, q, q, score_mod=relpos).sum().backward()
+    q = torch.randn(1, 32, 2, 8, requires_grad=True)
+    with pytest.raises(ValueError, match=r"shape \(2, 40\) is indexed on its axis 1 by values from -16 to 46"):
+        ft.attention(q, q, q, score_mod=relpos)
+    short = torch.randn(2, 10, requires_grad=True)
+    with pytest.raises(ValueError, match=r"an index is out of range of an array it reads: index 15"):
+        ft.attention(q, q, q, score_mod=lambda score, b, h, q_idx, kv_idx: score + short[h, q_idx - kv_idx + 15])
+
+
+def test_a_learning_term_read_past_its_table_is_refused_in_jax_where_it_would_clamp():
+    import jax
+
+    import fusedattn.jax as fj
+
+    q = jnp.asarray(np.random.default_rng(1).standard_normal((1, 32, 2, 8)), jnp.float32)
+
+    def loss(table):
+        mod = lambda s, b, h, q_idx, kv_idx: s + table[h, q_idx - kv_idx + 15]  # noqa: E731
+        return fj.attention(q, q, q, score_mod=mod).sum()
+
+    jax.jit(jax.grad(loss))(jnp.ones((2, 63)))
+    with pytest.raises(ValueError, match=r"shape \(2, 40\) is indexed on its axis 1 by values from -16 to 46"):
+        jax.jit(jax.grad(loss))(jnp.ones((2, 40)))

@@ -3,7 +3,8 @@ bench_score_mod's S=1024 shape (B4 H16 D128 bf16, inputs requiring grad, not cau
 the native operator called directly with the arguments the public call passed it (its Python entry),
 and the forward+backward (torch.autograd.grad of q, k, v) of both, for a plain call, softcap (built-in
 and flex, made once and made anew at each call), a flex ALiBi, a causal mask_mod and the built-in
-causal() score_mod. Host us per
+causal() score_mod, and added terms that learn (ALiBi slopes, a relative-position table; the
+table's also with every binding dropped before each call: the full path). Host us per
 call with the GPU held, interleaved rounds, in one process (SPLIT_GC=0: with Python's garbage collector
 off while timing); then cProfile of two public calls' Python."""
 
@@ -22,7 +23,7 @@ import torch
 import fusedattn.torch as fat
 from fusedattn import score_mods as sm
 from fusedattn.backends.cudnn.native import torch_plans
-from fusedattn.torch import functional
+from fusedattn.torch import functional, score_mod_bindings
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: its timing loops
 from common import held_loop, spin_cycles_per_us  # noqa: E402
@@ -48,12 +49,28 @@ def main() -> None:
     def closure(cap):
         return lambda score, b, h, q_idx, kv_idx: cap * sm.tanh(score / cap)
 
+    # added terms that learn: they run as a post-scale bias, gathered anew at each call
+    table = (torch.randn(16, 2047, device="cuda") / 4).requires_grad_(True)
+    learning_slopes = slopes.clone().requires_grad_(True)
+
+    def relpos_learning(score, b, h, q_idx, kv_idx):
+        return score + table[h, q_idx - kv_idx + 1023]
+
+    def alibi_learning(score, b, h, q_idx, kv_idx):
+        return score + learning_slopes[h] * (kv_idx - q_idx)
+
+    def full_path(options):  # every binding dropped first: the call goes the whole way, as before 2026-11-27
+        score_mod_bindings.forget()
+        return options
+
     # a callable: the call's options made anew at each call, as a model's forward writes them
     variants = {"plain": {}, "softcap_builtin": {"score_mod": sm.softcap(20.0)}, "softcap_flex": {"score_mod": softcap},
                 "alibi_flex": {"score_mod": alibi}, "causal_mask_mod": {"mask_mod": causal},
                 "causal_builtin": {"score_mod": sm.causal()}, "plain_causal": {"mask": "causal"},
                 "softcap_builtin_each_call": lambda: {"score_mod": sm.softcap(20.0)},
-                "softcap_closure_each_call": lambda: {"score_mod": closure(20.0)}}
+                "softcap_closure_each_call": lambda: {"score_mod": closure(20.0)},
+                "alibi_learning": {"score_mod": alibi_learning}, "relpos_learning": {"score_mod": relpos_learning},
+                "relpos_learning_full_path": lambda: full_path({"score_mod": relpos_learning})}
     passed = {}
     original = functional._operator
 

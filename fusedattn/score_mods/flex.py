@@ -690,7 +690,7 @@ def _selects_the_score(expr: Expr) -> bool:
     return any(node.op == "where" and "score" in deps[number] for number, node in enumerate(expr.nodes))
 
 
-def _unfollowed_learners(framework: str, score_mod, captured: dict) -> tuple:
+def _unfollowed_learners(api: str, framework: str, score_mod, captured: dict) -> tuple:
     """The arrays being differentiated (torch: requiring grad; JAX: a jax.grad tracer) that score_mod reads
     (flat_reads) and differentiates through, and that the trace does not load as captured arrays (captured:
     id -> the trace's): one indexed by numbers alone (t[0]), which the trace takes as a new constant, or any
@@ -716,6 +716,8 @@ def _unfollowed_learners(framework: str, score_mod, captured: dict) -> tuple:
             if not value.requires_grad:
                 return ()
             reached = torch.autograd.grad(value.float().sum(), found, allow_unused=True)
+    except IndexError as error:  # at index 0 on every axis: out of range in any call
+        raise ValueError(f"{api}: score_mod: an index is out of range of an array it reads: {error}") from None
     except Exception:  # it cannot run on stand-ins: every such tensor counts
         return tuple({id(x): x for x in found}.values())
     return tuple({id(x): x for x, grad in zip(found, reached) if grad is not None}.values())
@@ -751,7 +753,7 @@ def flex_score_mod(api: str, framework: str, score_mod=None, mask_mod=None, devi
             return _modded(ops.where, *each)(score, b, h, q_idx, kv_idx)
 
         return ScoreMod(None, eager=untraced, name=label, issue=f"{api}: {label}: {error}",
-                        unfollowed=_unfollowed_learners(framework, score_mod, {}))
+                        unfollowed=_unfollowed_learners(api, framework, score_mod, {}))
     derivative = traced.derivative
     if mask_derivative_one and masks_only(derivative):
         derivative = None
@@ -802,7 +804,8 @@ def flex_score_mod(api: str, framework: str, score_mod=None, mask_mod=None, devi
         # (a repeat call): the grid, the index arithmetic and the zeros it broadcasts onto are made once.
         memo = {} if memo is None else memo
         ops = namespace(like)
-        if "grid" not in memo:
+        if "grid" not in memo:  # (a gather out of range would be a device-side assert on a GPU)
+            check_indices(f"{api}: {label}", termed.forward, shape)
             memo["grid"], memo["deps"] = index_grid(ops, like, shape), dependencies(termed.forward)
         grid, deps = memo["grid"], memo["deps"]
         dtype = precision_of(like)
@@ -823,7 +826,7 @@ def flex_score_mod(api: str, framework: str, score_mod=None, mask_mod=None, devi
     bprop = None if derivative is None else lowered(derivative, traced.derivative_plan, DERIVATIVE, derivative=True)
     return ScoreMod(forward, bprop, tensors, eager=eager, prepare=prepare,
                     as_bias=as_bias if termed.added is not None else None, beside_bias=beside_bias, name=label,
-                    unfollowed=_unfollowed_learners(framework, score_mod, captured),
+                    unfollowed=_unfollowed_learners(api, framework, score_mod, captured),
                     structure=(LOWERING_VERSION, traced.forward.key, None if derivative is None else derivative.key),
                     masks=_selects_the_score(traced.forward))
 

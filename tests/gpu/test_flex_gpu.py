@@ -200,6 +200,46 @@ def test_a_learnable_added_term_beside_a_mask_mod_gets_every_gradient_on_cudnn(m
         assert_close_to_exact(name, *values, reduction=name == "table")
 
 
+@pytest.mark.parametrize("beside", [None, "dilated"])
+def test_training_steps_of_a_learning_term_follow_its_updates_on_the_warm_path(beside):
+    """Three steps of a loop, the table updated in place between them as an optimizer does: the repeat calls
+    take the warm path (the term gathered anew from the table, no host wait) and each step's out and
+    gradients match the float64 reference at the table's current values. Beside a mask_mod, the second
+    call raised "this plan needs the bias" before (the mask's kept binding went without the term)."""
+    q, k, v = make(B, S, S, H, H, D, D, torch.bfloat16, seed=41)
+    table = (0.5 * torch.randn(H, 2 * S - 1, device="cuda")).requires_grad_(True)
+    mask_mod = None if beside is None else (lambda b, h, qi, ki: (qi - ki) % 3 != 1)
+
+    def relpos_over(t):
+        return lambda s, b, h, qi, ki: s + t[h, qi - ki + S - 1]
+
+    relpos = relpos_over(table)
+    grad = torch.randn(B, S, H, D, generator=torch.Generator(device="cuda").manual_seed(4), device="cuda")
+    for step in range(3):
+        leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
+        if step == 2:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = fat.attention(*leaves, score_mod=relpos, mask_mod=mask_mod, backend="cudnn")
+            out.float().backward(grad)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        results = {"cudnn": (out, *(x.grad for x in leaves), table.grad)}
+        table.grad = None
+        for dtype in (None, torch.float64):
+            refs = [x.detach().clone().to(dtype or x.dtype).requires_grad_(True) for x in (q, k, v)]
+            u = table.detach().clone().to(dtype or torch.float32).requires_grad_(True)
+            out = fat.attention(*refs, score_mod=relpos_over(u), mask_mod=mask_mod, backend="reference")
+            out.float().backward(grad)
+            results[dtype] = (out, *(x.grad for x in refs), u.grad)
+        for name, *values in zip(("out", "q", "k", "v", "table"), results["cudnn"], results[None],
+                                 results[torch.float64]):
+            assert_close_to_exact(f"step {step} {name}", *values, reduction=name == "table")
+        with torch.no_grad():
+            table.add_(0.3 * torch.randn_like(table))
+
+
 NATIVE = {"causal": "mask=causal", "causal_shifted": "window=(-1, 2)", "sliding_window": "window=(3, 0)",
           "sliding_window_both": "window=(2, 2)", "padding": "mask=padding", "document": "layout=thd",
           "document_causal": "layout=thd"}
