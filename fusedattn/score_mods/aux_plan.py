@@ -131,13 +131,15 @@ def index_grid(ops, like, shape: tuple) -> dict:
     return grid
 
 
-def materialize(expr: Expr, entry: Aux, ops, grid: dict, dtype: str = "float32", memo: dict | None = None):
+def materialize(expr: Expr, entry: Aux, ops, grid: dict, dtype: str = "float32", memo: dict | None = None,
+                views: bool = False):
     """One aux tensor for this call: `dtype` (float32 for the graphs; float64 for a float64 call's term
-    run as a bias), 4-D, extent 1 on the axes it does not use (a host entry is a Python float). memo:
+    run as a bias), 4-D, extent 1 on the axes it does not use (a host entry is a Python float); dense,
+    as the graphs read it, unless `views` (a term run as a bias, which the launch makes dense). memo:
     expr.evaluate's, kept by a caller that materializes the same entry again."""
     if entry.host:
         return evaluate_numbers(expr, entry.node)
-    value = evaluate(expr, ops, grid, dtype, only=entry.node, memo=memo)
+    value = evaluate(expr, ops, grid, dtype, only=entry.node, memo=memo, views=views)
     if ops.dtype_name(value) == "bool" or expr.nodes[entry.node].kind == BOOL:
         value = ops.astype(value, dtype)
     node = expr.nodes[entry.node]

@@ -289,7 +289,7 @@ def _as_float(ops, x, dtype: str):
 
 
 def evaluate(expr: Expr, ops, env: dict, dtype: str = "float32", values: tuple | None = None, only=None,
-             memo: dict | None = None):
+             memo: dict | None = None, views: bool = False):
     """The Expr on arrays of one framework: env maps input names to arrays (broadcasting).
 
     Everything is computed in `dtype` (ints and bools as exact floats, as the cuDNN lowering
@@ -297,6 +297,8 @@ def evaluate(expr: Expr, ops, env: dict, dtype: str = "float32", values: tuple |
     values: the scalar slots (default the traced ones). only: a node number to stop at.
     memo: kept between calls with the same env, dtype and scalars: holds the nodes that read no
     captured tensor (indices, numbers) and their int64 casts, so a repeat call computes only the rest.
+    views: a load indexed by the positions themselves may be a strided view of its array (_sliced), for
+    a caller that makes the result dense itself.
     Returns the output (or node `only`) as a float array of `dtype`, or a bool array.
     """
     table = _math(ops)
@@ -319,8 +321,11 @@ def evaluate(expr: Expr, ops, env: dict, dtype: str = "float32", values: tuple |
             value = ops.full((), scalars[node.attr[0]], like, "bool" if node.kind == BOOL else dtype)
         elif node.op == "load":
             array = expr.captured[node.attr[0]]
-            index = tuple(_memo_index(ops, memo, fixed, a, i) for a, i in zip(node.args, args))
-            value = _as_float(ops, array[index], dtype)
+            value = _sliced(ops, expr, node, array, env) if views else None
+            if value is None:
+                index = tuple(_memo_index(ops, memo, fixed, a, i) for a, i in zip(node.args, args))
+                value = array[index]
+            value = _as_float(ops, value, dtype)
         elif node.op == "cast":
             value = _cast(ops, table, args[0], node.attr[0], dtype)
         elif node.op == "where":
@@ -336,6 +341,24 @@ def evaluate(expr: Expr, ops, env: dict, dtype: str = "float32", values: tuple |
 
 
 _FIXED_NODES = "fixed nodes"  # evaluate's memo: which nodes it may keep
+
+
+def _sliced(ops, expr: Expr, node: Node, array, env: dict):
+    """A load indexed by the positions themselves, each axis of the array by its own one in the grid's
+    order (slopes[h], bias[h, q_idx, kv_idx]): the array's leading part as a view placed on those axes,
+    with no gather (whose backward sorts the indices on a GPU). None for any other load, or where the
+    array is shorter than an axis (the gather raises there)."""
+    names = [expr.nodes[a].attr[0] if expr.nodes[a].op == "input" else None for a in node.args]
+    axes = [INDEX_INPUTS.index(n) if n in INDEX_INPUTS else -1 for n in names]
+    if -1 in axes or axes != sorted(set(axes)) or len(axes) != len(array.shape):
+        return None
+    extents = [env[n].shape[axis] for n, axis in zip(names, axes)]
+    if any(size < extent for size, extent in zip(array.shape, extents)):
+        return None
+    placed = [1, 1, 1, 1]
+    for axis, extent in zip(axes, extents):
+        placed[axis] = extent
+    return ops.reshape(array[tuple(slice(0, extent) for extent in extents)], tuple(placed))
 
 
 def _memo_index(ops, memo: dict | None, fixed, number: int, value):

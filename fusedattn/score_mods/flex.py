@@ -812,7 +812,7 @@ def flex_score_mod(api: str, framework: str, score_mod=None, mask_mod=None, devi
         term = None
         for node, sign in termed.added:
             every_axis = Aux(node, tuple(a for a in INDEX_INPUTS if a in deps[node]), dense=True)
-            value = materialize(termed.forward, every_axis, ops, grid, dtype, memo.setdefault(node, {}))
+            value = materialize(termed.forward, every_axis, ops, grid, dtype, memo.setdefault(node, {}), views=True)
             value = value if sign == 1 else sign * value
             term = value if term is None else term + value
         full = (term.shape[0], term.shape[1], shape[2], shape[3])
