@@ -818,3 +818,31 @@ def test_flat_reads_is_the_flattened_snapshot(index):
     found: list = []
     _flatten(snapshot(fn), found)
     assert flat_reads(fn) == tuple(found)
+
+
+@pytest.mark.parametrize("shape", [()])
+def test_a_learnable_jax_scalar_used_whole_learns_under_grad_and_jit(shape):
+    """score + c * (kv_idx - q_idx) with c a 0-d array being differentiated: it was
+    refused under grad and grad inside jit ("indexed by numbers alone") while grad of jit ran it; every
+    nesting now gives the float64 gradient written here."""
+    rng = np.random.default_rng(12)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 5, 3, 8)), jnp.float32) for _ in range(3))
+    c0 = jnp.full(shape, 0.3, jnp.float32)
+
+    def loss(c):
+        return fj.attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + c * (ki - qi)).sum()
+
+    def exact(c):
+        qd, kd, vd = (np.asarray(x, np.float64) for x in (q, k, v))
+        i = np.arange(5)
+        scores = np.einsum("bqhd,bkhd->bhqk", qd, kd) / np.sqrt(8) + c * (i[None, :] - i[:, None])
+        weights = np.exp(scores - scores.max(-1, keepdims=True))
+        weights /= weights.sum(-1, keepdims=True)
+        return np.einsum("bhqk,bkhd->bqhd", weights, vd).sum()
+
+    step = 1e-6
+    want = (exact(0.3 + step) - exact(0.3 - step)) / (2 * step)
+    for name, fn in (("grad", jax.grad(loss)), ("jit(grad)", jax.jit(jax.grad(loss))),
+                     ("grad(jit)", jax.grad(jax.jit(loss)))):
+        got = fn(c0)
+        assert got.shape == shape and abs(float(got.sum()) - want) <= 1e-3 * max(1.0, abs(want)), (name, got, want)

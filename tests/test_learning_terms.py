@@ -31,6 +31,10 @@ TABLES = {  # name: (table shape, the term as a callback of the table, the same 
                     lambda t, i: 0.5 * t[None]),
     "t[kv, h] (another order)": ((S, H), lambda t: lambda s, b, h, qi, ki: s + t[ki, h],
                                  lambda t, i: t.t()[None, :, None, :]),
+    "c * (kv - q), c 0-d": ((), lambda t: lambda s, b, h, qi, ki: s + t * (ki - qi),
+                            lambda t, i: t * (i[None, :] - i[:, None])),
+    "c of shape (1,) used whole": ((1,), lambda t: lambda s, b, h, qi, ki: s - t * (qi - ki).abs(),
+                                   lambda t, i: -t * (i[:, None] - i[None, :]).abs()),
     "table[h, q - kv + S - 1]": ((H, 2 * S - 1), lambda t: lambda s, b, h, qi, ki: s + t[h, qi - ki + S - 1],
                                  lambda t, i: t[:, i[:, None] - i[None, :] + S - 1][None]),
 }
@@ -42,7 +46,7 @@ def test_a_learning_term_matches_float64_over_the_steps_of_a_loop(name, dtype):
     shape, as_mod, as_array = TABLES[name]
     gen = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(B, S, H, D, generator=gen, dtype=dtype) for _ in range(3))
-    table = torch.randn(*shape, generator=gen, dtype=dtype).requires_grad_(True)
+    table = torch.randn(shape, generator=gen, dtype=dtype).requires_grad_(True)
     mod, positions = as_mod(table), torch.arange(S)
     grad = torch.randn(B, S, H, D, generator=gen, dtype=torch.float64)
     tolerance = 1e-10 if dtype == torch.float64 else 2e-5

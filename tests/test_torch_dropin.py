@@ -22,16 +22,17 @@ def _inputs(shape_q, shape_k, dv, dtype, seed):
     return make(*shape_q), make(*shape_k), make(*shape_k[:-1], dv)
 
 
-def _both(q, k, v, **options):
-    """(ours, SDPA's): outputs and the gradients of q, k, v (and a float mask) for one random cotangent."""
+def _both(q, k, v, theirs: dict | None = None, **options):
+    """(ours, SDPA's): outputs and the gradients of q, k, v (and a float mask) for one random cotangent.
+    theirs: SDPA's options where they differ from ours."""
     results = []
-    for fn in (fat.scaled_dot_product_attention, F.scaled_dot_product_attention):
+    for fn, given in ((fat.scaled_dot_product_attention, options), (F.scaled_dot_product_attention, theirs or options)):
         leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
-        mask = options.get("attn_mask")
+        mask = given.get("attn_mask")
         extra = {}
         if mask is not None and mask.is_floating_point():
             extra["attn_mask"] = mask.detach().clone().requires_grad_(True)
-        out = fn(*leaves, **{**options, **extra})
+        out = fn(*leaves, **{**given, **extra})
         grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=F64).to(out.dtype)
         wrt = leaves + ([extra["attn_mask"]] if extra else [])
         grads = torch.autograd.grad(out, wrt, grad)
@@ -114,8 +115,6 @@ def test_dropout_runs_and_is_reproducible_from_torchs_generator():
     (lambda q, k, v: fat.scaled_dot_product_attention(q, k[:, :2], v[:, :2]), "pass enable_gqa=True"),
     (lambda q, k, v: fat.scaled_dot_product_attention(q, k[:, :3], v[:, :3], enable_gqa=True),
      "expected 4 heads like query or a divisor of it"),
-    (lambda q, k, v: fat.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(5, 5, dtype=torch.bool),
-                                                      is_causal=True), "expected None with is_causal=True"),
     (lambda q, k, v: fat.scaled_dot_product_attention(q, k, v, attn_mask=torch.zeros(5, 5, dtype=F64)),
      "attn_mask: expected a bool tensor, a float32 one or one of query's dtype"),
     (lambda q, k, v: fat.scaled_dot_product_attention(q, k, v, attn_mask=torch.zeros(3, 5, 5, dtype=torch.bool)),
@@ -127,8 +126,6 @@ def test_refuses_what_sdpa_refuses_naming_the_argument(call, match):
     q, k, v = _inputs((2, 4, 5, 16), (2, 4, 5, 16), 16, torch.float32, seed=8)
     with pytest.raises(ValueError, match=match):
         call(q, k, v)
-    if "is_causal" in match:
-        return  # PyTorch documents this error; its CPU math kernel combines the two instead
     with pytest.raises((RuntimeError, ValueError)):  # SDPA refuses the same call
         _sdpa_twin(call)(q, k, v)
 
@@ -189,3 +186,44 @@ def test_empty_batches_heads_and_queries_answer_as_sdpa(q_shape, kv_shape, gqa):
     assert got.shape == F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa).shape
     got.sum().backward()
     assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+
+
+@pytest.mark.parametrize("name, value", [("is_causal", "False"), ("is_causal", 1), ("enable_gqa", "no"),
+                                         ("enable_gqa", None)])
+def test_flags_that_are_not_bools_are_refused(name, value):
+    """is_causal="False" ran a causal mask (a non-empty string is true); PyTorch raises a TypeError."""
+    q, k, v = _inputs((2, 4, 5, 16), (2, 2, 5, 16), 16, F64, seed=9)
+    with pytest.raises(ValueError, match=f"{name}: expected a bool, got {value!r}"):
+        fat.scaled_dot_product_attention(q, k, v, **{name: value})
+    with pytest.raises(TypeError):
+        F.scaled_dot_product_attention(q, k, v, **{name: value})
+
+
+@pytest.mark.parametrize("lq, lk", [(4, 6), (6, 4), (5, 5)])
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_is_causal_beside_a_mask_applies_both_as_sdpa_computes_them(lq, lk, kind):
+    """It was refused ("PyTorch raises here too"). PyTorch 2.13 runs the mask and the top-left causal mask
+    together in its CPU kernel (no gradient, some mask shapes) and raises in its math kernel: both apply
+    here, gradients too, as SDPA with the two folded into one mask gives them."""
+    gen = torch.Generator().manual_seed(lq * 10 + lk)
+    q, k, v = _inputs((2, 3, lq, 16), (2, 3, lk, 16), 8, F64, seed=lq + lk)
+    mask = (torch.rand(3, lq, lk, generator=gen) > 0.4 if kind == "bool"
+            else torch.randn(2, 1, lq, lk, generator=gen, dtype=F64))
+    future = ~torch.ones(lq, lk, dtype=torch.bool).tril()
+    folded = mask & ~future if kind == "bool" else mask.masked_fill(future, float("-inf"))
+    ours, theirs = _both(q, k, v, {"attn_mask": folded}, attn_mask=mask, is_causal=True)
+    _close(ours, theirs, F64)
+
+
+@pytest.mark.parametrize("q_len, k_len", [(0, 5), (3, 0)])
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_an_empty_query_or_key_length_beside_a_mask_answers_as_sdpa(q_len, k_len, kind):
+    """The mask's pattern was read with no rows or no keys: an IndexError from inside the library."""
+    q, k, v = _inputs((2, 4, q_len, 8), (2, 4, k_len, 8), 8, F64, seed=11)
+    mask = torch.ones(q_len, k_len, dtype=torch.bool) if kind == "bool" else torch.zeros(q_len, k_len, dtype=F64)
+    got = fat.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want)
+    got.sum().backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape

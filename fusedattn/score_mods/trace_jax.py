@@ -61,7 +61,10 @@ class _Translator:
             if np.size(array) != 1:
                 raise ExprError(f"a captured array of shape {tuple(np.shape(array))} is used whole; index it by "
                                 "b, h, q_idx or kv_idx (one index per axis), as in bias[h]")
-            return self.b.load(jnp.reshape(array, ()), [], _kind_of_dtype(array.dtype))
+            # the array itself at index 0 on each axis: a load of the captured array, so a learnable
+            # scalar (score + c * (kv_idx - q_idx)) is followed and learns
+            zeros = [self.b.scalar(0) for _ in range(np.ndim(array))]
+            return self.b.load(array, zeros, _kind_of_dtype(array.dtype))
         return value
 
     def run(self, jaxpr, consts, args: list) -> list:

@@ -77,7 +77,10 @@ class _Translator:
                 if tensor.dim() != 0 and tensor.numel() != 1:
                     raise ExprError(f"a captured tensor of shape {tuple(tensor.shape)} is used whole; index it by "
                                     "b, h, q_idx or kv_idx (one index per axis), as in bias[h]")
-                return self.b.load(tensor.reshape(()), [], _kind_of_dtype(tensor.dtype))
+                # the tensor itself (a 0-d one) or its one element at index 0: a load of the captured tensor,
+                # so a learnable scalar (score + c * (kv_idx - q_idx)) is followed and learns
+                zeros = [self.b.scalar(0) for _ in range(tensor.dim())]
+                return self.b.load(tensor, zeros, _kind_of_dtype(tensor.dtype))
             return value
         if isinstance(arg, bool) or isinstance(arg, numbers.Number):
             number = arg.item() if hasattr(arg, "item") else arg

@@ -41,7 +41,9 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
             query's dtype, as nn.MultiheadAttention's float32 padding masks need under autocast),
             broadcastable to (..., Hq, L, S). A row whose every key is masked gives 0.
         dropout_p: dropout on the attention weights (seeded from torch's generator).
-        is_causal: top-left causal mask (query i sees keys j <= i); not together with attn_mask.
+        is_causal: top-left causal mask (query i sees keys j <= i); with attn_mask, both apply (a key
+            takes part where the mask lets it and it is not in the future), as PyTorch 2.13's CPU
+            kernel computes them (its math kernel raises).
         scale: multiplies q kᵀ; default 1/sqrt(E). Zero or negative scales raise (PyTorch's CPU math
             gives NaN rows for them under is_causal).
         enable_gqa: allow Hkv < Hq with Hq a multiple of Hkv (grouped-query attention).
@@ -56,6 +58,9 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
             raise ValueError(f"{API}: {name}: expected a torch.Tensor, got {type(x).__name__}")
         if x.dim() < 2:
             raise ValueError(f"{API}: {name}: expected at least 2 dimensions (..., L, E), got shape {tuple(x.shape)}")
+    for name, flag in (("is_causal", is_causal), ("enable_gqa", enable_gqa)):
+        if not isinstance(flag, bool):  # ("False" would be true)
+            raise ValueError(f"{API}: {name}: expected a bool, got {flag!r}")
     if torch.is_autocast_enabled(query.device.type):  # SDPA is on autocast's lower-precision list
         low = torch.get_autocast_dtype(query.device.type)
         query, key, value = (x.to(low) if x.dtype == torch.float32 else x for x in (query, key, value))
@@ -76,24 +81,30 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
                          f"and {tuple(v.shape[:-3])} do not broadcast") from None
     batch = math.prod(lead)
     q, k, v = (x.expand(*lead, *x.shape[-3:]).reshape(batch, *x.shape[-3:]) for x in (q, k, v))
-    if attn_mask is not None and is_causal:  # PyTorch documents an error (some of its kernels combine them)
-        raise ValueError(f"{API}: attn_mask: expected None with is_causal=True (PyTorch raises here too), got a "
-                         "tensor; fold the causal mask into attn_mask instead")
-    options = {"mask": "causal" if is_causal else "none"}
-    if attn_mask is not None:
-        mask = _folded(attn_mask, query, lead, one_head, (heads_q, q.shape[-2], k.shape[-2]))
-        options = _recognized(attn_mask, mask, batch, q.shape[-2], k.shape[-2], q.device)
-        if options is None:
-            options = {"bias": _as_bias(mask, query)}
+    mask = None if attn_mask is None else _folded(attn_mask, query, lead, one_head,
+                                                  (heads_q, q.shape[-2], k.shape[-2]))
     if batch == 0 or heads_q == 0 or q.shape[-2] == 0:  # nothing to compute: SDPA answers an empty tensor
         if q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2]:
             raise ValueError(f"{API}: key/value: expected key of query's head dim E={q.shape[-1]} and value of "
                              f"key's length, got key {tuple(key.shape)}, value {tuple(value.shape)}")
         out = _empty_output(q, k, v)
     else:
-        out = attention(q, k, v, layout="bhsd", dropout_p=dropout_p, scale=scale, **options)
+        out = attention(q, k, v, layout="bhsd", dropout_p=dropout_p, scale=scale,
+                        **_mask_options(attn_mask, mask, is_causal, query, batch, q.shape[-2], k.shape[-2]))
     out = out.reshape(*lead, *out.shape[1:])
     return out.squeeze(-3) if one_head else out
+
+
+def _mask_options(given, mask, is_causal: bool, query, batch: int, seqlen_q: int, seqlen_kv: int) -> dict:
+    """attention's mask options: is_causal's top-left mask, and attn_mask (folded: `mask`) as a native
+    mask where it is one, else as a bias; with both, both apply."""
+    if mask is None:
+        return {"mask": "causal" if is_causal else "none"}
+    if not is_causal and seqlen_kv > 0:  # (no keys: nothing to recognize)
+        options = _recognized(given, mask, batch, seqlen_q, seqlen_kv, query.device)
+        if options is not None:
+            return options
+    return {"mask": "causal" if is_causal else "none", "bias": _as_bias(mask, query)}
 
 
 def _empty_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
