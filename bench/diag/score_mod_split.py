@@ -4,7 +4,8 @@ the native operator called directly with the arguments the public call passed it
 and the forward+backward (torch.autograd.grad of q, k, v) of both, for a plain call, softcap (built-in
 and flex, made once and made anew at each call), a flex ALiBi, a causal mask_mod and the built-in
 causal() score_mod, and added terms that learn (ALiBi slopes, a relative-position table; the
-table's also with every binding dropped before each call: the full path). Host us per
+table's also with every binding dropped before each call: the full path; SPLIT_ONLY=a,b keeps those and
+plain). Host us per
 call with the GPU held, interleaved rounds, in one process (SPLIT_GC=0: with Python's garbage collector
 off while timing); then cProfile of two public calls' Python."""
 
@@ -71,6 +72,9 @@ def main() -> None:
                 "softcap_closure_each_call": lambda: {"score_mod": closure(20.0)},
                 "alibi_learning": {"score_mod": alibi_learning}, "relpos_learning": {"score_mod": relpos_learning},
                 "relpos_learning_full_path": lambda: full_path({"score_mod": relpos_learning})}
+    only = os.environ.get("SPLIT_ONLY")  # comma-separated variant names (plain always kept)
+    if only:
+        variants = {name: options for name, options in variants.items() if name == "plain" or name in only.split(",")}
     passed = {}
     original = functional._operator
 
@@ -114,7 +118,7 @@ def main() -> None:
         us = statistics.median(samples[name])
         extra = us - bases[next((s for s in suffixes if name.endswith(s)), "")]
         print(f"{name:>28}: {us:7.1f} us/call host ({extra:+6.1f} over plain), {len(samples[name])} rounds", flush=True)
-    for name in ("softcap_builtin", "causal_mask_mod"):
+    for name in [name for name in ("softcap_builtin", "causal_mask_mod") if name in calls]:
         profile = cProfile.Profile()
         profile.enable()
         for _ in range(500):

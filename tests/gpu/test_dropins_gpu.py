@@ -106,8 +106,9 @@ def exact_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
     group = query.shape[-3] // key.shape[-3]
     key, value = (x.repeat_interleave(group, dim=-3) for x in (key, value))
     scores = query @ key.transpose(-2, -1) * (1 / math.sqrt(query.shape[-1]) if scale is None else scale)
-    if is_causal:
-        attn_mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=query.device).tril()
+    if is_causal:  # beside attn_mask, both apply
+        scores = scores.masked_fill(~torch.ones(scores.shape[-2:], dtype=torch.bool, device=query.device).tril(),
+                                    -math.inf)
     if attn_mask is not None:
         scores = scores.masked_fill(~attn_mask, -math.inf) if attn_mask.dtype == torch.bool else scores + attn_mask
     return torch.softmax(scores, dim=-1) @ value
@@ -132,7 +133,12 @@ def check_against_float64(q, k, v, attn_mask=None, mask_grad=False, grad_seed=11
     # PyTorch's CUDA kernels refuse a float32 mask that requires grad with half inputs: its yardstick gets the
     # mask in the query's dtype (the same values up to the one rounding ours makes too).
     narrow = attn_mask if attn_mask is None or attn_mask.dtype == torch.bool else attn_mask.to(q.dtype)
-    same = _forward_backward(TORCH_SDPA, q, k, v, grad_out, narrow, mask_grad, **options)
+    same_options = options
+    if attn_mask is not None and options.get("is_causal"):  # PyTorch's kernels with gradients refuse the pair:
+        future = ~torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device="cuda").tril()  # fold it
+        narrow = narrow & ~future if narrow.dtype == torch.bool else narrow.masked_fill(future, -math.inf)
+        same_options = {**options, "is_causal": False}
+    same = _forward_backward(TORCH_SDPA, q, k, v, grad_out, narrow, mask_grad, **same_options)
     wide_mask = attn_mask if attn_mask is None or attn_mask.dtype == torch.bool else attn_mask.double()
     exact = _forward_backward(exact_sdpa, q.double(), k.double(), v.double(), grad_out.double(), wide_mask,
                               mask_grad, **options)
@@ -243,6 +249,18 @@ def test_float_mask_runs_as_a_bias_with_its_gradient(shape, mask_dtype, decision
     found = decisions()
     assert_ran_on(found)
     assert all("bias=" in d.summary for d in found), "; ".join(d.summary for d in found)
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_is_causal_beside_a_mask_applies_both_on_cudnn(kind, decisions):
+    """It was refused; both apply now (PyTorch 2.13's CPU kernel's meaning), on cuDNN, the float mask's
+    gradient too."""
+    q, k, v = bhsd_inputs(2, H_MASK, H_MASK, 96, 160, D_MASK, BF16, seed=9)
+    gen = torch.Generator(device="cuda").manual_seed(10)
+    mask = (key_padding([160, 70], 160) if kind == "bool"
+            else 0.5 * torch.randn(2, 1, 96, 160, generator=gen, device="cuda"))
+    check_against_float64(q, k, v, attn_mask=mask, mask_grad=kind == "float", is_causal=True)
+    assert_ran_on(decisions())
 
 
 # ------------------------------------------------------------------ 3: no fused backend: say why, stay right

@@ -240,6 +240,24 @@ def test_training_steps_of_a_learning_term_follow_its_updates_on_the_warm_path(b
             table.add_(0.3 * torch.randn_like(table))
 
 
+def test_a_learnable_scalar_read_whole_learns_on_cudnn():
+    """score + c * (kv_idx - q_idx) with c a 0-d parameter (one ALiBi slope for every head): it was refused
+    ("indexed by numbers alone"); it runs as a bias on cuDNN, out and every gradient against float64."""
+    q, k, v = make(B, S, S, H, H, D, D, torch.bfloat16, seed=42)
+    grad = torch.randn(B, S, H, D, generator=torch.Generator(device="cuda").manual_seed(5), device="cuda")
+    results = {}
+    for backend, dtype in (("cudnn", None), ("reference", None), ("reference", torch.float64)):
+        leaves = [x.detach().clone().to(dtype or x.dtype).requires_grad_(True) for x in (q, k, v)]
+        c = torch.tensor(-0.05, device="cuda", dtype=dtype or torch.float32, requires_grad=True)
+        out = fat.attention(*leaves, score_mod=lambda s, b, h, qi, ki, c=c: s + c * (ki - qi), mask="causal",
+                            backend=backend)
+        out.float().backward(grad)
+        results[backend, dtype] = (out, *(x.grad for x in leaves), c.grad)
+    for name, *values in zip(("out", "q", "k", "v", "c"), results["cudnn", None], results["reference", None],
+                             results["reference", torch.float64]):
+        assert_close_to_exact(name, *values, reduction=name == "c")
+
+
 NATIVE = {"causal": "mask=causal", "causal_shifted": "window=(-1, 2)", "sliding_window": "window=(3, 0)",
           "sliding_window_both": "window=(2, 2)", "padding": "mask=padding", "document": "layout=thd",
           "document_causal": "layout=thd"}
