@@ -5,7 +5,7 @@ and the forward+backward (torch.autograd.grad of q, k, v) of both, for a plain c
 and flex, made once and made anew at each call), a flex ALiBi, a causal mask_mod and the built-in
 causal() score_mod, and added terms that learn (ALiBi slopes, a relative-position table; the
 table's also with every binding dropped before each call: the full path; SPLIT_ONLY=a,b keeps those and
-plain). Host us per
+plain; SPLIT_PROFILE=a,b: the calls cProfile shows). Host us per
 call with the GPU held, interleaved rounds, in one process (SPLIT_GC=0: with Python's garbage collector
 off while timing); then cProfile of two public calls' Python."""
 
@@ -118,7 +118,8 @@ def main() -> None:
         us = statistics.median(samples[name])
         extra = us - bases[next((s for s in suffixes if name.endswith(s)), "")]
         print(f"{name:>28}: {us:7.1f} us/call host ({extra:+6.1f} over plain), {len(samples[name])} rounds", flush=True)
-    for name in [name for name in ("softcap_builtin", "causal_mask_mod") if name in calls]:
+    profiled = os.environ.get("SPLIT_PROFILE", "softcap_builtin,causal_mask_mod").split(",")
+    for name in [name for name in profiled if name in calls]:
         profile = cProfile.Profile()
         profile.enable()
         for _ in range(500):
@@ -126,7 +127,7 @@ def main() -> None:
         profile.disable()
         torch.cuda.synchronize()
         print(f"--- cProfile of {name}, 500 calls")
-        pstats.Stats(profile).sort_stats("tottime").print_stats(14)
+        pstats.Stats(profile).sort_stats("tottime").print_stats(25)
 
 
 if __name__ == "__main__":
