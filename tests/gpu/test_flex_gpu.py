@@ -240,13 +240,13 @@ def test_training_steps_of_a_learning_term_follow_its_updates_on_the_warm_path(b
             table.add_(0.3 * torch.randn_like(table))
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_a_learnable_scalar_read_whole_learns_on_cudnn(dtype):
+@pytest.mark.parametrize("io", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_a_learnable_scalar_read_whole_learns_on_cudnn(io):
     """score + c * (kv_idx - q_idx) with c a 0-d parameter (one ALiBi slope for every head): it was refused
     ("indexed by numbers alone"); it runs as a bias on cuDNN, out and every gradient against float64. In
     bf16, dc (a sum over every score of dBias, which cuDNN writes in bf16, times kv_idx - q_idx) was 2.65%
     off where the same-dtype reference is 0.4% off (H100): it gets the 5% of the per-head slopes' test."""
-    q, k, v = make(B, S, S, H, H, D, D, dtype, seed=42)
+    q, k, v = make(B, S, S, H, H, D, D, io, seed=42)
     grad = torch.randn(B, S, H, D, generator=torch.Generator(device="cuda").manual_seed(5), device="cuda")
     results = {}
     for backend, dtype in (("cudnn", None), ("reference", None), ("reference", torch.float64)):
@@ -258,7 +258,7 @@ def test_a_learnable_scalar_read_whole_learns_on_cudnn(dtype):
         results[backend, dtype] = (out, *(x.grad for x in leaves), c.grad)
     for name, *values in zip(("out", "q", "k", "v", "c"), results["cudnn", None], results["reference", None],
                              results["reference", torch.float64]):
-        if name == "c" and dtype == torch.bfloat16:
+        if name == "c" and io == torch.bfloat16:
             torch.testing.assert_close(values[0].double(), values[2], rtol=0, atol=0.05 * values[2].abs().item())
         else:
             assert_close_to_exact(name, *values, reduction=name == "c")
