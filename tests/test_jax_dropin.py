@@ -331,3 +331,15 @@ def test_empty_batches_queries_and_heads_answer_an_empty_array(q_shape, kv_shape
     out, residual = fj.dot_product_attention(q, k, k, return_residual=True)
     assert out.shape == q_shape and residual.shape == q_shape[:-1]
     assert jax.grad(lambda q: fj.dot_product_attention(q, k, k).sum())(q).shape == q_shape
+
+
+@pytest.mark.parametrize("mask, num_sequences", [("none", 2), ("causal", 2), ("padding", 1), ("padding", 2)])
+def test_segment_ids_on_a_padded_layout_are_refused_by_name(mask, num_sequences):
+    """They were taken for cu_seqlens: errors about cu_seqlens the call never passed, or with mask='padding'
+    and num_sequences=B a run that read the ids as per-row lengths (sweep 9)."""
+    import fusedattn.jax as fj
+
+    q = jnp.ones((2, 5, 4, 8), jnp.float32)
+    ids = jnp.asarray([0, 0, 0, 1, 1], jnp.int32)
+    with pytest.raises(ValueError, match=r"segment_ids_q/kv: expected None for layout 'bshd'.*packed layout"):
+        fj.attention(q, q, q, mask=mask, segment_ids_q=ids, segment_ids_kv=ids, num_sequences=num_sequences)

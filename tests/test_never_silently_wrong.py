@@ -931,3 +931,24 @@ def test_jax_a_learnable_table_differentiated_outside_jit_gets_its_gradient(tran
     out, _, _ = naive_attention(qt, kt, vt, mask="causal", score_mod=lambda s, b, h, qi, ki: s + tt[h, ki - qi + 8])
     want = torch.autograd.grad((out * torch.tensor(np.asarray(weight))).sum(), tt)[0].numpy()
     assert np.abs(want).max() > 1 and np.abs(np.asarray(got) - want).max() < 1e-12
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_a_nan_sink_gives_nan_in_its_head_and_leaves_the_others_right(framework):
+    """A NaN learnable sink logit made the row maximum NaN, then 0, and the denominator NaN, which the
+    "has mass" test read as no mass: LSE -inf and an unnormalized output up to 4x the largest value of v,
+    finite (sweep 9). NaN now, as a NaN in q gives; the other head matches the call with a finite sink."""
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((1, 4, 2, 8)).astype(np.float32) for _ in range(3))
+    nan_sink, sink = np.array([np.nan, 0.5], np.float32), np.array([0.25, 0.5], np.float32)
+    if framework == "torch":
+        run = lambda s: fat.attention(*(torch.from_numpy(x) for x in (q, k, v)), softmax_type="learnable",  # noqa: E731
+                                      sink=torch.from_numpy(s), return_lse=True)
+    else:
+        run = lambda s: fja.attention(*(jnp.asarray(x) for x in (q, k, v)), softmax_type="learnable",  # noqa: E731
+                                      sink=jnp.asarray(s), return_lse=True)
+    got, finite = run(nan_sink), run(sink)
+    out, lse = np.asarray(got.out), np.asarray(got.lse)
+    assert np.isnan(out[:, :, 0]).all() and np.isnan(lse[:, 0]).all()
+    np.testing.assert_array_equal(out[:, :, 1], np.asarray(finite.out)[:, :, 1])
+    np.testing.assert_array_equal(lse[:, 1], np.asarray(finite.lse)[:, 1])

@@ -323,8 +323,62 @@ def test_a_compiled_padded_call_needs_no_max_lengths_and_a_thd_one_says_it_does(
         torch.testing.assert_close(torch.autograd.grad(got.sum(), q)[0], torch.autograd.grad(want.sum(), q)[0],
                                    rtol=1e-6, atol=1e-6)
     tokens = q.detach().reshape(16, 2, 8)
-    thd = torch.compile(lambda t, cu: fat.attention(t, t, t, layout="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu),
-                        backend="aot_eager")
+    cu = torch.tensor([0, 5, 13], dtype=torch.int32)
+
+    def thd(t, cu):
+        return fat.attention(t, t, t, layout="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+
     with pytest.raises(Exception, match=r"max_seqlen_q/max_seqlen_kv: expected ints under torch.compile for layout "
                                         r"'thd'"):
-        thd(tokens, torch.tensor([0, 5, 13], dtype=torch.int32))
+        torch.compile(thd, backend="aot_eager", fullgraph=True)(tokens, cu)
+    # without fullgraph, the refusal is a graph break: the call runs eagerly, which reads the offsets
+    torch.testing.assert_close(torch.compile(thd, backend="aot_eager")(tokens, cu), thd(tokens, cu), rtol=0, atol=0)
+
+
+_FRESH_COMPILE = """
+import torch, fusedattn.torch as fat
+cu = torch.tensor([0, 1, 3], dtype=torch.int32)
+cases = {"thd": (torch.randn(3, 2, 8), dict(layout="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=2,
+                                            max_seqlen_kv=2)),
+         "padding": (torch.randn(2, 3, 2, 8), dict(mask="padding", cu_seqlens_q=cu, cu_seqlens_kv=cu))}
+q, options = cases[CASE]
+compiled = torch.compile(lambda q: fat.attention(q, q, q, **options), backend="aot_eager", fullgraph=True)
+out = compiled(q)
+assert torch.equal(out, fat.attention(q, q, q, **options)), "compiled differs from eager"
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("case", ["thd", "padding"])
+def test_the_first_call_of_a_fresh_process_compiles_with_fullgraph(case):
+    """The sequence check's first call imported the ops module lazily (importlib), which Dynamo refuses:
+    fullgraph=True failed until one eager call had run (sweep 9)."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", f"CASE = {case!r}\n" + _FRESH_COMPILE], capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
+
+
+@pytest.mark.parametrize("options", [{"window": (2.0, 0)}, {"mask": "causal", "window": (2, 1)},
+                                     {"bias": torch.zeros(1, 4, 5, 5, dtype=torch.float64)}],
+                         ids=["window-type", "causal-right", "bias-dtype"])
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_an_argument_error_while_tracing_is_the_eager_error(options, fullgraph):
+    """Raised inside the trace-time planner (an assume_constant_result function), it reached the user as
+    InternalTorchDynamoError, no ValueError (sweep 9). Now the planner returns it and the traced code
+    raises it: a ValueError, and under fullgraph=True Dynamo's error, which names it."""
+    import torch._dynamo
+
+    q, k = torch.randn(2, 5, 4, 8), torch.randn(2, 5, 2, 8)
+    with pytest.raises(ValueError) as eager:
+        fat.attention(q, k, k, **options)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k: fat.attention(q, k, k, **options), backend="eager", fullgraph=fullgraph)
+    with pytest.raises(Exception) as traced:
+        compiled(q, k)
+    if fullgraph:
+        assert str(eager.value) in str(traced.value), str(traced.value)[-800:]
+    else:
+        assert type(traced.value) is ValueError and str(traced.value) == str(eager.value)

@@ -335,13 +335,18 @@ describe_arguments(attention, "jax")
 
 
 def _token_counts(layout, q, k) -> tuple | None:
-    """(query tokens, key tokens) of a packed-token (THD) layout's arrays, else None."""
+    """(query tokens, key tokens) of a packed-token (THD) layout's arrays, else None. Segment ids are
+    refused on a padded layout, whose rows they do not describe."""
     try:
         ragged = layout_spec(layout).layout.is_ragged
     except (ValueError, TypeError, AttributeError):
         return None  # a bad layout: build_config says so
+    if not ragged:
+        raise ValueError(f"{API}: segment_ids_q/kv: expected None for layout {layout!r}, got arrays; segment ids "
+                         "number the tokens of a packed layout ('thd', 't3hd', 'thd_t2hd'); for a padded batch pass "
+                         "mask='padding' with cu_seqlens_q/kv, or a mask_mod over per-position ids")
     shape_q, shape_kv = getattr(q, "shape", ()), getattr(k if k is not None else q, "shape", ())
-    return (shape_q[0], shape_kv[0]) if ragged and shape_q and shape_kv else None
+    return (shape_q[0], shape_kv[0]) if shape_q and shape_kv else None
 
 
 def _from_segment_ids(ids_q, ids_kv, num_sequences, cu_q, cu_kv, tokens: tuple | None = None):

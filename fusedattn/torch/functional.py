@@ -574,12 +574,16 @@ def _compiled_result(out, lse, max_logit, options: dict):
 
 
 @torch._dynamo.assume_constant_result
-def _compile_time_plan(described: tuple, options: tuple, backend, grad_enabled: bool) -> str:
-    """Validate, configure and select at trace time, from shapes alone; return the op's config key.
+def _compile_time_plan(described: tuple, options: tuple, backend, grad_enabled: bool) -> str | tuple:
+    """Validate, configure and select at trace time, from shapes alone; return the op's config key (an
+    argument error: trace_time.refusal's tuple).
 
     Dynamo runs this once per distinct call and bakes the key into the graph as a constant.
     """
-    cfg, selection = trace_time.configure(described, dict(options), backend, grad_enabled)[:2]
+    try:
+        cfg, selection = trace_time.configure(described, dict(options), backend, grad_enabled)[:2]
+    except trace_time.refused_errors as error:
+        return trace_time.refusal(error)
     return register_config(cfg, selection.name)
 
 
@@ -593,7 +597,8 @@ def _compile_time_native(key: str, device: torch.device) -> int:
 
 def _compiled_attention(q, k, v, given: dict):
     tensors, options, described = _compiled_description(q, k, v, given)
-    key = _compile_time_plan(described, tuple(options.items()), given.get("backend"), torch.is_grad_enabled())
+    key = trace_time.raise_refusal(_compile_time_plan(described, tuple(options.items()), given.get("backend"),
+                                                      torch.is_grad_enabled()))
     passed = tuple(x for x in (q, k, v) if x is not None)
     unpacked = split_packed(options["layout"], passed)
     arrays, check = (*unpacked, *tensors[3:]), None

@@ -14,7 +14,7 @@ from fusedattn.config import Layout
 from fusedattn.frontend_common import TENSOR_ARGUMENTS, PreparedCall, prepare_call
 from fusedattn.xp.torch_ops import OPS
 
-__all__ = ["describe", "configure"]
+__all__ = ["describe", "configure", "refusal", "raise_refusal"]
 
 API = "fusedattn.torch.attention"
 
@@ -53,3 +53,28 @@ def configure(described: tuple, options: dict, backend, grad_enabled: bool, scor
         backend=backend, score_mod=score_mod,
         strides=_strides(*(None if x is None else x[1] for x in described[:3])), **options,
     )
+
+
+_REFUSED = "fusedattn: refused while tracing"
+_KINDS = (NotImplementedError, TypeError, ValueError)  # what an argument error is raised as (subclasses: the base)
+refused_errors = _KINDS
+
+
+def refusal(error: Exception) -> tuple:
+    """An argument error met by a planning function, as a constant for Dynamo to bake: an exception
+    raised inside an assume_constant_result function reaches the user as InternalTorchDynamoError
+    (which reads as a Dynamo bug and is no ValueError). raise_refusal raises it again in traced code."""
+    kind = next(k for k in _KINDS if isinstance(error, k))
+    return _REFUSED, kind.__name__, str(error)
+
+
+def raise_refusal(planned):
+    """planned, or the error a planning function met (refusal) raised as its own type: a ValueError
+    stays one (under fullgraph=True, Dynamo's own error names it and its message)."""
+    if isinstance(planned, tuple) and planned[0] == _REFUSED:  # (plain branches: what Dynamo traces)
+        if planned[1] == "NotImplementedError":
+            raise NotImplementedError(planned[2])
+        if planned[1] == "TypeError":
+            raise TypeError(planned[2])
+        raise ValueError(planned[2])
+    return planned

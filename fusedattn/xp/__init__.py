@@ -33,3 +33,9 @@ def namespace(x_or_framework):
     if ops is None:
         ops = _LOADED[name] = importlib.import_module(_MODULES[name]).OPS
     return ops
+
+
+def loaded(name: str, ops) -> None:
+    """Called by each ops module as it is imported: a frontend that imports its module has the ops
+    without namespace() importing (which torch.compile cannot trace on a first call)."""
+    _LOADED[name] = ops

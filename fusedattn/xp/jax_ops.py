@@ -7,6 +7,8 @@ import jax.numpy as jnp
 import jax.scipy.special
 import numpy as np
 
+from fusedattn.xp import loaded
+
 _DTYPES = {
     "float16": jnp.float16, "bfloat16": jnp.bfloat16,
     "float32": jnp.float32, "float64": jnp.float64,
@@ -143,3 +145,4 @@ def _is_float(x) -> bool:
 
 
 OPS = JaxOps()
+loaded("jax", OPS)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from fusedattn.xp import loaded
+
 _DTYPES = {
     "float16": torch.float16, "bfloat16": torch.bfloat16,
     "float32": torch.float32, "float64": torch.float64,
@@ -133,3 +135,4 @@ class TorchOps:
 
 
 OPS = TorchOps()
+loaded("torch", OPS)

@@ -175,3 +175,17 @@ def test_a_warm_call_follows_the_attributes_its_callbacks_read():
         exact = layer(*(x.double() for x in (q, k, v)), "reference")
         assert_close_to_exact(f"out, cap {cap} window {window}", fused.out, same.out, exact.out)
         torch.testing.assert_close(fused.lse, exact.lse.float(), atol=2e-2, rtol=2e-3)
+
+
+@pytest.mark.parametrize("mask", ["none", "causal"])
+def test_a_nan_sink_gives_nan_in_its_head_on_cudnn(mask):
+    """The reference gave a finite, unnormalized answer for a NaN sink logit (sweep 9): cuDNN must give NaN
+    in that head's output and LSE too, and the other heads the finite call's values."""
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    q, k, v = (torch.randn(2, 64, 4, 64, generator=gen, device="cuda").bfloat16() for _ in range(3))
+    sink = torch.tensor([float("nan"), 0.5, -0.5, 1.0], device="cuda")
+    got = fat.attention(q, k, v, mask=mask, softmax_type="learnable", sink=sink, return_lse=True, backend="cudnn")
+    finite = fat.attention(q, k, v, mask=mask, softmax_type="learnable", sink=sink.nan_to_num(0.25),
+                           return_lse=True, backend="cudnn")
+    assert got.out[:, :, 0].isnan().all() and got.lse[:, 0].isnan().all()
+    assert torch.equal(got.out[:, :, 1:], finite.out[:, :, 1:]) and torch.equal(got.lse[:, 1:], finite.lse[:, 1:])

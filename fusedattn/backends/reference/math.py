@@ -138,7 +138,7 @@ def attention_bhsd(ops, cfg: AttentionConfig, q, k, v, *, bias=None, alibi_slope
     denominator = ops.sum(e, axis=-1, keepdims=True)
     if sink_logit is not None:
         denominator = denominator + ops.exp(sink_logit - m)
-    has_mass = denominator > 0
+    has_mass = ~(denominator <= 0)  # (a NaN, from a NaN input or sink, has mass: it propagates)
     safe = ops.where(has_mass, denominator, 1.0)
     p = e / safe
     lse = ops.where(has_mass, ops.log(safe) + m, NEG_INF)
