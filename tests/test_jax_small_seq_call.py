@@ -217,3 +217,27 @@ def test_importing_jax_triton_leaves_the_triton_cache_dir_as_it_was(tmp_path, mo
         monkeypatch.setenv("TRITON_CACHE_DIR", before)
     assert small_seq_call._jax_triton().IMPORTED
     assert os.environ.get("TRITON_CACHE_DIR") == before
+
+
+def test_jax_triton_finds_the_tf32_constant_it_imports_from_triton():
+    """jax-triton 0.4 imports TMA_TF32 from Triton's NVIDIA driver, which Triton 3.6 lacks: the import failed
+    and jax-triton stubbed the whole NVIDIA backend ('_Stub' object has no attribute 'backend' at the first
+    launch, H100, torch blocked or not). The launcher defines it before importing jax-triton."""
+    driver = pytest.importorskip("triton.backends.nvidia.driver")
+    small_seq_call._tf32_constant_for_jax_triton()
+    from triton.backends.nvidia.driver import TMA_TF32  # noqa: F401  (what jax-triton imports)
+
+    assert isinstance(driver.TMA_TF32, int)
+
+
+def test_a_jax_triton_that_stubbed_its_nvidia_backend_is_unavailable_with_the_reason(tmp_path, monkeypatch):
+    package = tmp_path / "jax_triton"
+    package.mkdir()
+    (package / "__init__.py").write_text("from jax_triton import triton_lib\n__version__ = '0.0-test'\n")
+    (package / "triton_lib.py").write_text(
+        "import types\nclass _Stub:\n    pass\ncb = types.SimpleNamespace(GPUTarget=_Stub)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "jax_triton", raising=False)
+    monkeypatch.delitem(sys.modules, "jax_triton.triton_lib", raising=False)
+    reason = small_seq_call.unavailable.__wrapped__()
+    assert reason is not None and "jax-triton 0.0-test could not load Triton" in reason and "stubs" in reason

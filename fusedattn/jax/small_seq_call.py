@@ -34,6 +34,7 @@ def _jax_triton():
     that torch or the small_seq torch launcher compiles fails with "Could not create or locate cache dir"."""
     before = os.environ.get(TRITON_CACHE_ENV)
     try:
+        _tf32_constant_for_jax_triton()
         import jax_triton
     finally:
         if before is None:
@@ -43,13 +44,33 @@ def _jax_triton():
     return jax_triton
 
 
+def _tf32_constant_for_jax_triton() -> None:
+    """jax-triton 0.4 imports TMA_TF32 from Triton's NVIDIA driver, which Triton 3.6 (the version this
+    library pins) does not define: the import fails and jax-triton puts stubs in place of the whole NVIDIA
+    backend, so every launch fails. The constant is the CUDA tensor-map type of TF32 rounding, used only by
+    TMA descriptors (the kernels here have none)."""
+    try:
+        import triton.backends.nvidia.driver as nvidia_driver
+    except ImportError:
+        return
+    if not hasattr(nvidia_driver, "TMA_TF32"):
+        nvidia_driver.TMA_TF32 = 11  # CU_TENSOR_MAP_DATA_TYPE_TFLOAT32
+
+
 @functools.cache
 def unavailable() -> str | None:
     """Why the kernels cannot run through jax-triton here (None: they can)."""
     try:
-        _jax_triton()
+        jax_triton = _jax_triton()
     except ImportError as error:  # jax-triton raises ImportError on a JAX without GPU support, too
         return f"jax-triton is not importable ({error}); pip install jax-triton"
+    lib = getattr(jax_triton, "triton_lib", None)
+    stub = getattr(lib, "_Stub", None)
+    if stub is not None and getattr(getattr(lib, "cb", None), "GPUTarget", None) is stub:
+        import triton
+
+        return (f"jax-triton {getattr(jax_triton, '__version__', '?')} could not load Triton {triton.__version__}'s "
+                "NVIDIA backend (it put stubs in its place); install a jax-triton release made for this Triton")
     return None
 
 
