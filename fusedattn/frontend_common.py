@@ -116,7 +116,7 @@ class LearningTerm:
         return needs_gradient(self.mod)
 
     def __call__(self, q, given_bias):
-        term = self.mod.as_bias(dict(self.mod.tensors), self.shape, q, self.memo)
+        term = self.mod.as_bias(self.mod.tensors, self.shape, q, self.memo)  # (read only: no copy a call)
         if given_bias is not None:  # one post-scale bias: the call's own (times the scale where pre-scale) + the term
             term = term + (given_bias if self.scale is None else given_bias * self.scale)
         ops = namespace(term)

@@ -56,15 +56,14 @@ def configure(described: tuple, options: dict, backend, grad_enabled: bool, scor
 
 
 _REFUSED = "fusedattn: refused while tracing"
-_KINDS = (NotImplementedError, TypeError, ValueError)  # what an argument error is raised as (subclasses: the base)
-refused_errors = _KINDS
+refused_errors = (NotImplementedError, TypeError, ValueError)  # an argument error raised as one (subclass: base)
 
 
 def refusal(error: Exception) -> tuple:
     """An argument error met by a planning function, as a constant for Dynamo to bake: an exception
     raised inside an assume_constant_result function reaches the user as InternalTorchDynamoError
     (which reads as a Dynamo bug and is no ValueError). raise_refusal raises it again in traced code."""
-    kind = next(k for k in _KINDS if isinstance(error, k))
+    kind = next(k for k in refused_errors if isinstance(error, k))
     return _REFUSED, kind.__name__, str(error)
 
 
