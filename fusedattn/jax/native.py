@@ -9,6 +9,11 @@ own bytes again. The libraries are compiled from source on first use (a C++17 co
 headers the installed packages ship) and cached; when that is not possible `unavailable()` says
 why, and cuDNN calls from JAX go through torch (buffer callbacks) where torch is installed.
 FUSEDATTN_JAX_NATIVE=0 turns the path off.
+
+The handler registered is declared safe for XLA's command buffers, so XLA may record a program's
+kernels and these calls into one CUDA graph and replay it, with no host work per kernel (the padded
+and THD passes are several small XLA kernels around the call). FUSEDATTN_JAX_COMMAND_BUFFER=0
+registers the same handler without that declaration (read once, when the library loads).
 """
 
 from __future__ import annotations
@@ -23,10 +28,12 @@ import numpy as np
 from fusedattn.backends.cudnn.native import build, core
 from fusedattn.cache import LRUCache, register
 
-__all__ = ["TARGET", "ENV_SWITCH", "NativePlan", "enabled", "unavailable", "plan", "serialized"]
+__all__ = ["TARGET", "ENV_SWITCH", "COMMAND_BUFFER_SWITCH", "NativePlan", "enabled", "unavailable", "plan",
+           "serialized"]
 
 TARGET = "fusedattn_cudnn_execute"
 ENV_SWITCH = "FUSEDATTN_JAX_NATIVE"
+COMMAND_BUFFER_SWITCH = "FUSEDATTN_JAX_COMMAND_BUFFER"
 
 _lock = threading.Lock()
 _state: dict = {}  # "library" (ctypes.CDLL) or "reason" (str), once decided
@@ -108,5 +115,7 @@ def _load() -> ctypes.CDLL:
     library.fusedattn_jax_init.argtypes = [ctypes.c_char_p]
     if library.fusedattn_jax_init(str(core.path()).encode()) != 0:
         raise RuntimeError(library.fusedattn_jax_last_error().decode())
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.fusedattn_cudnn_execute), platform="CUDA")
+    graphable = os.environ.get(COMMAND_BUFFER_SWITCH, "1") != "0"
+    handler = library.fusedattn_cudnn_execute_graphable if graphable else library.fusedattn_cudnn_execute
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler), platform="CUDA")
     return library

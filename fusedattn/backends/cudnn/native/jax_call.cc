@@ -85,16 +85,25 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, int64_t plan, ffi::Span<
 // Built with hidden visibility; these are the library's only exports.
 #pragma GCC visibility push(default)
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(fusedattn_cudnn_execute, Execute,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Attr<int64_t>("plan")
-                                  .Attr<ffi::Span<const uint8_t>>("blob")
-                                  .Attr<ffi::Span<const int64_t>>("uids")
-                                  .Attr<ffi::Span<const int32_t>>("scalars")
-                                  .RemainingArgs()
-                                  .RemainingRets());
+#define FUSEDATTN_EXECUTE_BINDING                           \
+    ffi::Ffi::Bind()                                        \
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()           \
+        .Ctx<ffi::DeviceOrdinal>()                          \
+        .Attr<int64_t>("plan")                              \
+        .Attr<ffi::Span<const uint8_t>>("blob")             \
+        .Attr<ffi::Span<const int64_t>>("uids")             \
+        .Attr<ffi::Span<const int32_t>>("scalars")          \
+        .RemainingArgs()                                    \
+        .RemainingRets()
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(fusedattn_cudnn_execute, Execute, FUSEDATTN_EXECUTE_BINDING);
+
+// The same handler, declared safe to record into XLA's command buffers (CUDA graphs): it launches
+// only cuDNN's kernels on XLA's stream, into XLA's buffers (the workspace is one), and never waits.
+// XLA then replays a program's kernels and this call as one graph, with no host work per kernel.
+// (A plan the core must register again, under capture, fails the capture; XLA reports it.)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(fusedattn_cudnn_execute_graphable, Execute, FUSEDATTN_EXECUTE_BINDING,
+                              {ffi::Traits::kCmdBufferCompatible});
 
 extern "C" {
 
