@@ -226,13 +226,7 @@ def build_config(args: CallArguments) -> AttentionConfig:
             _check_index(args, name, getattr(args, name), batch, device)
         if (args.cu_seqlens_q_padded is None) != (args.cu_seqlens_kv_padded is None):
             raise args.error("cu_seqlens_q_padded/cu_seqlens_kv_padded", "both or neither", "only one")
-        for name in ("max_seqlen_q", "max_seqlen_kv"):
-            value = getattr(args, name)
-            if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-                value = int(value)  # a NumPy int (np.int64(5)): the same number
-                setattr(args, name, value)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise args.error(name, "an int >= 0 (the longest sequence)", repr(value))
+        _check_max_seqlens(args, optional=False)
         seqlen_q, seqlen_kv = args.max_seqlen_q, args.max_seqlen_kv
     else:
         batch = _agree(args, "batch (B)", {r: roles[r]["B"] for r in ("q", "k", "v")})
@@ -247,6 +241,7 @@ def build_config(args: CallArguments) -> AttentionConfig:
                     raise args.error(name, f"a (B+1,) offsets tensor giving each sequence's length, "
                                            f"for mask {mask.value!r}", "None")
                 _check_index(args, name, getattr(args, name), batch, device)
+            _check_max_seqlens(args, optional=True)  # (a padded call's bound is the tensors' S: not read)
         elif args.cu_seqlens_q is not None or args.cu_seqlens_kv is not None:
             raise args.error("mask", "a padding mask when cu_seqlens are given", repr(mask.value),
                              hint=f"use {mask.with_padding().value!r} or drop cu_seqlens")
@@ -338,6 +333,19 @@ def _bias(args: CallArguments, heads_q: int, batch: int, dtype: str, device: str
     if len(shape) < 4:
         shape = (1,) * (4 - len(shape)) + shape  # broadcasting from the right, as arrays do
     return bias_type, shape
+
+
+def _check_max_seqlens(args: CallArguments, optional: bool) -> None:
+    """max_seqlen_q/kv: ints >= 0 (a NumPy int made a Python one); None too where optional."""
+    for name in ("max_seqlen_q", "max_seqlen_kv"):
+        value = getattr(args, name)
+        if value is None and optional:
+            continue
+        if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+            value = int(value)  # a NumPy int (np.int64(5)): the same number
+            setattr(args, name, value)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise args.error(name, "an int >= 0 (the longest sequence)", repr(value))
 
 
 def infer_max_seqlens(args: CallArguments, host: dict[str, np.ndarray], traced: set[str]) -> None:

@@ -51,8 +51,8 @@ OPTIONS: tuple[Option, ...] = (
            "(left, right) keys visible before/after the diagonal, -1 = unbounded. The diagonal is top-left "
            "for causal and padding_causal, bottom-right otherwise."),
     Option("bias", None, TENSOR,
-           "{array} broadcastable to (B|1, Hq|1, Sq, Skv), added after scaling (bias_type 'post_scale', the "
-           "default) or before ('pre_scale'); has a gradient. Of q's dtype."),
+           "{array} broadcastable to (B|1, Hq|1, Sq|1, Skv|1) (lower ranks align right), added after scaling "
+           "(bias_type 'post_scale', the default) or before ('pre_scale'); has a gradient. Of q's dtype."),
     Option("bias_type", None, SETTING, "'post_scale' (default with a bias) or 'pre_scale'."),
     Option("alibi_slopes", None, TENSOR,
            "(Hq,) or (B, Hq) ALiBi slopes: adds -slope * |i - j| (diagonal-aligned); an {array}, or a "

@@ -200,7 +200,17 @@ TORCH_CASES = [
          "qkv: expected size 3 at the packing axis of BS3HD", "got shape (2, 8, 2, 4, 16)"),
     Case("packed-axis-2", lambda A: A(Q, rand(2, 8, 3, 2, 16), layout="bshd_bs2hd"),
          "kv: expected size 2 at the packing axis of BS2HD", "got shape (2, 8, 3, 2, 16)"),
+    Case("padding-max-seqlen-str", lambda A: A(Q, K, V, mask="padding", cu_seqlens_q=i32([0, 4, 8]),
+                                               cu_seqlens_kv=i32([0, 4, 8]), max_seqlen_q="4"),
+         "max_seqlen_q: expected an int >= 0", "got '4'"),
+    Case("padding-max-seqlen-negative", lambda A: A(Q, K, V, mask="padding", cu_seqlens_q=i32([0, 4, 8]),
+                                                    cu_seqlens_kv=i32([0, 4, 8]), max_seqlen_kv=-3),
+         "max_seqlen_kv: expected an int >= 0", "got -3"),
     # other
+    Case("alibi-slopes-str", lambda A: A(Q, K, V, mask="causal", alibi_slopes="x"),
+         "alibi_slopes: expected a tensor, list or NumPy array", "got str"),
+    Case("dropout-seed-past-int64", lambda A: A(Q, K, V, dropout_p=0.1, dropout_seed=2**70),
+         "dropout_seed: expected an int that fits in int64", f"got {2**70}"),
     Case("score-mod-not-callable", lambda A: A(Q, K, V, score_mod=3), "score_mod: expected a callable", "got int"),
     Case("backend-unknown", lambda A: A(Q, K, V, backend="flash"), "backend: expected one of", "got 'flash'"),
     Case("env-backend-unknown", lambda A: A(Q, K, V), "FUSEDATTN_BACKEND: expected one of", "got 'flash'",
@@ -221,6 +231,19 @@ def test_torch_malformed_input_raises_value_error(case, monkeypatch):
         monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=case.pattern):
         case.call(fat.attention)
+
+
+@torch_frontend
+def test_flags_of_the_flex_drop_in_and_the_module_are_bools():
+    """A truthy string ("no") was read as True: GQA ran where the caller said no, the module stored True."""
+    import fusedattn.torch as fat
+
+    bhsd = [x.transpose(1, 2) for x in (Q, K, V)]
+    for name in ("enable_gqa", "return_lse"):
+        with pytest.raises(ValueError, match=rf"fusedattn.torch.flex_attention: {name}: expected a bool, got 'no'"):
+            fat.flex_attention(*bhsd, **{name: "no"})
+    with pytest.raises(ValueError, match="DotProductAttention: deterministic: expected a bool, got 'no'"):
+        fat.DotProductAttention(deterministic="no")
 
 
 @torch_frontend
@@ -338,6 +361,11 @@ JAX_CASES = [
          "qkv: expected size 3 at the packing axis", "got shape (2, 8, 2, 4, 16)"),
     Case("score-mod-not-callable", lambda A: A(JQ, JK, JV, score_mod="tanh"), "score_mod: expected a callable",
          "got str"),
+    Case("alibi-slopes-str", lambda A: A(JQ, JK, JV, mask="causal", alibi_slopes="x"),
+         "alibi_slopes: expected an array, list or NumPy array", "got str"),
+    Case("padding-max-seqlen-float", lambda A: A(JQ, JK, JV, mask="padding", cu_seqlens_q=jnp.asarray([0, 4, 8]),
+                                                 cu_seqlens_kv=jnp.asarray([0, 4, 8]), max_seqlen_q=2.5),
+         "max_seqlen_q: expected an int >= 0", "got 2.5"),
     Case("backend-unknown", lambda A: A(JQ, JK, JV, backend="flash"), "backend: expected one of", "got 'flash'"),
     Case("env-backend-unknown", lambda A: A(JQ, JK, JV), "FUSEDATTN_BACKEND: expected one of", "got 'flash'",
          env={"FUSEDATTN_BACKEND": "flash"}),

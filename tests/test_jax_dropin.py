@@ -322,6 +322,21 @@ def test_return_residual_is_jax_nns_log_sum_exp(options, rank):
     np.testing.assert_allclose(np.asarray(residual), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
+def test_the_residual_passes_no_gradient_as_jax_nns():
+    """jax.nn stops the residual's gradient; a loss that reads it gave other gradients through the drop-in."""
+    q = jax.random.normal(jax.random.key(0), (1, 3, 2, 8))
+    k = jax.random.normal(jax.random.key(1), (1, 5, 2, 8))
+
+    def loss(fn):
+        def of(q, k):
+            out, residual = fn(q, k, k, return_residual=True)
+            return (out ** 2).sum() + 3.0 * residual.sum()
+        return jax.grad(of, argnums=(0, 1))
+
+    for got, want in zip(loss(fj.dot_product_attention)(q, k), loss(jax.nn.dot_product_attention)(q, k)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("q_shape, kv_shape", [((0, 4, 2, 8), (0, 5, 2, 8)), ((2, 0, 2, 8), (2, 5, 2, 8)),
                                                ((2, 4, 0, 8), (2, 5, 0, 8))])
 def test_empty_batches_queries_and_heads_answer_an_empty_array(q_shape, kv_shape):

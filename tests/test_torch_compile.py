@@ -382,3 +382,61 @@ def test_an_argument_error_while_tracing_is_the_eager_error(options, fullgraph):
         assert str(eager.value) in str(traced.value), str(traced.value)[-800:]
     else:
         assert type(traced.value) is ValueError and str(traced.value) == str(eager.value)
+
+
+def _closure_over_local_tensor(q, k, v):
+    bias = torch.linspace(-0.5, 0.5, q.shape[2])  # made in the compiled code: a closure cell Dynamo cannot hand over
+    return fat.attention(q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: s + bias[h])
+
+
+def _closure_over_outer_tensor(table):
+    def step(q, k, v):
+        return fat.attention(q, k, v, mask="causal", score_mod=lambda s, b, h, q_idx, kv_idx: s + table[h])
+    return step
+
+
+def _compose_of_numbers(q, k, v):
+    from fusedattn import score_mods as sm
+
+    return fat.attention(q, k, v, score_mod=sm.compose(sm.softcap(1.5), sm.clamp(-1.0, 1.0), sm.causal()))
+
+
+@pytest.mark.parametrize("make", [lambda: _closure_over_local_tensor,
+                                  lambda: _closure_over_outer_tensor(torch.randn(4)),
+                                  lambda: _closure_over_outer_tensor(torch.randn(4, requires_grad=True)),
+                                  lambda: _compose_of_numbers],
+                         ids=["local-tensor-closure", "outer-tensor-closure", "learnable-closure", "compose"])
+def test_score_mods_dynamo_cannot_hand_to_plan_compile_and_match_eager(make):
+    """Callbacks made in the compiled code over tensors, and compositions of built-ins, used to fail the whole
+    compile (Dynamo's ClosureConversionError; "can't reconstruct arbitrary frozen dataclass instances"): they
+    run (in the graph or eagerly beside it) and give the eager outputs and gradients."""
+    step = make()
+    q, k, v = _inputs((2, 7, 4, 8), (2, 9, 4, 8), seed=51)
+    torch._dynamo.reset()
+    leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
+    got = torch.compile(step, backend="aot_eager")(*leaves)
+    got.square().sum().backward()
+    want = step(q, k, v)
+    want.square().sum().backward()
+    torch.testing.assert_close(got, want)
+    for leaf, ref in zip(leaves, (q, k, v)):
+        torch.testing.assert_close(leaf.grad, ref.grad)
+
+
+@pytest.mark.parametrize("form", ["built-in", "closure"])
+def test_a_number_argument_that_changes_between_compiled_calls_is_followed(form):
+    """A cap passed as an argument: its second value makes Dynamo trace it as a symbolic float, which used
+    to fail inside softcap's name (an f-string format spec) or plan's arguments (a closure cell)."""
+    from fusedattn import score_mods as sm
+
+    def step(q, cap):
+        mod = (sm.softcap(cap) if form == "built-in"
+               else lambda s, b, h, q_idx, kv_idx: cap * torch.tanh(s / cap))
+        return fat.attention(q, q, q, score_mod=mod)
+
+    q, _, _ = _inputs((1, 5, 2, 8), (1, 5, 2, 8), seed=52)
+    q = q.detach()
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend="aot_eager")
+    for cap in (1.0, 2.0, 3.5):
+        torch.testing.assert_close(compiled(q, cap), step(q, cap))

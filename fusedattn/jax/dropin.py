@@ -7,6 +7,7 @@ masks (and windows it cannot spell) become an additive bias in q's dtype.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -151,7 +152,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
             jax.nn raises for shapes cuDNN refuses).
         return_residual: also return the log-sum-exp of the scaled logits, (B, T, N) (or (T, N)),
             float32, as jax.nn does: rows without a visible key or past a query length hold
-            -0.7 * float32's largest value, jax.nn's masked logit.
+            -0.7 * float32's largest value, jax.nn's masked logit. Like jax.nn's, it passes no
+            gradient.
 
     Rows that see no key (fully masked, or a key length of 0) give the mean of value over all
     S keys, as jax.nn does (its masked logits all equal one large negative number), with the
@@ -218,6 +220,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     residual = None
     if return_residual:
         out, lse = out.out, out.lse
+        # No gradient through it, as jax.nn gives none: a loss that reads it trains the same after the switch.
+        lse = jax.lax.stop_gradient(lse)
         residual = jnp.where(jnp.isfinite(lse), lse, jnp.float32(_MASKED_LOGIT)).transpose(0, 2, 1)
         residual = residual.reshape((*out_shape[:-1],))  # (B, T, N), or (T, N) for 3-D inputs
 

@@ -287,6 +287,9 @@ def attention(q, k=None, v=None, **options):
     slopes = host_slopes(f"{API}: alibi_slopes", alibi_slopes)
     if slopes is not None:  # a list such as fusedattn.standard_alibi_slopes(Hq), or a NumPy array
         alibi_slopes = jnp.asarray(slopes)
+    elif alibi_slopes is not None and not isinstance(alibi_slopes, (jax.Array, jax.core.Tracer)):
+        raise ValueError(f"{API}: alibi_slopes: expected an array, list or NumPy array of (Hq,) or (B, Hq) slopes, "
+                         f"got {type(alibi_slopes).__name__}")
     mod = as_score_mod(API, *(get(name) for name in SCORE_MOD_NAMES), framework="jax")
     q, k, v = check_shard_axes(API, get("layout", "bshd"), q, k, v)
     tensors = {"q": q, "k": k, "v": v, **{name: get(name) for name in TENSORS}, "alibi_slopes": alibi_slopes}

@@ -48,7 +48,9 @@ def softcap(cap: float) -> ScoreMod:
     def softcap_mod(score, b, h, q_idx, kv_idx):
         return cap * tanh(score / cap)
 
-    return _defined(f"softcap({cap:g})", softcap_mod, tensors={"cap": cap})
+    # %-formatting: under torch.compile a number that changes between calls is symbolic, which an f-string's
+    # format spec cannot take (Dynamo's own error), where % can.
+    return _defined("softcap(%g)" % cap, softcap_mod, tensors={"cap": cap})  # noqa: UP031
 
 
 def clamp(low: float, high: float) -> ScoreMod:
@@ -61,7 +63,7 @@ def clamp(low: float, high: float) -> ScoreMod:
     def clamp_mod(score, b, h, q_idx, kv_idx):
         return clip(score, low, high)
 
-    return _defined(f"clamp({low:g}, {high:g})", clamp_mod, tensors={"low": low, "high": high})
+    return _defined("clamp(%g, %g)" % (low, high), clamp_mod, tensors={"low": low, "high": high})  # noqa: UP031
 
 
 # ----------------------------------------------------------------------------- masks

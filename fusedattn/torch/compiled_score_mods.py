@@ -71,9 +71,26 @@ def in_graph(given: dict) -> bool:
 def passed(score_mod):
     """What `plan` is handed for a score_mod: a ScoreMod as its fields (Dynamo hands plain values and
     functions over as they are, but no frozen dataclass), a callback as it is."""
-    if isinstance(score_mod, ScoreMod):  # (a built-in's read-only tensors mapping as a dict: a constant)
-        return tuple(dict(score_mod.tensors) if name == "tensors" else getattr(score_mod, name) for name in _FIELDS)
+    if isinstance(score_mod, ScoreMod):
+        return tuple(_passed_field(score_mod, name) for name in _FIELDS)
     return score_mod
+
+
+def _passed_field(mod: ScoreMod, name: str):
+    """A ScoreMod's field as `passed` hands it over: a built-in's read-only tensors mapping as a dict (a
+    constant), a composition's parts as their fields."""
+    value = getattr(mod, name)
+    if name == "tensors":
+        return dict(value)
+    if name == "parts":
+        return tuple(map(passed, value))
+    return value
+
+
+def _rebuilt(fields: tuple) -> ScoreMod:
+    """The ScoreMod `passed` took apart."""
+    values = dict(zip(_FIELDS, fields))
+    return ScoreMod(**{**values, "parts": tuple(map(_rebuilt, values["parts"]))})
 
 
 def touch(score_mod, mask_mod, like: torch.Tensor) -> None:
@@ -98,7 +115,7 @@ def plan(described: tuple, options: tuple, backend, grad_enabled: bool, score_mo
     read their captured tensors (see `fetch`), and the aux key names the binding score_mod_aux makes of
     them ("" without any). score_mod: as `passed` gives it. Dynamo runs this once per distinct call."""
     if isinstance(score_mod, tuple):  # a ScoreMod's fields (passed)
-        score_mod = ScoreMod(*score_mod)
+        score_mod = _rebuilt(score_mod)
     if any(entry is not None for entry in described[6:]):
         return NOT_IN_GRAPH  # sequence offsets: the eager call runs it (this graph passes no offsets)
     try:

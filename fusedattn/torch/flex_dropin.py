@@ -54,6 +54,9 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         if not isinstance(x, torch.Tensor) or x.dim() != 4:
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"{API}: {name}: expected a 4-D tensor (B, H, S, D), got {got}")
+    for name, flag in (("enable_gqa", enable_gqa), ("return_lse", return_lse)):
+        if not isinstance(flag, bool):  # ("no" would be true)
+            raise ValueError(f"{API}: {name}: expected a bool, got {flag!r}")
     heads_q, heads_kv = query.shape[1], key.shape[1]
     if heads_q != heads_kv and not enable_gqa:
         raise ValueError(f"{API}: enable_gqa: expected True when query has {heads_q} heads and key {heads_kv}, "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import operator
+import types
 from typing import NamedTuple
 
 import torch
@@ -106,6 +107,8 @@ def _dropout_state(seed, offset, like: torch.Tensor):
         if not (isinstance(value, int) or (isinstance(value, torch.Tensor) and value.numel() == 1
                                            and not value.is_floating_point())):
             raise ValueError(f"{API}: {name}: expected an int or a one-element integer tensor, got {value!r}")
+        if isinstance(value, int) and not -2**63 <= value < 2**63:  # an int64 on the device
+            raise ValueError(f"{API}: {name}: expected an int that fits in int64, got {value}")
     return _device_scalar(seed, like.device), _device_scalar(offset, like.device)
 
 
@@ -169,8 +172,11 @@ def attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | 
     alibi_slopes = get("alibi_slopes")
     if alibi_slopes is not None and not isinstance(alibi_slopes, torch.Tensor):
         # a list such as fusedattn.standard_alibi_slopes(Hq), or a NumPy array
-        alibi_slopes = options["alibi_slopes"] = torch.as_tensor(
-            host_slopes(f"{API}: alibi_slopes", alibi_slopes), device=q.device)
+        slopes = host_slopes(f"{API}: alibi_slopes", alibi_slopes)
+        if slopes is None:
+            raise ValueError(f"{API}: alibi_slopes: expected a tensor, list or NumPy array of (Hq,) or (B, Hq) "
+                             f"slopes, got {type(alibi_slopes).__name__}")
+        alibi_slopes = options["alibi_slopes"] = torch.as_tensor(slopes, device=q.device)
     compiling = torch.compiler.is_compiling()
     before_rewrite = options
     if (documents is None and get("mask_mod") is not None and not compiling
@@ -529,6 +535,12 @@ def _compiled_score_mod_attention(q, k, v, given: dict):
         return _score_mod_call_outside_graph(q, k, v, **given)
     tensors, options, described = _compiled_description(q, k, v, given)
     score_mod, mask_mod = given.get("score_mod"), given.get("mask_mod")
+    for fn in (score_mod, mask_mod):
+        if type(fn) is types.FunctionType:
+            # A function made in the traced code whose closure holds a tensor or a symbolic number cannot be
+            # handed to plan: repr makes Dynamo break the graph there (the call then runs eagerly), where
+            # plan's arguments would fail the whole compile.
+            repr(fn)
     native, scalars, empty_rows, sources, aux_key = compiled_score_mods.plan(
         described, tuple(options.items()), given.get("backend"), torch.is_grad_enabled(),
         compiled_score_mods.passed(score_mod), mask_mod, q.device)

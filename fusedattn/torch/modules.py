@@ -48,7 +48,9 @@ class DotProductAttention(nn.Module):
         self.window = check_window(window, f"{name}: window")
         self.softmax_type, self.scale = softmax.value, check_scale(scale, f"{name}: scale")
         self.dropout_p = check_probability(dropout_p, f"{name}: dropout_p")
-        self.deterministic, self.backend = bool(deterministic), backend
+        if not isinstance(deterministic, bool):  # ("no" would be true)
+            raise ValueError(f"{name}: deterministic: expected a bool, got {deterministic!r}")
+        self.deterministic, self.backend = deterministic, backend
         if softmax is SoftmaxType.LEARNABLE:
             if num_heads is None:
                 raise ValueError(f"{name}: num_heads: expected an int >= 1 for softmax_type='learnable' "
