@@ -122,7 +122,13 @@ def _per_element(framework: str, api: str, name: str, fn):
         return None
 
     def one(*args):
-        result = fn(*args)
+        try:
+            result = fn(*args)
+        except Exception as error:
+            if type(error).__name__ != "TracerArrayConversionError":
+                raise
+            raise ValueError(f"{api}: {name}: it reads a NumPy array at a traced index (NumPy cannot take JAX's "
+                             "traced values); capture a JAX array instead (jnp.asarray(table))") from None
         if tuple(result.shape) != ():
             raise ValueError(f"{api}: {name}: expected one value per score (it is applied to one score at a "
                              f"time, as in FlexAttention), got an array of shape {tuple(result.shape)}")
