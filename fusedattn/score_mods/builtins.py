@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 import types
 
 from fusedattn.options import SCORE_MOD_NAMES
@@ -26,7 +27,18 @@ def _number(api: str, name: str, value, *, integer: bool = False, positive: bool
     if isinstance(value, bool) or not isinstance(value, kinds) or (positive and not value > 0):
         want = "an int" if integer else "a positive number" if positive else "a number"
         raise ValueError(f"score_mods.{api}: {name}: expected {want}, got {value!r}")
-    return value
+    return _constant(value)
+
+
+def _constant(value):
+    """The number itself; under torch.compile, the number read back from its repr. A number argument that
+    changed between compiled calls is symbolic there, which the compiled call's planning cannot take; its
+    repr is a constant (Dynamo guards on the value), so a new number recompiles as it should. (Eagerly the
+    same object: the trace cache knows a built-in's numbers by identity.)"""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.compiler.is_compiling():
+        return value
+    return int(repr(int(value))) if isinstance(value, int) else float(repr(float(value)))
 
 
 def _defined(name: str, score_mod=None, mask_mod=None, tensors: dict | None = None) -> ScoreMod:
@@ -48,9 +60,7 @@ def softcap(cap: float) -> ScoreMod:
     def softcap_mod(score, b, h, q_idx, kv_idx):
         return cap * tanh(score / cap)
 
-    # %-formatting: under torch.compile a number that changes between calls is symbolic, which an f-string's
-    # format spec cannot take (Dynamo's own error), where % can.
-    return _defined("softcap(%g)" % cap, softcap_mod, tensors={"cap": cap})  # noqa: UP031
+    return _defined(f"softcap({cap:g})", softcap_mod, tensors={"cap": cap})
 
 
 def clamp(low: float, high: float) -> ScoreMod:
@@ -63,7 +73,7 @@ def clamp(low: float, high: float) -> ScoreMod:
     def clamp_mod(score, b, h, q_idx, kv_idx):
         return clip(score, low, high)
 
-    return _defined("clamp(%g, %g)" % (low, high), clamp_mod, tensors={"low": low, "high": high})  # noqa: UP031
+    return _defined(f"clamp({low:g}, {high:g})", clamp_mod, tensors={"low": low, "high": high})
 
 
 # ----------------------------------------------------------------------------- masks
