@@ -156,6 +156,9 @@ class AttentionConfig:
     # How to build the score_mod's graph (fusedattn.score_mods.GraphRecipe): callbacks and aux
     # descriptions, no values. Not compared: score_mod_key already says what it builds.
     score_mod_recipe: object = field(default=None, compare=False, repr=False)
+    # Tensors the score_mod reads require grad beyond an added term (score * w[h]): only a backend whose
+    # forward its framework's autodiff can differentiate (score_mod_gradient) gives them their gradient.
+    score_mod_learns: bool = False
     padded_offsets: bool = False
     alibi_standard: bool = False  # the ALiBi slopes are the paper's geometric sequence for Hq heads
     device: str = "cpu"
@@ -227,7 +230,7 @@ class AttentionConfig:
         if self.alibi_standard and self.bias is not BiasType.ALIBI:
             raise ValueError("alibi_standard: only with bias='alibi'")
         for name in ("is_training", "deterministic", "return_lse", "return_max_logit",
-                     "bias_requires_grad", "padded_offsets", "alibi_standard"):
+                     "bias_requires_grad", "padded_offsets", "alibi_standard", "score_mod_learns"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
 
@@ -325,7 +328,7 @@ class AttentionConfig:
             if getattr(self, flag):
                 parts.append(flag)
         if self.score_mod_key is not None:
-            parts.append("score_mod")
+            parts.append("score_mod (learning)" if self.score_mod_learns else "score_mod")
         if self.unaligned:
             parts.append(f"unaligned={','.join(self.unaligned)}")
         if self.strides is not None:

@@ -161,10 +161,13 @@ def prepare_call(api: str, framework: str, tensors: dict, *, describe, host_copy
         cfg = build_config(args)
     bound = None
     if args.score_mod is not None:  # its key (what its callbacks build) is part of the config
+        # Tensors read other than as an added term that require grad: selection keeps the backends whose
+        # forward autodiff differentiates (Backend.score_mod_gradient); the others say why.
+        learns = is_training and needs_gradient(args.score_mod)
         bound = bind(api, args.score_mod, batch=cfg.batch, heads_q=cfg.heads_q, seqlen_q=cfg.seqlen_q,
                      seqlen_kv=cfg.seqlen_kv, device=metas["q"].device if framework == "torch" else None,
-                     training=is_training, like=tensors["q"])
-        cfg = cfg.replace(score_mod_key=bound.key, score_mod_recipe=bound.recipe)
+                     training=is_training and not learns, like=tensors["q"])
+        cfg = cfg.replace(score_mod_key=bound.key, score_mod_recipe=bound.recipe, score_mod_learns=learns)
     unpacked = split_packed(cfg.layout, [tensors[n] for n in ("q", "k", "v") if tensors[n] is not None])
     if len(host) == len(offsets):
         totals = (unpacked[0].shape[0], unpacked[1].shape[0]) if cfg.layout.is_ragged else (None, None)

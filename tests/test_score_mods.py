@@ -232,13 +232,22 @@ def test_bad_score_mod_arguments_raise_clear_errors(kwargs, match):
         _call(**kwargs)
 
 
-def test_an_aux_tensor_that_requires_grad_is_rejected():
+def test_an_aux_tensor_that_requires_grad_learns_on_the_reference_and_cudnn_says_why():
+    """A cuDNN-native callback's tensor that requires grad: the reference differentiates its forward (the
+    gradient equals the same term's as a bias), cuDNN refuses with the reason."""
     leaves = _qkv(10)
-    table = torch.zeros(1, H, 1, 1, dtype=torch.float64, requires_grad=True)
-    with pytest.raises(ValueError, match=r"score_mod_tensors\['t'\]: expected a tensor that does not require grad"):
-        fat.attention(*leaves, score_mod=lambda g, s, t: g.add(a=s, b=t["t"]), score_mod_tensors={"t": table})
+    table = torch.rand(1, H, 1, 1, dtype=torch.float64, requires_grad=True)
+    mod = dict(score_mod=lambda g, s, t: g.add(a=s, b=t["t"]), score_mod_tensors={"t": table})
+    out = fat.attention(*leaves, **mod)
+    (table_grad,) = torch.autograd.grad(out.square().sum(), table)
+    as_bias = table.detach().clone().requires_grad_(True)
+    want = fat.attention(*leaves, bias=as_bias.expand(B, H, SQ, SKV), bias_type="post_scale")
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(table_grad, torch.autograd.grad(want.square().sum(), as_bias)[0])
+    with pytest.raises(ValueError, match="get no gradient on cudnn"):
+        fat.attention(*leaves, backend="cudnn", **mod)
     with torch.no_grad():  # no gradient wanted: fine
-        fat.attention(*leaves, score_mod=lambda g, s, t: g.add(a=s, b=t["t"]), score_mod_tensors={"t": table})
+        fat.attention(*leaves, **mod)
 
 
 @pytest.mark.parametrize("make,match", [
@@ -390,19 +399,24 @@ def test_jax_aux_arrays_work_under_jit_and_grad():
     np.testing.assert_allclose(np.asarray(eager), np.asarray(want), rtol=1e-4, atol=1e-6)
 
 
-def test_jax_aux_array_under_differentiation_is_refused_clearly():
+def test_jax_aux_array_under_differentiation_learns_on_the_reference_and_cudnn_says_why():
     jax = pytest.importorskip("jax")
     import fusedattn.jax as fj
 
     q, k, v = (jax.numpy.asarray(x.detach().numpy()) for x in _qkv(13, requires_grad=False))
-    table = jax.numpy.zeros((1, H, 1, 1))
+    table = jax.numpy.asarray(np.random.default_rng(4).random((1, H, 1, 1)))
 
-    def loss(table):
+    def loss(table, **options):
         return fj.attention(q, k, v, score_mod=lambda g, s, t: g.add(a=s, b=t["t"]),
-                            score_mod_tensors={"t": table}).sum()
+                            score_mod_tensors={"t": table}, **options).sum()
 
-    with pytest.raises(ValueError, match=r"score_mod_tensors\['t'\].*jax.lax.stop_gradient"):
-        jax.grad(loss)(table)
+    def as_bias(table):
+        return fj.attention(q, k, v, bias=jax.numpy.broadcast_to(table, (B, H, SQ, SKV))).sum()
+
+    np.testing.assert_allclose(np.asarray(jax.grad(loss)(table)), np.asarray(jax.grad(as_bias)(table)),
+                               rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="get no gradient on cudnn"):
+        jax.grad(lambda table: loss(table, backend="cudnn"))(table)
     stopped = jax.grad(lambda table: loss(jax.lax.stop_gradient(table)))(table)  # asked for explicitly: zero
     assert float(np.abs(np.asarray(stopped)).sum()) == 0.0
 

@@ -87,6 +87,9 @@ class Backend:
     array_framework: str = "any"
     # Whether backward takes a gradient of the returned lse (grad_lse); see no_lse_gradient.
     lse_gradient: bool = True
+    # Whether tensors a score_mod reads get their gradient (cfg.score_mod_learns): the framework's autodiff
+    # through this backend's forward. Others give an added term its gradient only (as a bias).
+    score_mod_gradient: bool = False
 
     def availability(self) -> list[str]:
         """Reasons this backend cannot run anything here, whatever the call."""
@@ -116,6 +119,10 @@ class Backend:
                     reasons.append(f"{label}={dim} > {self.max_head_dim}")
                 if dim % self.head_dim_multiple:
                     reasons.append(f"{label}={dim} is not a multiple of {self.head_dim_multiple}")
+            if cfg.score_mod_learns and not self.score_mod_gradient:
+                reasons.append("score_mod tensors that require grad (read other than as an added term, such as "
+                               f"score * w[h]) get no gradient on {self.name}; backend='reference' gives them "
+                               "one, or detach them (torch) / wrap them in jax.lax.stop_gradient (JAX)")
             if reasons:  # cheap rules failed: skip the backend's own (possibly costly) checks
                 return reasons
             return list(self._reasons(cfg))

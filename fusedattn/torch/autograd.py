@@ -34,5 +34,10 @@ class _Attention(torch.autograd.Function):
 
 
 def run_attention(cfg, backend, score_mod, arrays):
-    """(out, lse, max_logit) through autograd; backward goes to the same backend."""
+    """(out, lse, max_logit) through autograd; backward goes to the same backend. A score_mod whose tensors
+    learn (cfg.score_mod_learns; selection kept a backend with score_mod_gradient) runs the backend's forward
+    under autograd itself, which reaches those tensors too."""
+    if cfg.score_mod_learns:
+        outputs, _ = backend.forward(cfg, AttentionInputs(**dict(zip(ARRAY_NAMES, arrays)), score_mod=score_mod))
+        return outputs.out, outputs.lse, outputs.max_logit.detach()
     return _Attention.apply(cfg, backend, score_mod, *arrays)

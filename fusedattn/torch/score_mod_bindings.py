@@ -47,7 +47,7 @@ class Binding(NamedTuple):
     given: tuple  # the score_mod keywords' values (kept alive: the signature holds their code's ids)
     reads: tuple  # what each keyword given reads (see _parts), kept alive: the key holds their ids
     checks: tuple  # (value, what of it can change, compared in place) of each keyword given: see recall
-    watched: tuple  # (tensor, version) of every tensor the mod holds: in-place changes rebind
+    watched: tuple  # (tensor, version, requires_grad) of every tensor the mod holds: a change rebinds
     aux: list
     scalars: list
     empty_rows: bool
@@ -138,7 +138,7 @@ def signature_part(value) -> tuple:
 
 def _watched(mod: ScoreMod) -> tuple:
     values = [*mod.tensors.values(), *mod.bprop_tensors.values()]
-    return tuple((x, x._version) for x in values if isinstance(x, torch.Tensor))
+    return tuple((x, x._version, x.requires_grad) for x in values if isinstance(x, torch.Tensor))
 
 
 _PART = object()  # between the parts of what the keywords read (their lengths differ from call to call)
@@ -205,8 +205,8 @@ def recall(signature, given: tuple) -> Binding | None:
         kept = None if reads is None else _BINDINGS.peek(_key(signature, reads))
         if kept is None:
             return None
-    for x, version in kept.watched:
-        if x._version != version:
+    for x, version, learned in kept.watched:  # changed in place, or made to learn (or not) since
+        if x._version != version or x.requires_grad is not learned:
             return None
     if kept.term is not None and not kept.term.learns():  # frozen since: its term binds as a score_mod
         return None
