@@ -247,6 +247,16 @@ def test_flags_of_the_flex_drop_in_and_the_module_are_bools():
 
 
 @torch_frontend
+def test_a_modules_mask_is_overridden_only_by_a_mask_not_by_an_empty_string():
+    """mask="" fell back to the module's mask; it is a bad mask, refused as attention refuses it."""
+    import fusedattn.torch as fat
+
+    module = fat.DotProductAttention(mask="causal")
+    with pytest.raises(ValueError, match="mask: expected one of .*got ''"):
+        module(Q, K, V, mask="")
+
+
+@torch_frontend
 def test_torch_errors_name_the_function(monkeypatch):
     """STYLE rule 11: every message starts with the function that was called."""
     import fusedattn.torch as fat

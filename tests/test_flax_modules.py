@@ -118,3 +118,13 @@ def test_input_not_matching_the_module_raises_when_called():
     layer = fj.TransformerLayer(hidden_size=E + 4, num_heads=4)  # valid settings, wrong input width
     with pytest.raises(ValueError, match="expected a last axis of hidden_size"):
         layer.init(jax.random.key(0), rand(14, B, S, E))
+
+
+def test_a_modules_mask_or_layout_is_overridden_only_by_a_value_not_by_an_empty_string():
+    """mask="" (or layout="") fell back to the module's; they are bad values, refused as attention refuses them."""
+    module = fj.DotProductAttention(mask="causal")
+    x = jnp.ones((1, 4, 2, 8))
+    params = module.init(jax.random.key(0), x, x, x)
+    for name in ("mask", "layout"):
+        with pytest.raises(ValueError, match=f"{name}: expected one of .*got ''"):
+            module.apply(params, x, x, x, **{name: ""})

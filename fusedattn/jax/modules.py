@@ -87,7 +87,8 @@ class DotProductAttention(nn.Module):
             sink = self.param("sink", nn.initializers.zeros, (self.num_heads,), jnp.float32)
         dropout = 0.0 if deterministic else self.dropout_p
         rng = self.make_rng("dropout") if dropout > 0.0 else None
-        return attention(q, k, v, layout=layout or self.layout, mask=mask or self.mask, window=self.window,
+        layout, mask = (self.layout if layout is None else layout), (self.mask if mask is None else mask)  # ("": bad)
+        return attention(q, k, v, layout=layout, mask=mask, window=self.window,
                          softmax_type=self.softmax_type, sink=sink, dropout_p=dropout, dropout_rng=rng,
                          scale=self.scale, deterministic=self.deterministic_backward, backend=self.backend,
                          shard_axes=self.shard_axes, **kwargs)

@@ -75,7 +75,8 @@ class DotProductAttention(nn.Module):
         slopes = host_slopes(f"{name}: alibi_slopes", options.get("alibi_slopes"))
         if slopes is not None:
             options["alibi_slopes"] = torch.as_tensor(slopes, device=q.device)
-        options["mask"] = options.get("mask") or self.mask
+        if options.get("mask") is None:  # (only None means the module's: "" is a bad mask, said so by attention)
+            options["mask"] = self.mask
         return attention(q, k, v, layout=self.layout, window=self.window, softmax_type=self.softmax_type,
                          sink=self.sink, dropout_p=self.dropout_p if self.training else 0.0, scale=self.scale,
                          deterministic=self.deterministic, backend=self.backend, **options)
