@@ -131,3 +131,53 @@ def test_a_backend_without_their_gradient_says_why():
     assert get_backend("reference").score_mod_gradient and not get_backend("cudnn").score_mod_gradient
     w.requires_grad_(False)  # frozen: every backend may run it again
     assert "get no gradient" not in str(fat.explain(q, q, q, score_mod=lambda s, b, h, i, j: s * w[h]))
+
+
+def test_jax_params_dict_entry_learns_as_the_array_itself():
+    """A callback that reads one entry of a params dict (p['w'][h]) gets the same gradients as one that reads
+    the array directly, although the dict also holds differentiated arrays the callback never touches."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    import fusedattn.jax as fja
+
+    with jax.enable_x64(True):
+        keys = jax.random.split(jax.random.key(5), 4)
+        q = jax.random.normal(keys[0], (B, SQ, H, D), jnp.float64)
+        w = 0.5 + jax.random.uniform(keys[1], (H,), jnp.float64)
+        other = jax.random.normal(keys[2], (4, 4), jnp.float64)
+        grad = jax.random.normal(keys[3], (B, SQ, H, D), jnp.float64)
+
+        def through_dict(params, q):
+            return (fja.attention(q, q, q, score_mod=lambda s, b, h, i, j: s * params["w"][h]) * grad).sum()
+
+        def direct(w, q):
+            return (fja.attention(q, q, q, score_mod=lambda s, b, h, i, j: s * w[h]) * grad).sum()
+
+        want_w, want_q = jax.grad(direct, argnums=(0, 1))(w, q)
+        for transform in (jax.grad, lambda f, **kw: jax.jit(jax.grad(f, **kw))):
+            got, got_q = transform(through_dict, argnums=(0, 1))({"w": w, "other": other}, q)
+            np.testing.assert_allclose(np.asarray(got["w"]), np.asarray(want_w), rtol=1e-12, atol=1e-12)
+            np.testing.assert_allclose(np.asarray(got_q), np.asarray(want_q), rtol=1e-12, atol=1e-12)
+            assert not np.asarray(got["other"]).any()
+
+
+def test_jax_table_made_from_numpy_inside_the_callback_runs_under_jit():
+    """jnp.asarray(numpy_table)[h] inside a callback: a constant of the trace, read with traced positions
+    under jit as in eager mode."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    import fusedattn.jax as fja
+
+    table = np.linspace(-1.0, 1.0, H).astype(np.float32)
+    q = jax.random.normal(jax.random.key(6), (B, SQ, H, D), jnp.float32)
+
+    def run(q):
+        return fja.attention(q, q, q, score_mod=lambda s, b, h, i, j: s + jnp.asarray(table)[h])
+
+    eager, jitted = run(q), jax.jit(run)(q)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, q) * D ** -0.5 + table[None, :, None, None]
+    want = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), q)
+    np.testing.assert_allclose(np.asarray(eager), np.asarray(want), rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(np.asarray(jitted), np.asarray(want), rtol=2e-5, atol=2e-6)

@@ -262,9 +262,11 @@ def refuse_unfollowed(api: str, mod: ScoreMod) -> None:
         if _wants_gradient(value):
             raise ValueError(
                 f"{api}: score_mod {mod.name}: a captured tensor of shape {tuple(value.shape)} requires grad, but "
-                "the callback reads it where no gradient can reach it (indexed by numbers alone, such as t[0], "
-                "which is traced as a constant; or in a callback that cannot be traced); index it by b, h, "
-                "q_idx or kv_idx (an added term then learns), or detach it (torch: .detach(); JAX: "
+                "the callback reads it where no gradient can reach it: with a number on an axis (t[0], P[1, h]), "
+                "or through an op on the whole tensor before it is indexed by positions (w.exp()[h], w.mean()), "
+                "which the trace takes as a constant; or in a callback that cannot be traced. Index the tensor "
+                "itself, every axis by b, h, q_idx or kv_idx (w[h].exp(): an added term then learns as a bias, "
+                "any other read on the reference), or detach it (torch: .detach(); JAX: "
                 "jax.lax.stop_gradient before the callback captures it)")
 
 

@@ -707,7 +707,8 @@ def _unfollowed_learners(api: str, framework: str, score_mod, captured: dict) ->
         return ()
     reads = flat_reads(score_mod) or ()
     if framework == "jax":
-        return tuple({id(x): x for x in reads if _differentiated(x) and id(x) not in captured}.values())
+        found = {id(x): x for x in reads if _differentiated(x) and id(x) not in captured}
+        return tuple(x for key, x in found.items() if key in _jax_used(score_mod)) if found else ()
     found = [x for x in reads if type(x).__module__.startswith("torch")
              and getattr(x, "requires_grad", False) and id(x) not in captured]
     if not found:
@@ -727,6 +728,28 @@ def _unfollowed_learners(api: str, framework: str, score_mod, captured: dict) ->
     except Exception:  # it cannot run on stand-ins: every such tensor counts
         return tuple({id(x): x for x in found}.values())
     return tuple({id(x): x for x, grad in zip(found, reached) if grad is not None}.values())
+
+
+def _jax_used(score_mod) -> set | frozenset:
+    """ids of the arrays a JAX score_mod's computation uses (its jaxpr's constants), of all it can reach: a
+    params dict read for one entry holds others the score never touches. Everything, where it cannot be
+    traced on stand-ins."""
+    import jax
+    import jax.numpy as jnp
+
+    index, score = jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32)
+    try:
+        return {id(c) for c in jax.make_jaxpr(lambda *args: score_mod(*args))(score, index, index, index, index).consts}
+    except Exception:
+        return _EVERYTHING
+
+
+class _Everything(frozenset):
+    def __contains__(self, item) -> bool:
+        return True
+
+
+_EVERYTHING = _Everything()
 
 
 def flex_score_mod(api: str, framework: str, score_mod=None, mask_mod=None, device=None,

@@ -70,7 +70,9 @@ class _Translator:
     def run(self, jaxpr, consts, args: list) -> list:
         env: dict = {}
         for var, const in zip(jaxpr.constvars, consts):
-            env[var] = ("captured", const)
+            # (a NumPy constant, from jnp.asarray(host) inside the callback: read as a JAX array, as a jitted
+            # call indexes it with traced positions)
+            env[var] = ("captured", jnp.asarray(const) if isinstance(const, np.ndarray) else const)
         for var, arg in zip(jaxpr.invars, args):
             env[var] = arg
         for eqn in jaxpr.eqns:
