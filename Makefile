@@ -47,9 +47,11 @@ test: $(VENV)/.installed $(NOTORCH_VENV)/.installed
 lint: $(VENV)/.installed
 	$(PY) -m ruff check fusedattn tests examples bench
 
-# On a GPU machine: the tests marked gpu, summary for bench/results.
+# On a GPU machine: the tests marked gpu, in GPU_WORKERS processes sharing the GPU (pytest-xdist;
+# graph builds are host-bound, so the suite fits one 10-minute call), summary for bench/results.
+GPU_WORKERS ?= 6
 gpu-test:
-	$(PYTHON) -m pytest -q -m gpu tests/gpu
+	$(PYTHON) -m pytest -q -m gpu -n $(GPU_WORKERS) -p no:cacheprovider tests/gpu
 
 clean:
 	rm -rf $(VENV) $(NOTORCH_VENV) .pytest_cache

@@ -26,9 +26,11 @@ def _jax_has_gpu() -> bool:
 
 
 # JAX and torch share the GPU in one process (tests/gpu/test_jax.py): XLA allocates as it goes,
-# up to half of the memory, instead of taking 75% when it starts. Set before anything imports jax.
+# up to half of the memory, instead of taking 75% when it starts; with pytest-xdist's workers on one
+# GPU (make gpu-test), each worker's JAX gets its share of that half. Set before anything imports jax.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION",
+                      f"{0.5 / max(1, int(os.environ.get('PYTEST_XDIST_WORKER_COUNT', '1'))):.3f}")
 
 if not _has_cuda():
     os.environ.setdefault("TRITON_INTERPRET", "1")

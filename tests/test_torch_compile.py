@@ -238,20 +238,50 @@ def _global_alibi(score, b, h, q_idx, kv_idx):
     return score + GLOBAL_SLOPES[h] * (kv_idx - q_idx)
 
 
-def test_captured_tensors_are_found_in_the_callbacks_globals():
-    """A compiled call fetches each captured tensor from the global the flex callback reads it from; one
-    captured in a closure (which Dynamo cannot hand over), read through a container or held by a ScoreMod
-    has no such place: the call breaks the graph."""
+def test_captured_tensors_are_found_in_the_callbacks_globals_and_closures():
+    """A compiled call fetches each captured tensor from the global or closure cell the flex callback reads it
+    from; one read through a container or held by a ScoreMod has no such place: the call breaks the graph."""
     from fusedattn.torch import compiled_score_mods as compiled
 
     slopes = torch.rand(4)
-    assert compiled._sources((_alibi_over(slopes), None), {"c0": slopes}) is None
+    alibi = _alibi_over(slopes)
+    found = compiled._sources((alibi, None), {"c0": slopes})
+    assert found == (("c0", (0, "cell", 0)),)
+    assert compiled.fetch(alibi, None, found[0][1]) is slopes
     found = compiled._sources((None, _global_alibi), {"c0": GLOBAL_SLOPES})
     assert found == (("c0", (1, "global", "GLOBAL_SLOPES")),)
     assert compiled.fetch(None, _global_alibi, found[0][1]) is GLOBAL_SLOPES
     table = {"slopes": slopes}
     assert compiled._sources((lambda s, b, h, q, k: s + table["slopes"][h], None), {"c0": slopes}) is None
     assert compiled._sources(((None,), None), {"c0": slopes}) is None
+
+
+@pytest.mark.parametrize("reach", ["argument", "closure of the compiled function", "module attribute"])
+def test_a_closure_cells_tensor_is_a_graph_input_dynamo_guards(reach):
+    """The traced code's fetch of a tensor from a callback's closure cell (the callback made outside the
+    compiled code) is a graph input under fullgraph=True: in-place changes show in the next run, and a new
+    callback over another tensor gives that tensor's values."""
+    from fusedattn.torch import compiled_score_mods as compiled
+
+    slopes = torch.rand(4)
+    plain = _alibi_over(slopes)
+    holder = torch.nn.Module()
+    holder.alibi = plain
+    source = compiled._sources((plain, None), {"c0": slopes})[0][1]
+
+    def step(x, alibi):
+        mod = {"argument": alibi, "closure of the compiled function": plain, "module attribute": holder.alibi}[reach]
+        return x * compiled.fetch(mod, None, source)
+
+    torch._dynamo.reset()
+    run = torch.compile(step, backend="aot_eager", fullgraph=True)
+    x = torch.ones(4)
+    torch.testing.assert_close(run(x, plain), slopes)
+    slopes.mul_(3)
+    torch.testing.assert_close(run(x, plain), slopes)
+    if reach == "argument":
+        other = torch.rand(4)
+        torch.testing.assert_close(run(x, _alibi_over(other)), other)
 
 
 def test_score_mod_aux_binds_the_tensors_of_each_run():

@@ -1,7 +1,8 @@
 #!/bin/bash
 # One device call: the native libraries (carried prebuilt ones in .native-libs/, else built now and
-# copied to $OUT/native-libs for the next call), then the GPU suite (fuzz file apart; PYTEST_ARGS
-# replaces its paths, SUITE=0 skips it), the fuzzer (FUZZ=1) and any extra command (EXTRA).
+# copied to $OUT/native-libs for the next call), then the GPU suite in WORKERS pytest-xdist processes
+# (PYTEST_ARGS replaces its paths, SUITE=0 skips it) and any extra command (EXTRA). Carry .whl with
+# pytest-xdist and execnet in it.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 FUSEDATTN_CACHE_DIR=/tmp/fusedattn-cache
@@ -17,12 +18,9 @@ else
   ( time python3 -m fusedattn build --kinds core,torch,jax ) 2>&1 | tee $OUT/build.txt
   mkdir -p $OUT/native-libs && find $FUSEDATTN_CACHE_DIR -name "*.so" -exec cp {} $OUT/native-libs/ \;
 fi
-if [ "${SUITE:-1}" = "1" ]; then
-  timeout ${SUITE_SECONDS:-420} python3 -m pytest -q -m gpu -p no:cacheprovider \
-    --ignore=tests/gpu/test_fuzz_gpu.py ${PYTEST_ARGS:-tests/gpu} 2>&1 | tee $OUT/gpu-tests.txt | grep -E "passed|failed|^FAILED|^ERROR"
-fi
-if [ "${FUZZ:-0}" = "1" ]; then
-  FUZZ_SUMMARY=$OUT/fuzz-gpu.txt FUSEDATTN_GIT_REV=${FUSEDATTN_GIT_REV:-unknown} timeout ${FUZZ_SECONDS:-120} \
-    python3 -m pytest -q -m gpu tests/gpu/test_fuzz_gpu.py -p no:cacheprovider 2>&1 | tail -3 | tee $OUT/fuzz-pytest.txt
+if [ "${SUITE:-1}" = "1" ]; then  # the whole suite, fuzzer included, in WORKERS processes sharing the GPU
+  FUZZ_SUMMARY=$OUT/fuzz-gpu.txt FUSEDATTN_GIT_REV=${FUSEDATTN_GIT_REV:-unknown} timeout ${SUITE_SECONDS:-420} \
+    python3 -m pytest -q -m gpu -p no:cacheprovider -n ${WORKERS:-6} --durations=15 ${PYTEST_ARGS:-tests/gpu} 2>&1 \
+    | tee $OUT/gpu-tests.txt | grep -E "passed|failed|^FAILED|^ERROR|s call "
 fi
 if [ -n "${EXTRA:-}" ]; then eval "$EXTRA"; fi

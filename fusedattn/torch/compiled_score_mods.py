@@ -9,15 +9,16 @@ operator call with those numbers as constants. They stay right because `touch` r
 code, what the callbacks read: Dynamo guards on it, so a new cap (a global, a closure cell, a
 ScoreMod's number) recompiles, as a changed Python number does in any compiled function.
 
-Tensors a flex callback reads as globals (ALiBi's slopes, an index table) travel as graph inputs:
-`plan` also says which global holds each, the traced code fetches them from the callback's globals
-(Dynamo makes them inputs of the graph), and the custom op fusedattn::score_mod_aux turns them into
+Tensors a flex callback reads as globals or from its closure (ALiBi's slopes, an index table) travel as
+graph inputs: `plan` also says which global or closure cell holds each, the traced code fetches them
+from there (Dynamo makes them inputs of the graph), and the custom op fusedattn::score_mod_aux turns them into
 the operator's aux tensors on every run, as an eager call binds them (so new values in the same
 tensors, or new tensors of the same shapes, are read; Dynamo guards on their shapes).
 
-Not in the graph yet (they run eagerly, one graph break, with GRAPH_BREAK as the reason): tensors a
-callback captures in a closure (Dynamo, torch 2.11 to 2.13, cannot hand a closure cell's contents
-to the traced code: "NotImplementedError: CellVariable()"), ScoreMods holding tensors, mods whose
+Not in the graph yet (they run eagerly, one graph break, with GRAPH_BREAK as the reason): tensors
+captured by a callback made inside the compiled code (Dynamo, torch 2.11 to 2.13, cannot hand such a
+closure to plan, nor its cells' contents to the traced code; a callback made outside it can be: its
+cells are real), ScoreMods holding tensors, mods whose
 tensors learn, tensors read through a helper or a container, cuDNN-native callbacks
 score_mod(graph, score, tensors), and calls the native operator does not run (sequence lengths,
 max_logit, ...).
@@ -43,10 +44,11 @@ __all__ = ["GRAPH_BREAK", "NOT_IN_GRAPH", "in_graph", "passed", "plan", "touch",
 API = "fusedattn.torch.attention"
 GRAPH_BREAK = (
     "fusedattn.torch.attention with this score_mod runs eagerly inside a compiled model (one graph break). In "
-    "the graph run flex-style callbacks (reading numbers, and tensors held in globals) and ScoreMods whose "
-    "values are numbers; tensors captured in a closure, ScoreMods holding tensors, mods that learn, "
-    "cuDNN-native callbacks, and calls the native operator does not run are bound per call in Python. "
-    "Compile with fullgraph=False; everything around the call still compiles.")
+    "the graph run flex-style callbacks (reading numbers, and tensors held in globals or in the closure of a "
+    "callback made outside the compiled code) and ScoreMods whose values are numbers; tensors captured by a "
+    "callback made inside the compiled code, ScoreMods holding tensors, mods that learn, cuDNN-native "
+    "callbacks, and calls the native operator does not run are bound per call in Python. Compile with "
+    "fullgraph=False; everything around the call still compiles.")
 NOT_IN_GRAPH = (-1, (), False, (), "")
 API_AUX = "fusedattn::score_mod_aux"
 _FIELDS = tuple(f.name for f in dataclasses.fields(ScoreMod))
@@ -156,9 +158,10 @@ def _plan(described, options, backend, grad_enabled, score_mod, mask_mod, device
 # ---------------------------------------------------------------- captured tensors as graph inputs
 
 def _sources(callbacks: tuple, captured: dict) -> tuple | None:
-    """(name, (callback index, "global", name)) for each captured tensor, where a flex callback reads it as
-    a global; None where one is read otherwise (a closure cell, a container, a helper) or a callback is a
-    ScoreMod's fields, whose tensors dict the traced code cannot hand over."""
+    """(name, source) for each captured tensor, where a flex callback reads it: (callback index, "global",
+    name) or, for a callback made outside the compiled code, (callback index, "cell", position in its
+    closure). None where one is read otherwise (a container, a helper) or a callback is a ScoreMod's fields,
+    whose tensors dict the traced code cannot hand over."""
     found = []
     for name, tensor in captured.items():
         source = None
@@ -168,6 +171,9 @@ def _sources(callbacks: tuple, captured: dict) -> tuple | None:
             for global_name in fn.__code__.co_names:
                 if fn.__globals__.get(global_name) is tensor:
                     source = (index, "global", global_name)
+            for position, cell in enumerate(fn.__closure__ or ()):
+                if source is None and _cell_holds(cell, tensor):
+                    source = (index, "cell", position)
             if source is not None:
                 break
         if source is None:
@@ -176,9 +182,20 @@ def _sources(callbacks: tuple, captured: dict) -> tuple | None:
     return tuple(found)
 
 
+def _cell_holds(cell, tensor) -> bool:
+    try:
+        return cell.cell_contents is tensor
+    except ValueError:  # a cell not yet filled
+        return False
+
+
 def fetch(score_mod, mask_mod, source: tuple) -> torch.Tensor:
-    """A captured tensor, read in the traced code where `plan` found it (Dynamo makes it a graph input)."""
-    return (score_mod, mask_mod)[source[0]].__globals__[source[2]]
+    """A captured tensor, read in the traced code where `plan` found it (Dynamo makes it a graph input and
+    guards on it, so a closure's new tensor of another shape retraces)."""
+    fn = (score_mod, mask_mod)[source[0]]
+    if source[1] == "cell":
+        return fn.__closure__[source[2]].cell_contents
+    return fn.__globals__[source[2]]
 
 
 class _AuxRecipe(NamedTuple):

@@ -537,10 +537,7 @@ def _compiled_score_mod_attention(q, k, v, given: dict):
     score_mod, mask_mod = given.get("score_mod"), given.get("mask_mod")
     for fn in (score_mod, mask_mod):
         if type(fn) is types.FunctionType:
-            # A function made in the traced code whose closure holds a tensor or a symbolic number cannot be
-            # handed to plan: repr makes Dynamo break the graph there (the call then runs eagerly), where
-            # plan's arguments would fail the whole compile.
-            repr(fn)
+            _score_mod_made_in_compiled_code_over_tensors_breaks_the_graph_here(fn)
     native, scalars, empty_rows, sources, aux_key = compiled_score_mods.plan(
         described, tuple(options.items()), given.get("backend"), torch.is_grad_enabled(),
         compiled_score_mods.passed(score_mod), mask_mod, q.device)
@@ -556,6 +553,13 @@ def _compiled_score_mod_attention(q, k, v, given: dict):
     out, lse = torch.ops.fusedattn_native.attention.default(native, *unpacked, tensors[5], seed, offset, tensors[3],
                                                             list(aux), list(scalars), empty_rows, [])[:2]
     return _compiled_result(out, lse, None, options)
+
+
+def _score_mod_made_in_compiled_code_over_tensors_breaks_the_graph_here(fn) -> None:
+    """A function made in the traced code whose closure holds a tensor or a symbolic number cannot be handed
+    to plan: repr makes Dynamo break the graph here (the call then runs eagerly), where plan's arguments would
+    fail the whole compile. Under fullgraph=True, Dynamo's error shows this function's name and line."""
+    repr(fn)  # fullgraph=True: make the score_mod outside the compiled function (tensors then are graph inputs)
 
 
 def _compiled_description(q, k, v, given: dict) -> tuple:

@@ -707,16 +707,26 @@ def _global_alibi(score, b, h, q_idx, kv_idx):
     return score + GLOBAL_SLOPES[h] * (kv_idx - q_idx)
 
 
-def test_flex_score_mods_reading_global_tensors_compile_with_fullgraph():
-    """A flex ALiBi over an (H,) tensor it reads as a global runs in a fullgraph compiled graph: the tensor
-    is a graph input bound by fusedattn::score_mod_aux on every run, so the graph gives eager's bits forward
-    and backward, and new values in the tensor show in the next run."""
+def _closure_alibi(slopes):
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+    return alibi
+
+
+@pytest.mark.parametrize("reach", ["global", "closure"])
+def test_flex_score_mods_reading_captured_tensors_compile_with_fullgraph(reach):
+    """A flex ALiBi over an (H,) tensor it reads as a global, or from the closure of a callback made outside
+    the compiled function, runs in a fullgraph compiled graph: the tensor is a graph input bound by
+    fusedattn::score_mod_aux on every run, so the graph gives eager's bits forward and backward, and new
+    values in the tensor show in the next run."""
     global GLOBAL_SLOPES
     q, k, v = _inputs(seed=53)
     GLOBAL_SLOPES = torch.rand(8, device="cuda") / 4
+    slopes = GLOBAL_SLOPES
+    alibi = _global_alibi if reach == "global" else _closure_alibi(slopes)
 
     def loss(q, k, v):
-        return _loss(q, k, v, score_mod=_global_alibi)
+        return _loss(q, k, v, score_mod=alibi)
 
     targets = _compiled_targets(loss, q, k, v)
     assert NATIVE_OP in targets and "fusedattn.score_mod_aux.default" in targets, targets
@@ -727,35 +737,38 @@ def test_flex_score_mods_reading_global_tensors_compile_with_fullgraph():
         grads = torch.autograd.grad(compiled(q, k, v), (q, k, v))
         assert all(torch.equal(a, b) for a, b in zip(grads, eager)), f"{backend} differs from eager"
         before = compiled(q, k, v)
-        GLOBAL_SLOPES.mul_(3)
+        slopes.mul_(3)
         after, eager_after = compiled(q, k, v), loss(q, k, v)
         # (the loss's own sum: inductor may add in another order, 148189.5 against 148189.5156 on an H100)
         torch.testing.assert_close(after, eager_after, rtol=1e-6, atol=0, msg=backend)
         assert not torch.equal(before, after), backend
-        attend = torch.compile(lambda q, k, v: fat.attention(q, k, v, mask="causal", score_mod=_global_alibi),
+        attend = torch.compile(lambda q, k, v: fat.attention(q, k, v, mask="causal", score_mod=alibi),
                                fullgraph=True, backend=backend)
-        GLOBAL_SLOPES.mul_(0.5)  # the attention itself, new values and all, gives eager's bits
-        assert torch.equal(attend(q, k, v), fat.attention(q, k, v, mask="causal", score_mod=_global_alibi)), backend
+        slopes.mul_(0.5)  # the attention itself, new values and all, gives eager's bits
+        assert torch.equal(attend(q, k, v), fat.attention(q, k, v, mask="causal", score_mod=alibi)), backend
 
 
-@pytest.mark.parametrize("name", ["alibi_closure", "alibi_builtin", "native_callback"])
+@pytest.mark.parametrize("name", ["alibi_closure_made_inside", "alibi_builtin", "native_callback"])
 def test_score_mods_bound_per_call_still_break_the_graph_with_a_reason(name):
-    """Tensors captured in a closure (ALiBi's slopes), ScoreMods holding tensors (the built-in ALiBi over a
-    tensor) and cuDNN-native callbacks run eagerly inside a compiled function: fullgraph=True raises the
-    reason, fullgraph=False gives eager's result."""
+    """Tensors captured by a callback made inside the compiled function (ALiBi's slopes), ScoreMods holding
+    tensors (the built-in ALiBi over a tensor) and cuDNN-native callbacks run eagerly inside a compiled
+    function: fullgraph=True raises (naming where), fullgraph=False gives eager's result."""
     from fusedattn import score_mods as sm
 
     q, k, v = _inputs(seed=52)
     slopes = torch.rand(8, device="cuda") / 4
-    options = {"alibi_closure": {n: x for n, x in _operand_options("alibi_flex").items() if n != "mask"},
+    options = {"alibi_closure_made_inside": None,
                "alibi_builtin": dict(score_mod=sm.alibi(slopes)),
                "native_callback": dict(score_mod=_row_offset, score_mod_tensors={"width": 64.0})}[name]
 
     def loss(q, k, v):
+        if options is None:  # the callback made here, in the traced code
+            return _loss(q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: s + slopes[h] * (kv_idx - q_idx))
         return _loss(q, k, v, **options)
 
     torch._dynamo.reset()
-    with pytest.raises(Exception, match="runs eagerly inside a compiled model"):
+    reason = "made_in_compiled_code" if options is None else "runs eagerly inside a compiled model"
+    with pytest.raises(Exception, match=reason):
         torch.compile(loss, fullgraph=True, backend="aot_eager")(q, k, v)
     torch._dynamo.reset()
     compiled = torch.compile(loss, backend="aot_eager")
