@@ -43,7 +43,10 @@ def host_slopes(argument: str, value):
     Frontends turn the result into their own array on q's device, so
     `alibi_slopes=fusedattn.standard_alibi_slopes(Hq)` works as written.
     """
-    if not isinstance(value, (list, tuple, np.ndarray)):
+    if isinstance(value, (list, tuple)):
+        rows, batched = python_slopes(argument, value)
+        return np.asarray(rows if batched else rows[0], dtype=np.float32)
+    if not isinstance(value, np.ndarray):
         return None
     try:
         array = np.asarray(value, dtype=np.float32)
@@ -54,6 +57,37 @@ def host_slopes(argument: str, value):
     if not np.isfinite(array).all():
         raise ValueError(f"{argument}: expected finite slopes, got {value!r}")
     return array
+
+
+def python_slopes(argument: str, value: list | tuple) -> tuple[tuple[tuple[float, ...], ...], bool]:
+    """Slopes given as a list or tuple, checked in plain Python (no NumPy: under torch.compile Dynamo would
+    trace its checks as data-dependent branches): (rows of floats, whether batched (B, Hq))."""
+    shape = _nested_shape(value)
+    if len(shape) not in (1, 2) or 0 in shape:
+        raise ValueError(f"{argument}: expected (Hq,) or (B, Hq) real numbers, got shape {shape}")
+    rows = value if len(shape) == 2 else [value]
+    for row in rows:
+        for x in row:
+            if isinstance(x, bool) or not isinstance(x, numbers.Real):
+                raise ValueError(f"{argument}: expected (Hq,) or (B, Hq) real numbers, got {value!r}")
+            if not x == x or x in (float("inf"), float("-inf")):
+                raise ValueError(f"{argument}: expected finite slopes, got {value!r}")
+    return tuple(tuple(float(x) for x in row) for row in rows), len(shape) == 2
+
+
+def _nested_shape(value) -> tuple:
+    """The shape of nested lists, tuples and arrays, as far as every item at a depth has the same length
+    (a ragged list stops there)."""
+    shape, level = [], [value]
+    while all(isinstance(x, (list, tuple, np.ndarray)) for x in level):
+        lengths = {len(x) for x in level}
+        if len(lengths) != 1:
+            break
+        shape.append(lengths.pop())
+        level = [item for x in level for item in x]
+        if not level:
+            break
+    return tuple(shape)
 
 
 def _other_device(a: str, b: str) -> bool:

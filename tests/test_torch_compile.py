@@ -193,12 +193,16 @@ def test_touching_a_score_mods_reads_makes_a_compiled_graph_follow_a_new_number(
 
     @torch._dynamo.assume_constant_result
     def baked(score_mod):  # stands in for compiled_score_mods.plan: reads the numbers once, at trace time
-        if isinstance(score_mod, sm.ScoreMod):
-            return float(score_mod.tensors["cap"])
         return float(score_mod(torch.tensor(1e9), 0, 0, 0, 0))
+
+    @torch._dynamo.assume_constant_result
+    def baked_number(cap):  # the same for a ScoreMod's number, as plan gets it (compiled_score_mods.passed)
+        return float(cap)
 
     def step(x, score_mod):
         compiled_score_mods.touch(score_mod, None, x)
+        if isinstance(score_mod, sm.ScoreMod):
+            return x * baked_number(compiled_score_mods.passed(score_mod)[2]["cap"])
         return x * baked(score_mod)
 
     x = torch.ones(2)
@@ -219,7 +223,8 @@ def test_score_mods_of_other_kinds_stay_out_of_the_graph():
     assert compiled_score_mods.in_graph({"score_mod": lambda s, b, h, q, k: s})
     assert compiled_score_mods.in_graph({"mask_mod": lambda b, h, q, k: q >= k})
     assert compiled_score_mods.in_graph({"score_mod": sm.softcap(3.0)})
-    assert not compiled_score_mods.in_graph({"score_mod": sm.alibi([0.5, 0.25])})  # an array: bound per call
+    assert compiled_score_mods.in_graph({"score_mod": sm.alibi([0.5, 0.25])})  # host slopes: numbers
+    assert not compiled_score_mods.in_graph({"score_mod": sm.alibi(torch.rand(2))})  # a tensor: bound per call
     assert not compiled_score_mods.in_graph({"score_mod": lambda s, b, h, q, k: s, "score_mod_tensors": {}})
 
 
@@ -470,3 +475,38 @@ def test_a_number_argument_that_changes_between_compiled_calls_is_followed(form)
     compiled = torch.compile(step, backend="aot_eager")
     for cap in (1.0, 2.0, 3.5):
         torch.testing.assert_close(compiled(q, cap), step(q, cap))
+
+
+def test_alibi_over_a_list_made_in_compiled_code_reaches_plan_as_numbers(monkeypatch):
+    """sm.alibi(list) inside a compiled function: its slopes are checked in plain Python (NumPy's checks
+    were data-dependent branches Dynamo refused, failing fullgraph=True with its own error), so plan gets the
+    numbers as constants, as for softcap's cap; a new list is a new trace. Without a GPU plan declines (no
+    native operator), so fullgraph=True fails with our reason and fullgraph=False gives eager's result."""
+    from fusedattn import score_mods as sm
+    from fusedattn.torch import compiled_score_mods
+
+    seen = []
+    real_plan = compiled_score_mods._plan
+
+    def spy(described, options, backend, grad_enabled, score_mod, mask_mod, device):
+        seen.append(score_mod.tensors["slopes"])
+        return real_plan(described, options, backend, grad_enabled, score_mod, mask_mod, device)
+
+    monkeypatch.setattr(compiled_score_mods, "_plan", spy)
+    slopes = [0.5, 0.25]
+
+    def step(q):
+        return fat.attention(q, q, q, score_mod=sm.alibi(list(slopes)))
+
+    q, _, _ = _inputs((1, 5, 2, 8), (1, 5, 2, 8), seed=53)
+    q = q.detach()
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="runs eagerly inside a compiled model"):
+        torch.compile(step, backend="aot_eager", fullgraph=True)(q)
+    assert seen and set(seen) == {(0.5, 0.25)}
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend="aot_eager")
+    torch.testing.assert_close(compiled(q), step(q))
+    slopes[1] = 0.125
+    torch.testing.assert_close(compiled(q), step(q))
+    assert seen[-1] == (0.5, 0.125)

@@ -27,18 +27,19 @@ def _number(api: str, name: str, value, *, integer: bool = False, positive: bool
     if isinstance(value, bool) or not isinstance(value, kinds) or (positive and not value > 0):
         want = "an int" if integer else "a positive number" if positive else "a number"
         raise ValueError(f"score_mods.{api}: {name}: expected {want}, got {value!r}")
-    return _constant(value)
+    return traced_constant(value)
 
 
-def _constant(value):
-    """The number itself; under torch.compile, the number read back from its repr. A number argument that
+def traced_constant(value):
+    """The number itself; under torch.compile, the number read back from its text. A number argument that
     changed between compiled calls is symbolic there, which the compiled call's planning cannot take; its
-    repr is a constant (Dynamo guards on the value), so a new number recompiles as it should. (Eagerly the
-    same object: the trace cache knows a built-in's numbers by identity.)"""
+    text is a constant (Dynamo guards on the value), so a new number recompiles as it should. (An f-string:
+    Dynamo 2.11 keeps repr()'s and str()'s results symbolic in a function it inlines. Eagerly the same
+    object: the trace cache knows a built-in's numbers by identity.)"""
     torch = sys.modules.get("torch")
     if torch is None or not torch.compiler.is_compiling():
         return value
-    return int(repr(int(value))) if isinstance(value, int) else float(repr(float(value)))
+    return int(f"{int(value)!r}") if isinstance(value, int) else float(f"{float(value)!r}")
 
 
 def _defined(name: str, score_mod=None, mask_mod=None, tensors: dict | None = None) -> ScoreMod:
@@ -140,12 +141,9 @@ def _select(values, index):
     return value
 
 
-def _host_slope(slopes):
-    """slopes[b, h] (or slopes[h]) from a host array, framework-free: selects over its numbers (runtime
-    scalars; the result depends on b and h alone, so it is one small aux tensor)."""
-    table = tuple(tuple(map(float, row)) for row in (slopes if slopes.ndim == 2 else [slopes]))
-    batched = slopes.ndim == 2
-
+def _host_slope(table: tuple, batched: bool):
+    """slopes[b, h] (or slopes[h]) from host numbers (rows of floats), framework-free: selects over them
+    (runtime scalars; the result depends on b and h alone, so it is one small aux tensor)."""
     def host_slope(b, h):
         rows = [_select(row, h) for row in table]
         return _select(rows, b) if batched else rows[0]
@@ -156,14 +154,21 @@ def _host_slope(slopes):
 def alibi(slopes) -> ScoreMod:
     """score - slope[h] * |q_idx - kv_idx| with per-head slopes (Hq,) or (B, Hq), any values: a tensor,
     or a list/tuple/NumPy array such as fusedattn.standard_alibi_slopes(Hq)."""
-    from fusedattn.arguments import host_slopes
+    from fusedattn.arguments import host_slopes, python_slopes
 
-    host = host_slopes("score_mods.alibi: slopes", slopes)
-    shape = tuple(getattr(slopes if host is None else host, "shape", ()))
+    argument = "score_mods.alibi: slopes"
+    if isinstance(slopes, (list, tuple)):  # (plain Python: a list made inside a compiled function stays constant)
+        table, batched = python_slopes(argument, slopes)
+        table = tuple(tuple(map(traced_constant, row)) for row in table)
+    else:
+        host = host_slopes(argument, slopes)
+        table, batched = (None, False) if host is None else (
+            tuple(tuple(map(float, row)) for row in (host if host.ndim == 2 else [host])), host.ndim == 2)
+    shape = tuple(getattr(slopes, "shape", ())) if table is None else (len(table), len(table[0]))[1 - batched:]
     if len(shape) not in (1, 2):
-        raise ValueError(f"score_mods.alibi: slopes: expected a (Hq,) or (B, Hq) float tensor, got {shape or slopes!r}")
-    if host is not None:
-        slope = _host_slope(host)
+        raise ValueError(f"{argument}: expected a (Hq,) or (B, Hq) float tensor, got {shape or slopes!r}")
+    if table is not None:
+        slope = _host_slope(table, batched)
     elif len(shape) == 1:
         def slope(b, h):
             return slopes[h]
@@ -174,7 +179,7 @@ def alibi(slopes) -> ScoreMod:
     def alibi_mod(score, b, h, q_idx, kv_idx):
         return score - slope(b, h) * abs(q_idx - kv_idx)
 
-    return _defined("alibi()", alibi_mod, tensors={"slopes": slopes if host is None else tuple(host.flat)})
+    return _defined("alibi()", alibi_mod, tensors={"slopes": slopes if table is None else sum(table, ())})
 
 
 def _add_bias_forward(graph, score, tensors):

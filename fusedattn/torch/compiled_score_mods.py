@@ -35,6 +35,7 @@ from typing import NamedTuple
 import torch
 
 from fusedattn.cache import LRUCache, register
+from fusedattn.score_mods.builtins import traced_constant
 from fusedattn.score_mods.core import ScoreMod, as_score_mod, needs_gradient
 from fusedattn.score_mods.flex import is_flex_score_mod
 from fusedattn.torch import trace_time
@@ -65,9 +66,14 @@ def in_graph(given: dict) -> bool:
         return False
     score_mod = get("score_mod")
     if isinstance(score_mod, ScoreMod):  # its values numbers only: tensors and arrays are bound per call
-        return all(isinstance(v, numbers.Number) for v in (*score_mod.tensors.values(),
-                                                           *score_mod.bprop_tensors.values()))
+        return all(isinstance(v, numbers.Number) for v in _numbers(score_mod))
     return True
+
+
+def _numbers(mod: ScoreMod) -> tuple:
+    """A ScoreMod's values, a tuple of numbers (host ALiBi slopes) as its items."""
+    values = (*mod.tensors.values(), *mod.bprop_tensors.values())
+    return tuple(x for value in values for x in (value if isinstance(value, tuple) else (value,)))
 
 
 def passed(score_mod):
@@ -82,11 +88,18 @@ def _passed_field(mod: ScoreMod, name: str):
     """A ScoreMod's field as `passed` hands it over: a built-in's read-only tensors mapping as a dict (a
     constant), a composition's parts as their fields."""
     value = getattr(mod, name)
-    if name == "tensors":
-        return dict(value)
+    if name == "tensors":  # (numbers read back as constants: a ScoreMod handed across a graph break is an input
+        # of the resumed frame, where Dynamo may have made its numbers symbolic)
+        return {key: _constant_numbers(x) for key, x in value.items()}
     if name == "parts":
         return tuple(map(passed, value))
     return value
+
+
+def _constant_numbers(value):
+    if isinstance(value, tuple):
+        return tuple(map(_constant_numbers, value))
+    return traced_constant(value) if isinstance(value, numbers.Number) else value
 
 
 def _rebuilt(fields: tuple) -> ScoreMod:
@@ -101,7 +114,7 @@ def touch(score_mod, mask_mod, like: torch.Tensor) -> None:
     ScoreMod's numbers are compared with themselves. Dynamo guards on each."""
     index = like.new_zeros((1,), dtype=torch.int64)
     if isinstance(score_mod, ScoreMod):
-        for value in (*score_mod.tensors.values(), *score_mod.bprop_tensors.values()):
+        for value in _numbers(score_mod):
             if isinstance(value, numbers.Number):
                 torch._check(value == value or value != value)  # a guard on the number, nothing at run time
     elif score_mod is not None:  # a flex callback (plan declined the others)
