@@ -236,6 +236,10 @@ class AttentionConfig:
 
     def _check_window(self) -> None:
         left, right = check_window(self.window, accepted=(tuple,)) or (UNBOUNDED, UNBOUNDED)
+        # A side wider than any query-key distance bounds nothing: stored as unbounded, so no backend's int32
+        # index arithmetic (diagonal +- side) meets a number past its range (a window of 2**32 wrapped).
+        reach = self.seqlen_q + self.seqlen_kv
+        left, right = (UNBOUNDED if side > reach else side for side in (left, right))
         object.__setattr__(self, "window", (left, right))
         if self.mask.is_causal:
             if right not in (UNBOUNDED, 0):
