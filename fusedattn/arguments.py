@@ -17,7 +17,7 @@ from fusedattn.config import DTYPES, AttentionConfig, BiasType, Layout, Mask, So
 from fusedattn.layout import check_cu_seqlens, contiguous_strides, layout_spec
 
 __all__ = ["TensorMeta", "CallArguments", "build_config", "check_offset_tensors", "infer_max_seqlens",
-           "bucket_max_seqlens", "ENV_THD_BUCKET", "check_sequence_values", "host_slopes"]
+           "clamp_max_seqlens", "bucket_max_seqlens", "ENV_THD_BUCKET", "check_sequence_values", "host_slopes"]
 
 INDEX_DTYPES = ("int32", "int64")
 _RAGGED_LAYOUTS = frozenset(layout.value for layout in Layout if layout.is_ragged)
@@ -396,6 +396,20 @@ def infer_max_seqlens(args: CallArguments, host: dict[str, np.ndarray], traced: 
         if name in host:
             lengths = np.diff(np.asarray(host[name]).astype(np.int64))
             setattr(args, f"max_seqlen_{side}", int(lengths.max(initial=0)))
+
+
+def clamp_max_seqlens(args: CallArguments) -> None:
+    """Lower a THD call's max_seqlen_q/kv past its tokens to the token count: no sequence is longer, and
+    every backend sizes its work by the bound (the reference pads each sequence to it; a max_seqlen of
+    100000 over 8 tokens asked for 160 GB). Before bucketing, so buckets stay shared."""
+    if str(getattr(args.layout, "value", args.layout)) not in _RAGGED_LAYOUTS:
+        return
+    q, k = args.tensors[0], args.tensors[1] or args.tensors[0]  # (packed layouts: k in q's tensor)
+    for side, meta in (("q", q), ("kv", k)):
+        value = getattr(args, f"max_seqlen_{side}")
+        tokens = meta.shape[0] if meta is not None and meta.shape else None
+        if isinstance(value, int) and not isinstance(value, bool) and tokens is not None and value > tokens:
+            setattr(args, f"max_seqlen_{side}", tokens)
 
 
 ENV_THD_BUCKET = "FUSEDATTN_THD_BUCKET"

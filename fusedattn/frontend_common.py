@@ -13,6 +13,7 @@ from fusedattn.arguments import (
     build_config,
     check_offset_tensors,
     check_sequence_values,
+    clamp_max_seqlens,
     infer_max_seqlens,
 )
 from fusedattn.config import BiasType, standard_alibi_slopes
@@ -141,6 +142,7 @@ def prepare_call(api: str, framework: str, tensors: dict, *, describe, host_copy
     host = {name: host_copy(x) for name, x in offsets.items()}
     host = {name: values for name, values in host.items() if values is not None}
     infer_max_seqlens(args, host, traced=set(offsets) - set(host))
+    clamp_max_seqlens(args)
     bucket_max_seqlens(args, os.environ.get(ENV_THD_BUCKET))
     cfg = build_config(args)
     mod = args.score_mod

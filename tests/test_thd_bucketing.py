@@ -57,3 +57,31 @@ def test_bucketed_results_equal_exact_ones_and_share_a_config(monkeypatch):
         torch.testing.assert_close(got.out, want.out)
         torch.testing.assert_close(got.lse, want.lse)
     assert len(configs) == 1 and next(iter(configs)).seqlen_q == 16
+
+
+@pytest.mark.parametrize("bucket", [None, "pow2"])
+@pytest.mark.parametrize("layout", ["thd", "t3hd"])
+def test_a_max_seqlen_past_the_tokens_is_the_token_count(monkeypatch, bucket, layout):
+    """No sequence is longer than the tokens, so a looser max_seqlen is lowered to T before bucketing: the
+    reference once padded every sequence to it (a max_seqlen of 100000 over 7 tokens asked for 160 GB);
+    results equal those of the exact bound, torch and JAX."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    import fusedattn.jax as fja
+
+    if bucket:
+        monkeypatch.setenv(fusedattn.arguments.ENV_THD_BUCKET, bucket)
+    gen = torch.Generator().manual_seed(62)
+    x = torch.randn(7, 3, 2, 8, generator=gen, dtype=torch.float64) if layout == "t3hd" else \
+        torch.randn(7, 2, 8, generator=gen, dtype=torch.float64)
+    qkv = (x,) if layout == "t3hd" else (x, x.flip(0), x * 0.5)
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    exact = fat.attention(*qkv, layout=layout, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=4, max_seqlen_kv=4)
+    for loose in (100_000, 2**40):
+        options = dict(layout=layout, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=loose, max_seqlen_kv=loose)
+        torch.testing.assert_close(fat.attention(*qkv, **options), exact, rtol=0, atol=0)
+        arrays = [jnp.asarray(t.float().numpy()) for t in qkv]
+        jax_options = {**options, "cu_seqlens_q": jnp.asarray(cu.numpy()), "cu_seqlens_kv": jnp.asarray(cu.numpy())}
+        np.testing.assert_allclose(np.asarray(fja.attention(*arrays, **jax_options)), exact.float().numpy(),
+                                   rtol=2e-5, atol=2e-6)
