@@ -98,6 +98,12 @@ def attention_bhsd(ops, cfg: AttentionConfig, q, k, v, *, bias=None, alibi_slope
     q_idx, kv_idx = _index(ops, seqlen_q, 2, q), _index(ops, seqlen_kv, 3, q)
     len_q = _lengths(ops, seqlens_q, seqlen_q, q)
     len_kv = _lengths(ops, seqlens_kv, seqlen_kv, q)
+    if seqlens_q is not None or seqlens_kv is not None:
+        # Positions past each sequence's end are read as 0, as the fused kernels never load them: an
+        # uninitialised cache tail (NaN, inf) there must not reach a visible row through 0 * NaN.
+        q = ops.where(q_idx < len_q, q, 0)
+        keys_within = _index(ops, seqlen_kv, 2, q) < len_kv
+        k, v = ops.where(keys_within, k, 0), ops.where(keys_within, v, 0)
 
     s = ops.einsum("bhqd,bhkd->bhqk", q, k)
     if cfg.bias is BiasType.PRE_SCALE:
