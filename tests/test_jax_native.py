@@ -132,6 +132,50 @@ def test_a_graph_cudnn_cannot_rebuild_is_none_with_a_warning(fresh, monkeypatch)
         assert native.plan("cfg-a", "forward", 0, FORWARD, ("mod:cap",)) is None
 
 
+class _Cfg(types.SimpleNamespace):
+    """The fields of a config the cudnn backend's JAX check reads; hashable, and bytes for FakeGraphs."""
+
+    def __hash__(self):
+        return hash(tuple(sorted(vars(self).items())))
+
+    def encode(self):
+        return self.name.encode()
+
+
+def test_selection_moves_on_from_a_graph_cudnn_cannot_rebuild_and_says_why(fresh, monkeypatch):
+    """The cudnn backend's JAX reasons ask native.rebuild_reason after its probe: a config whose forward or
+    backward graph cuDNN cannot rebuild from its bytes gets that reason (selection moves on, explain shows
+    it) instead of failing when the call is traced; one that rebuilds gets none; each is asked once."""
+    import fusedattn.backends.cudnn as cudnn_backend
+
+    graph_cache = types.ModuleType("fusedattn.backends.cudnn.graph_cache")  # (the real one imports cudnn)
+    graph_cache.probe = lambda cfg: []
+    graph_cache.current_device = lambda framework: 0
+    monkeypatch.setitem(sys.modules, graph_cache.__name__, graph_cache)
+    monkeypatch.setattr(native, "_rebuilds", LRUCache(16))
+    monkeypatch.setattr(native, "serialized", FakeGraphs())
+    monkeypatch.setattr(cudnn_backend, "unsupported", lambda cfg: [])
+    monkeypatch.setattr(cudnn_backend, "_jax_launch", lambda cfg: [])
+    monkeypatch.setattr(cudnn_backend, "rows_with_keys_config", lambda cfg: cfg)
+    native._state["library"] = object()
+    backend = cudnn_backend.CudnnBackend()
+    failing = FakeCore(error="deserialize: no engine")
+    monkeypatch.setattr(core, "register", failing)
+    training = _Cfg(framework="jax", is_training=True, name="a")
+    for _ in range(2):
+        assert backend._reasons(training) == [
+            "cuDNN could not rebuild the forward graph from its serialized bytes (deserialize: no engine); a JAX "
+            "call launches from those bytes alone"]
+    assert len(failing.registered) == 1  # asked once per config and device
+    working = FakeCore()
+    monkeypatch.setattr(core, "register", working)
+    assert backend._reasons(_Cfg(framework="jax", is_training=True, name="b")) == []
+    assert [blob for blob, _, _ in working.registered] == [b"graph-forwardb", b"graph-backwardb"]
+    assert working.registered[0][1][-1] == core.WORKSPACE
+    assert backend._reasons(_Cfg(framework="torch", is_training=True, name="c")) == []  # torch: not asked
+    assert len(working.registered) == 2
+
+
 _FAKE_CORE = r"""
 #include <stdint.h>
 const char *fusedattn_core_last_error(void) { return "fake"; }

@@ -29,7 +29,7 @@ from fusedattn.backends.cudnn.native import build, core
 from fusedattn.cache import LRUCache, register
 
 __all__ = ["TARGET", "ENV_SWITCH", "COMMAND_BUFFER_SWITCH", "NativePlan", "enabled", "unavailable", "plan",
-           "serialized"]
+           "rebuild_reason", "serialized"]
 
 TARGET = "fusedattn_cudnn_execute"
 ENV_SWITCH = "FUSEDATTN_JAX_NATIVE"
@@ -90,6 +90,30 @@ def plan(cfg, direction: str, device: int, buffers: tuple[str, ...], scalars: tu
                                       "uids": np.asarray(uids, np.int64)})
 
     return _plans.get_or_build((cfg, direction, buffers, scalars), make)
+
+
+def rebuild_reason(cfg, device: int) -> str | None:
+    """Why cuDNN cannot rebuild one of cfg's graphs (forward, and backward when training) from its
+    serialized bytes, which is all a JAX custom call launches from; None when both rebuild (or the native
+    path is off, which `unavailable` reports). Asked at selection, once per config and device, so such a
+    call runs on the next backend and `explain` shows why, instead of failing when it is traced."""
+    if unavailable() is not None:
+        return None
+
+    def check() -> str:
+        for direction in ("forward", "backward") if cfg.is_training else ("forward",):
+            blob, uid_of = serialized(cfg, direction, device)
+            registered = core.register(blob, (*map(core.buffer_slot, uid_of.values()), core.WORKSPACE), device)
+            if isinstance(registered, str):
+                return (f"cuDNN could not rebuild the {direction} graph from its serialized bytes ({registered}); "
+                        "a JAX call launches from those bytes alone")
+        return ""
+
+    return _rebuilds.get_or_build((cfg, device), check) or None
+
+
+# (cfg, device) -> "" when both passes rebuild from their bytes, else why not
+_rebuilds: LRUCache = register("jax.native.rebuilds", LRUCache(1024))
 
 
 def serialized(cfg, direction: str, device: int) -> tuple[bytes, dict]:

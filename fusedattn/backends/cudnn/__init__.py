@@ -30,9 +30,16 @@ class CudnnBackend(Backend):
             reasons = _jax_launch(cfg)
             if reasons:
                 return reasons
-        from fusedattn.backends.cudnn.graph_cache import probe
+        from fusedattn.backends.cudnn.graph_cache import current_device, probe
 
-        return probe(rows_with_keys_config(cfg))
+        built = rows_with_keys_config(cfg)
+        reasons = probe(built)
+        if reasons or cfg.framework != "jax":
+            return reasons
+        from fusedattn.jax import native
+
+        why = native.rebuild_reason(built, current_device("jax"))
+        return [why] if why else []
 
     def notes(self, cfg):
         if not cfg.unaligned:
