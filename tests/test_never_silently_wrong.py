@@ -952,3 +952,59 @@ def test_a_nan_sink_gives_nan_in_its_head_and_leaves_the_others_right(framework)
     assert np.isnan(out[:, :, 0]).all() and np.isnan(lse[:, 0]).all()
     np.testing.assert_array_equal(out[:, :, 1], np.asarray(finite.out)[:, :, 1])
     np.testing.assert_array_equal(lse[:, 1], np.asarray(finite.lse)[:, 1])
+
+
+# ------------------------------------------------------------------ windows past every distance
+
+@pytest.mark.parametrize("side", [2**31 - 1, 2**31, 2**32 + 1, 2**40])
+@pytest.mark.parametrize("mask, window", [("causal", lambda w: (w, 0)), ("none", lambda w: (w, w)),
+                                          ("causal_bottom_right", lambda w: (w, -1)), ("none", lambda w: (3, w))])
+def test_a_window_wider_than_any_distance_bounds_nothing(side, mask, window):
+    """A window side past every query-key distance is the unbounded side (config stores -1): it once went
+    into int32 index arithmetic and wrapped (2**32 + 1 masked as a window of 1), a silent wrong answer in
+    torch and in JAX with x64, and an OverflowError naming no argument in JAX without."""
+    gen = torch.Generator().manual_seed(61)
+    q = torch.randn(2, 5, 2, 8, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(2, 7, 2, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    wide = window(side)
+    bounded = tuple(-1 if w == side else w for w in wide)
+    want = fat.attention(q, k, v, mask=mask, window=bounded)
+    torch.testing.assert_close(fat.attention(q, k, v, mask=mask, window=wide), want, rtol=0, atol=0)
+    got = fja.attention(*(jnp.asarray(x.float().numpy()) for x in (q, k, v)), mask=mask, window=wide)
+    np.testing.assert_allclose(np.asarray(got), want.float().numpy(), rtol=2e-5, atol=2e-6)
+
+
+# ------------------------------------------------------------------ values past each sequence's end
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+def test_values_past_each_sequences_end_never_reach_the_sequence(poison, where):
+    """A padded layout with a padding mask: q, k or v past each sequence's end (an uninitialised cache
+    tail) holding NaN or inf once reached every row through 0 * NaN on the reference, forward and
+    gradients. Now out, LSE and every gradient equal those with finite values there, torch and JAX."""
+    gen = torch.Generator().manual_seed(63)
+    q = torch.randn(2, 5, 2, 8, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(2, 6, 2, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    cu_q, cu_kv = torch.tensor([0, 3, 8]), torch.tensor([0, 2, 8])  # lengths (3, 5) of 5, (2, 6) of 6
+    lengths = {"q": (3, 5), "k": (2, 6), "v": (2, 6)}[where]
+    clean = {"q": q, "k": k, "v": v}
+    dirty = dict(clean)
+    dirty[where] = clean[where].clone()
+    for b, n in enumerate(lengths):
+        dirty[where][b, n:] = poison
+    options = dict(mask="padding", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, return_lse=True)
+    grad = torch.randn(2, 5, 2, 8, generator=gen, dtype=torch.float64)
+    results = []
+    for tensors in (clean, dirty):
+        leaves = {name: x.clone().requires_grad_(True) for name, x in tensors.items()}
+        out, lse = fat.attention(leaves["q"], leaves["k"], leaves["v"], **options)[:2]
+        (out * grad).sum().backward()
+        inside = [leaves[name].grad[b, :n] for name in ("q", "k", "v")
+                  for b, n in enumerate({"q": (3, 5), "k": (2, 6), "v": (2, 6)}[name])]
+        results.append((out, torch.where(torch.isinf(lse), 0, lse), *inside))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    arrays = {name: jnp.asarray(x.numpy().astype(np.float32)) for name, x in dirty.items()}
+    got = fja.attention(arrays["q"], arrays["k"], arrays["v"], mask="padding", cu_seqlens_q=jnp.asarray(cu_q.numpy()),
+                        cu_seqlens_kv=jnp.asarray(cu_kv.numpy()))
+    np.testing.assert_allclose(np.asarray(got), results[0][0].detach().float().numpy(), rtol=2e-5, atol=2e-6)
