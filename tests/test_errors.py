@@ -461,7 +461,7 @@ CONFIG_CASES = [
     ("softmax", {"softmax": "sparse"}, "softmax: expected one of", "got 'sparse'"),
     ("device", {"device": "tpu"}, "device: expected one of", "got 'tpu'"),
     ("framework", {"framework": "numpy"}, "framework: expected one of", "got 'numpy'"),
-    ("batch-zero", {"batch": 0}, "batch: expected an integer >= 1", "got 0"),
+    ("batch-negative", {"batch": -1}, "batch: expected an integer >= 0", "got -1"),
     ("seqlen-negative", {"seqlen_q": -1}, "seqlen_q: expected an integer >= 0", "got -1"),
     ("heads-bool", {"heads_kv": True}, "heads_kv: expected an integer >= 1", "got True"),
     ("head-dim-float", {"head_dim_qk": 16.0}, "head_dim_qk: expected an integer >= 1", "got 16.0"),
@@ -530,3 +530,38 @@ def test_a_numpy_scale_is_its_value_and_a_tensor_scale_says_what_to_pass():
     torch.testing.assert_close(fat.attention(q, q, q, scale=np.float32(0.5)), fat.attention(q, q, q, scale=0.5))
     with pytest.raises(ValueError, match=r"scale: expected a Python float > 0 .*got Tensor .*pass float\(scale\)"):
         fat.attention(q, q, q, scale=torch.tensor(0.5))
+
+
+@pytest.mark.parametrize("options", [{}, {"mask": "causal", "return_lse": True}, {"softmax_type": "learnable"},
+                                     {"score_mod": "half"}, {"alibi_slopes": [0.5, 0.25]}])
+def test_an_empty_batch_answers_empty_outputs_and_gradients(options):
+    """B=0 (an empty micro-batch) answers empty outputs and gradients, as SDPA and jax.nn do, where it was
+    refused ("batch: expected an integer >= 1"): the reference runs it, the fused backends say why not."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    import fusedattn.jax as fja
+    import fusedattn.torch as fat
+
+    if options.get("score_mod") == "half":
+        options = {"score_mod": lambda s, b, h, q_idx, kv_idx: s * 0.5}
+    sink = {"sink": torch.randn(2)} if "softmax_type" in options else {}
+    q = torch.randn(0, 4, 2, 8, requires_grad=True)
+    k, v = (torch.randn(0, 5, 2, 8, requires_grad=True) for _ in range(2))
+    result = fat.attention(q, k, v, **options, **sink)
+    out = result[0] if isinstance(result, tuple) else result
+    out.sum().backward()
+    assert out.shape == (0, 4, 2, 8) and q.grad.shape == q.shape and k.grad.shape == k.shape
+    if options.get("return_lse"):
+        assert result.lse.shape == (0, 2, 4)
+    text = str(fat.explain(q, k, v, **options, **sink))
+    assert "selected: reference" in text and "B=0: an empty batch" in text
+    arrays = [jnp.asarray(x.detach().numpy()) for x in (q, k, v)]
+    jax_sink = {"sink": jnp.asarray(sink["sink"].numpy())} if sink else {}
+
+    def loss(q):
+        got = fja.attention(q, *arrays[1:], **options, **jax_sink)
+        return (got[0] if isinstance(got, tuple) else got).sum()
+
+    assert jax.jit(jax.grad(loss))(arrays[0]).shape == (0, 4, 2, 8)

@@ -90,6 +90,8 @@ class Backend:
     # Whether tensors a score_mod reads get their gradient (cfg.score_mod_learns): the framework's autodiff
     # through this backend's forward. Others give an added term its gradient only (as a bias).
     score_mod_gradient: bool = False
+    # Whether it runs a call of batch 0 (empty outputs): the others' kernels and graphs are not built for one.
+    runs_empty_batch: bool = False
 
     def availability(self) -> list[str]:
         """Reasons this backend cannot run anything here, whatever the call."""
@@ -119,6 +121,8 @@ class Backend:
                     reasons.append(f"{label}={dim} > {self.max_head_dim}")
                 if dim % self.head_dim_multiple:
                     reasons.append(f"{label}={dim} is not a multiple of {self.head_dim_multiple}")
+            if cfg.batch == 0 and not self.runs_empty_batch:
+                reasons.append("B=0: an empty batch, nothing to compute (the reference returns the empty outputs)")
             if cfg.score_mod_learns and not self.score_mod_gradient:
                 reasons.append("score_mod tensors that require grad (read other than as an added term, such as "
                                f"score * w[h]) get no gradient on {self.name}; backend='reference' gives them "

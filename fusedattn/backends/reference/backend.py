@@ -49,6 +49,7 @@ def reference_forward(cfg: AttentionConfig, inputs: AttentionInputs) -> Attentio
 class ReferenceBackend(Backend):
     name = "reference"
     score_mod_gradient = True  # its forward is the framework's own ops: autodiff reaches the score_mod's tensors
+    runs_empty_batch = True
 
     def forward(self, cfg: AttentionConfig, inputs: AttentionInputs):
         return reference_forward(cfg, inputs), None
