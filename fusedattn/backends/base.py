@@ -90,6 +90,8 @@ class Backend:
     # Whether tensors a score_mod reads get their gradient (cfg.score_mod_learns): the framework's autodiff
     # through this backend's forward. Others give an added term its gradient only (as a bias).
     score_mod_gradient: bool = False
+    # Whether its backward is itself differentiable (torch: a second derivative, create_graph=True).
+    backward_differentiable: bool = False
     # Whether it runs a call of batch 0 (empty outputs): the others' kernels and graphs are not built for one.
     runs_empty_batch: bool = False
 

@@ -73,15 +73,19 @@ class TorchOps:
         return x.detach()
 
     def vjp(self, fn, primals: dict, cotangents: tuple) -> dict:
-        """Gradients of fn(**primals) (a tuple) against the given output cotangents."""
+        """Gradients of fn(**primals) (a tuple) against the given output cotangents. Called with grad mode on
+        (a backward with create_graph=True), the gradients keep their graph to the primals and cotangents,
+        so they can be differentiated again."""
+        create_graph = torch.is_grad_enabled()
         with torch.enable_grad():
-            leaves = {name: x.detach().requires_grad_(True) for name, x in primals.items()
-                      if x is not None and x.is_floating_point()}
+            leaves = {name: x if create_graph and x.requires_grad else x.detach().requires_grad_(True)
+                      for name, x in primals.items() if x is not None and x.is_floating_point()}
             outputs = fn(**{**primals, **leaves})
             pairs = [(o, c) for o, c in zip(outputs, cotangents)
                      if c is not None and o is not None and o.requires_grad]
             grads = (torch.autograd.grad([o for o, _ in pairs], list(leaves.values()),
-                                         [c.to(o.dtype) for o, c in pairs], allow_unused=True)
+                                         [c.to(o.dtype) for o, c in pairs], allow_unused=True,
+                                         create_graph=create_graph)
                      if pairs else [None] * len(leaves))
         return {name: (g if g is not None else torch.zeros_like(x))
                 for (name, x), g in zip(leaves.items(), grads)}

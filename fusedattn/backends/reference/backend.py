@@ -50,6 +50,7 @@ class ReferenceBackend(Backend):
     name = "reference"
     score_mod_gradient = True  # its forward is the framework's own ops: autodiff reaches the score_mod's tensors
     runs_empty_batch = True
+    backward_differentiable = True  # (torch: its backward is autograd over its own forward)
 
     def forward(self, cfg: AttentionConfig, inputs: AttentionInputs):
         return reference_forward(cfg, inputs), None
