@@ -288,6 +288,10 @@ def check_cu_seqlens(argument: str, cu_seqlens: np.ndarray, total_tokens: int,
     if padded[0] < 0:
         raise ValueError(f"{padded_argument}: expected offsets >= 0, got {int(padded[0])}")
     room = np.diff(padded)
+    if (room < 0).any():
+        b = int(np.argmax(room < 0))
+        raise ValueError(f"{padded_argument}: expected non-decreasing offsets, got {int(padded[b])} then "
+                         f"{int(padded[b + 1])} at index {b}")
     if (room < lengths).any():
         b = int(np.argmax(room < lengths))
         raise ValueError(

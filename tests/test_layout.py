@@ -364,8 +364,10 @@ def test_check_cu_seqlens_returns_the_longest_sequence(cu, total, padded, longes
     ([0, 3, 6], 9, [0, 2, 6],
      "cu_seqlens_q_padded: sequence 0 holds 3 tokens but its padded slot [0, 2) has room for 2"),
     ([0, 3, 6], 9, [0, 4, 10], "cu_seqlens_q_padded: last offset 10 exceeds the 9 packed tokens of the tensor"),
+    ([0, 0, 0], 9, [0, 4, 3],
+     "cu_seqlens_q_padded: expected non-decreasing offsets, got 4 then 3 at index 1"),
 ], ids=["2d", "one-offset", "first-not-0", "decreasing", "beyond", "padded-shape", "padded-negative",
-        "padded-no-room", "padded-beyond"])
+        "padded-no-room", "padded-beyond", "padded-decreasing"])
 def test_check_cu_seqlens_rejects(cu, total, padded, message):
     padded = None if padded is None else np.asarray(padded)
     with pytest.raises(ValueError) as info:
