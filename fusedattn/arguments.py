@@ -401,13 +401,15 @@ def infer_max_seqlens(args: CallArguments, host: dict[str, np.ndarray], traced: 
 def clamp_max_seqlens(args: CallArguments) -> None:
     """Lower a THD call's max_seqlen_q/kv past its tokens to the token count: no sequence is longer, and
     every backend sizes its work by the bound (the reference pads each sequence to it; a max_seqlen of
-    100000 over 8 tokens asked for 160 GB). Before bucketing, so buckets stay shared."""
-    if str(getattr(args.layout, "value", args.layout)) not in _RAGGED_LAYOUTS:
+    100000 over 8 tokens asked for 160 GB). Before bucketing, so buckets stay shared. Not below 1 (a call
+    with no tokens keeps its one-query shape), nor with a score_mod, whose tensors are sized by the bound
+    the caller gave ((B, Hq, max_seqlen_q, max_seqlen_kv))."""
+    if str(getattr(args.layout, "value", args.layout)) not in _RAGGED_LAYOUTS or args.score_mod is not None:
         return
     q, k = args.tensors[0], args.tensors[1] or args.tensors[0]  # (packed layouts: k in q's tensor)
     for side, meta in (("q", q), ("kv", k)):
         value = getattr(args, f"max_seqlen_{side}")
-        tokens = meta.shape[0] if meta is not None and meta.shape else None
+        tokens = max(meta.shape[0], 1) if meta is not None and meta.shape else None
         if isinstance(value, int) and not isinstance(value, bool) and tokens is not None and value > tokens:
             setattr(args, f"max_seqlen_{side}", tokens)
 
