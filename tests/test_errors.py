@@ -532,6 +532,7 @@ def test_a_numpy_scale_is_its_value_and_a_tensor_scale_says_what_to_pass():
         fat.attention(q, q, q, scale=torch.tensor(0.5))
 
 
+@torch_frontend
 @pytest.mark.parametrize("options", [{}, {"mask": "causal", "return_lse": True}, {"softmax_type": "learnable"},
                                      {"score_mod": "half"}, {"alibi_slopes": [0.5, 0.25]}])
 def test_an_empty_batch_answers_empty_outputs_and_gradients(options):
