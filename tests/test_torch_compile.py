@@ -289,6 +289,85 @@ def test_a_closure_cells_tensor_is_a_graph_input_dynamo_guards(reach):
         torch.testing.assert_close(run(x, _alibi_over(other)), other)
 
 
+def _capped_alibi_over(slopes, cap):
+    def capped_alibi(score, b, h, q_idx, kv_idx):
+        return cap * torch.tanh(score / cap) + slopes[h] * (kv_idx - q_idx) * GLOBAL_SCALE
+    return capped_alibi
+
+
+GLOBAL_SCALE = 1.0
+
+
+def _helper(score):
+    return score * 2
+
+
+@pytest.mark.parametrize("reach", ["closure", "global"])
+def test_the_traced_part_of_a_compiled_call_touches_and_fetches_in_one_trace(reach):
+    """compiled_score_mods.captured, the traced code of a compiled score_mod call, under fullgraph=True: the
+    captured tensor is a graph input (in-place changes show), and a new number in the callback's closure
+    cell or global recompiles. A callback over a captured cell is read, not run: Dynamo (torch 2.11) failed
+    the trace that ran it and then fetched from its cell (found on an H200, where plan does not decline)."""
+    global GLOBAL_SCALE
+    import torch._dynamo.testing
+
+    from fusedattn.torch import compiled_score_mods as compiled
+
+    slopes = torch.rand(4)
+    callback = _capped_alibi_over(slopes, 20.0) if reach == "closure" else _global_alibi
+    tensor = slopes if reach == "closure" else GLOBAL_SLOPES
+    sources = compiled._sources((callback, None), {"c0": tensor})
+    reads = (compiled._reads_instead_of_call(callback, 0, sources), None)
+    assert (reads[0] is None) == (reach == "global")
+    sources = tuple(source for _, source in sources)
+
+    def step(x):
+        return x * compiled.captured(callback, None, x, sources, reads)[0]
+
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    run = torch.compile(step, backend=counter, fullgraph=True)
+    x = torch.ones(4)
+    torch.testing.assert_close(run(x), tensor)
+    before = tensor.clone()
+    tensor.mul_(3)
+    try:
+        torch.testing.assert_close(run(x), tensor)
+        assert counter.frame_count == 1
+        if reach == "closure":
+            callback.__closure__[0].cell_contents = 5.0  # the cap
+            run(x)
+            assert counter.frame_count > 1, "a new number in the callback's cell must recompile"
+            compiles = counter.frame_count
+            GLOBAL_SCALE = 2.0
+            run(x)
+            assert counter.frame_count > compiles, "a new number in a global it reads must recompile"
+    finally:
+        tensor.copy_(before)
+        GLOBAL_SCALE = 1.0
+
+
+def test_a_callback_over_a_captured_cell_that_reads_a_helper_is_not_followed():
+    """Reading a callback's cells instead of running it follows plain values only: one that also calls a
+    helper, or holds a lambda of its own, is left to the eager call (plan declines it)."""
+    from fusedattn.torch import compiled_score_mods as compiled
+
+    slopes = torch.rand(4)
+
+    def through_helper(score, b, h, q_idx, kv_idx):
+        return _helper(score) + slopes[h]
+
+    def with_lambda(score, b, h, q_idx, kv_idx):
+        return (lambda s: s + slopes[h])(score)
+
+    for callback in (through_helper, with_lambda):
+        sources = compiled._sources((callback, None), {"c0": slopes})
+        assert compiled._reads_instead_of_call(callback, 0, sources) is False, callback.__name__
+    capped = _capped_alibi_over(slopes, 2.0)
+    reads = compiled._reads_instead_of_call(capped, 0, compiled._sources((capped, None), {"c0": slopes}))
+    assert set(reads) == {(0, "cell", 0), (0, "cell", 1), (0, "global", "GLOBAL_SCALE")}
+
+
 def test_score_mod_aux_binds_the_tensors_of_each_run():
     """fusedattn::score_mod_aux makes the operator's aux tensors from the tensors a compiled graph passes it:
     other values give other aux tensors (never the traced ones), its outputs never alias its inputs, and its

@@ -20,7 +20,8 @@ else
 fi
 if [ "${SUITE:-1}" = "1" ]; then  # the whole suite, fuzzer included, in WORKERS processes sharing the GPU
   FUZZ_SUMMARY=$OUT/fuzz-gpu.txt FUSEDATTN_GIT_REV=${FUSEDATTN_GIT_REV:-unknown} timeout ${SUITE_SECONDS:-420} \
-    python3 -m pytest -q -m gpu -p no:cacheprovider -n ${WORKERS:-6} --durations=15 ${PYTEST_ARGS:-tests/gpu} 2>&1 \
-    | tee $OUT/gpu-tests.txt | grep -E "passed|failed|^FAILED|^ERROR|s call "
+    python3 -m pytest -v -m gpu -p no:cacheprovider -n ${WORKERS:-6} --durations=25 --tb=short ${PYTEST_ARGS:-tests/gpu} 2>&1 \
+    | tee $OUT/gpu-tests.txt | grep -E "passed|failed| FAILED | ERROR |^FAILED|^ERROR|s call "
+  # -v names each result as it lands: a suite cut off by the timeout still says which tests failed
 fi
 if [ -n "${EXTRA:-}" ]; then eval "$EXTRA"; fi

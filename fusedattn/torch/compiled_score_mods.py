@@ -40,7 +40,8 @@ from fusedattn.score_mods.core import ScoreMod, as_score_mod, needs_gradient
 from fusedattn.score_mods.flex import is_flex_score_mod
 from fusedattn.torch import trace_time
 
-__all__ = ["GRAPH_BREAK", "NOT_IN_GRAPH", "in_graph", "passed", "plan", "touch", "fetch", "score_mod_aux"]
+__all__ = ["GRAPH_BREAK", "NOT_IN_GRAPH", "in_graph", "passed", "plan", "touch", "fetch", "captured",
+           "score_mod_aux"]
 
 API = "fusedattn.torch.attention"
 GRAPH_BREAK = (
@@ -50,7 +51,7 @@ GRAPH_BREAK = (
     "callback made inside the compiled code, ScoreMods holding tensors, mods that learn, cuDNN-native "
     "callbacks, and calls the native operator does not run are bound per call in Python. Compile with "
     "fullgraph=False; everything around the call still compiles.")
-NOT_IN_GRAPH = (-1, (), False, (), "")
+NOT_IN_GRAPH = (-1, (), False, (), "", (None, None))
 API_AUX = "fusedattn::score_mod_aux"
 _FIELDS = tuple(f.name for f in dataclasses.fields(ScoreMod))
 
@@ -108,27 +109,50 @@ def _rebuilt(fields: tuple) -> ScoreMod:
     return ScoreMod(**{**values, "parts": tuple(map(_rebuilt, values["parts"]))})
 
 
-def touch(score_mod, mask_mod, like: torch.Tensor) -> None:
+def touch(score_mod, mask_mod, like: torch.Tensor, reads: tuple = (None, None)) -> None:
     """Reads, in the traced code, what the callbacks read: flex callbacks run on one-element stand-ins (dead
     code the compiler drops; not 0-d, whose use as an index into a captured tensor Dynamo cannot trace), a
-    ScoreMod's numbers are compared with themselves. Dynamo guards on each."""
+    ScoreMod's numbers are compared with themselves. Dynamo guards on each. reads (plan's): for a callback
+    whose closure cells hold a captured tensor, the cells and globals to read instead of running it (Dynamo,
+    torch 2.11 to 2.13, cannot both inline a callback and fetch from its cells in one trace)."""
     index = like.new_zeros((1,), dtype=torch.int64)
     if isinstance(score_mod, ScoreMod):
         for value in _numbers(score_mod):
-            if isinstance(value, numbers.Number):
-                torch._check(value == value or value != value)  # a guard on the number, nothing at run time
+            _guard(value)
+    elif reads[0] is not None:
+        _read(score_mod, None, reads[0])
     elif score_mod is not None:  # a flex callback (plan declined the others)
         score_mod(like.new_zeros((1,), dtype=torch.float32), index, index, index, index)
-    if mask_mod is not None:
+    if reads[1] is not None:
+        _read(None, mask_mod, reads[1])
+    elif mask_mod is not None:
         mask_mod(index, index, index, index)
+
+
+def _guard(value) -> None:
+    if isinstance(value, numbers.Number):
+        torch._check(value == value or value != value)  # a guard on the number, nothing at run time
+
+
+def _read(score_mod, mask_mod, sources: tuple) -> None:
+    for source in sources:
+        _guard(fetch(score_mod, mask_mod, source))
+
+
+def captured(score_mod, mask_mod, like: torch.Tensor, sources: tuple, reads: tuple) -> list:
+    """The traced code's part of a compiled score_mod call (plan gave sources and reads): touches what the
+    callbacks read, and fetches their captured tensors, graph inputs of the compiled graph."""
+    touch(score_mod, mask_mod, like, reads)
+    return [fetch(score_mod, mask_mod, source) for source in sources]
 
 
 @torch._dynamo.assume_constant_result
 def plan(described: tuple, options: tuple, backend, grad_enabled: bool, score_mod, mask_mod, device) -> tuple:
-    """(native plan id, scalars, empty_rows, sources, aux key) of a compiled score_mod call, or NOT_IN_GRAPH
-    when the call must run outside the graph (see the module's docstring). sources: where the callbacks
-    read their captured tensors (see `fetch`), and the aux key names the binding score_mod_aux makes of
-    them ("" without any). score_mod: as `passed` gives it. Dynamo runs this once per distinct call."""
+    """(native plan id, scalars, empty_rows, sources, aux key, reads) of a compiled score_mod call, or
+    NOT_IN_GRAPH when the call must run outside the graph (see the module's docstring). sources: where the
+    callbacks read their captured tensors (see `fetch`), and the aux key names the binding score_mod_aux
+    makes of them ("" without any); reads: see `touch`. score_mod: as `passed` gives it. Dynamo runs this
+    once per distinct call."""
     if isinstance(score_mod, tuple):  # a ScoreMod's fields (passed)
         score_mod = _rebuilt(score_mod)
     if any(entry is not None for entry in described[6:]):
@@ -161,11 +185,14 @@ def _plan(described, options, backend, grad_enabled, score_mod, mask_mod, device
         return NOT_IN_GRAPH  # (captured tensors that make no aux tensor are not followed: eager binds them)
     aux, scalars = operands.values(bound.values)
     if not captured:
-        return native, tuple(scalars), may_empty_rows(cfg, bound), (), ""
+        return native, tuple(scalars), may_empty_rows(cfg, bound), (), "", (None, None)
+    reads = tuple(_reads_instead_of_call(fn, index, sources) for index, fn in enumerate((score_mod, mask_mod)))
+    if False in reads:
+        return NOT_IN_GRAPH  # a callback over a captured cell that also reads a helper or an object
     key = _remember_aux(mod, tuple(name for name, _ in sources), cfg, bound.key, aux)
     # The captured values can change between runs without a new trace: rows that may empty are cleared.
     empty_rows = may_empty_rows(cfg, bound) or any(x.is_floating_point() for x in captured.values())
-    return native, tuple(scalars), empty_rows, tuple(source for _, source in sources), key
+    return native, tuple(scalars), empty_rows, tuple(source for _, source in sources), key, reads
 
 
 # ---------------------------------------------------------------- captured tensors as graph inputs
@@ -192,6 +219,36 @@ def _sources(callbacks: tuple, captured: dict) -> tuple | None:
         if source is None:
             return None
         found.append((name, source))
+    return tuple(found)
+
+
+_PLAIN_VALUES = (numbers.Number, torch.Tensor, str, type(None))
+
+
+def _reads_instead_of_call(fn, index: int, sources: tuple):
+    """For `touch`: None where the traced code may run the callback (no captured tensor in its closure);
+    else the sources of every cell and global it reads, all plain values (numbers, tensors), or False
+    where it reads anything else (a helper function, an object), which only running it would follow."""
+    if not any(source[:2] == (index, "cell") for _, source in sources):
+        return None
+    code = fn.__code__
+    if any(isinstance(const, types.CodeType) for const in code.co_consts):
+        return False  # a lambda or comprehension of its own, with reads of its own
+    found = []
+    for position, cell in enumerate(fn.__closure__):
+        try:
+            value = cell.cell_contents
+        except ValueError:
+            return False
+        if not isinstance(value, _PLAIN_VALUES):
+            return False
+        found.append((index, "cell", position))
+    for name in code.co_names:
+        if name not in fn.__globals__ or isinstance(fn.__globals__[name], types.ModuleType):
+            continue  # attribute names, builtins and modules (torch.tanh)
+        if not isinstance(fn.__globals__[name], _PLAIN_VALUES):
+            return False
+        found.append((index, "global", name))
     return tuple(found)
 
 

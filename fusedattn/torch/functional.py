@@ -538,15 +538,14 @@ def _compiled_score_mod_attention(q, k, v, given: dict):
     for fn in (score_mod, mask_mod):
         if type(fn) is types.FunctionType:
             _score_mod_made_in_compiled_code_over_tensors_breaks_the_graph_here(fn)
-    native, scalars, empty_rows, sources, aux_key = compiled_score_mods.plan(
+    native, scalars, empty_rows, sources, aux_key, reads = compiled_score_mods.plan(
         described, tuple(options.items()), given.get("backend"), torch.is_grad_enabled(),
         compiled_score_mods.passed(score_mod), mask_mod, q.device)
     if native < 0:
         return _score_mod_call_outside_graph(q, k, v, **given)
-    compiled_score_mods.touch(score_mod, mask_mod, q)
+    captured = compiled_score_mods.captured(score_mod, mask_mod, q, sources, reads)
     aux = []
-    if sources:  # captured tensors: graph inputs, bound into aux tensors on every run
-        captured = [compiled_score_mods.fetch(score_mod, mask_mod, source) for source in sources]
+    if captured:  # captured tensors: graph inputs, bound into aux tensors on every run
         aux = torch.ops.fusedattn.score_mod_aux.default(aux_key, captured)
     unpacked = split_packed(options["layout"], tuple(x for x in tensors[:3] if x is not None))
     seed, offset = _compiled_dropout(q, options, given)
