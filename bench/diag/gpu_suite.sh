@@ -23,5 +23,6 @@ if [ "${SUITE:-1}" = "1" ]; then  # the whole suite, fuzzer included, in WORKERS
     python3 -m pytest -v -m gpu -p no:cacheprovider -n ${WORKERS:-6} --durations=25 --tb=short ${PYTEST_ARGS:-tests/gpu} 2>&1 \
     | tee $OUT/gpu-tests.txt | grep -E "passed|failed| FAILED | ERROR |^FAILED|^ERROR|s call "
   # -v names each result as it lands: a suite cut off by the timeout still says which tests failed
+  cat $OUT/fuzz-gpu-*of*.txt > $OUT/fuzz-gpu.txt 2>/dev/null && rm -f $OUT/fuzz-gpu-*of*.txt  # one file back
 fi
 if [ -n "${EXTRA:-}" ]; then eval "$EXTRA"; fi

@@ -16,3 +16,12 @@ def _return_cached_gpu_memory():
     if os.environ.get("PYTEST_XDIST_WORKER") and torch is not None and torch.cuda.is_initialized():
         gc.collect()
         torch.cuda.empty_cache()
+
+
+# The longest tests (the fuzzer's shards, the JAX suite in a torch-blocked process) go out to the workers
+# first, so the others fill in around them and the whole suite ends within one device call.
+LONGEST_FIRST = ("test_fuzz_through_the_selection_on_cuda", "test_the_jax_gpu_suite_passes_with_torch_blocked")
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: getattr(item, "originalname", item.name) not in LONGEST_FIRST)

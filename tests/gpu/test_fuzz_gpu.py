@@ -6,7 +6,9 @@ declines with their reasons (grouped), and every mismatch in full, one line each
 regression test. Any mismatch, NaN or crash fails the test.
 
     FUZZ_CALLS=1000     calls through the selection (default 1000)
-    FUZZ_SUMMARY=path   the summary file (default bench/results/fuzz-gpu.txt)
+    FUZZ_SHARDS=4       tests that share them (each runs every FUZZ_SHARDS-th drawn config): pytest-xdist's
+                        workers run them side by side, so the whole GPU suite fits one device call
+    FUZZ_SUMMARY=path   the summary file (default bench/results/fuzz-gpu.txt; a shard's name gets -kofn)
 
 cuDNN builds a graph per config on its first call (0.3-1 s), so each drawn config runs REPEATS times
 with fresh data (seed, seed+1, ...). Then each fused backend that selection did not pick is forced
@@ -51,20 +53,34 @@ def _revision() -> str:
         return "unknown"
 
 
-def _title(calls: int, seconds: float) -> str:
+def _title(calls: int, seconds: float, shard: int) -> str:
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else "none"
-    return (f"fusedattn GPU fuzz: {calls} calls through the selection (REPEATS={REPEATS} per config) on "
+    part = f" (shard {shard + 1} of {SHARDS})" if SHARDS > 1 else ""
+    return (f"fusedattn GPU fuzz{part}: {calls} calls through the selection (REPEATS={REPEATS} per config) on "
             f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {cudnn}, git {_revision()}, "
             f"{seconds:.0f} s")
 
 
-def test_fuzz_through_the_selection_on_cuda():
-    calls = int(os.environ.get("FUZZ_CALLS", "1000"))
-    log, oracle = fc.FuzzLog(), fc.GpuOracle()
+SHARDS = max(1, int(os.environ.get("FUZZ_SHARDS", "4")))
 
-    @fc.fuzz_settings(math.ceil(calls / REPEATS))
+
+def _summary_path(shard: int) -> Path:
+    path = Path(os.environ.get("FUZZ_SUMMARY", DEFAULT_SUMMARY))
+    return path if SHARDS == 1 else path.with_name(f"{path.stem}-{shard + 1}of{SHARDS}{path.suffix}")
+
+
+@pytest.mark.parametrize("shard", range(SHARDS))
+def test_fuzz_through_the_selection_on_cuda(shard):
+    configs = math.ceil(int(os.environ.get("FUZZ_CALLS", "1000")) / REPEATS)
+    calls = len(range(shard, configs, SHARDS)) * REPEATS  # (the same draws in every shard: derandomized)
+    log, oracle = fc.FuzzLog(), fc.GpuOracle()
+    drawn = iter(range(configs * 100))
+
+    @fc.fuzz_settings(configs)
     @given(fc.cases(fc.GPU_PROFILE))
     def one_config(case):
+        if next(drawn) % SHARDS != shard:
+            return
         selected = set()
         for repeat in range(REPEATS):
             result = log.add(fc.run_case(dataclasses.replace(case, seed=case.seed + repeat), device="cuda",
@@ -79,8 +95,8 @@ def test_fuzz_through_the_selection_on_cuda():
         warnings.simplefilter("ignore", UserWarning)
         one_config()
     through_selection = sum(1 for r in log.results if r.forced is None)
-    summary = log.report(_title(through_selection, time.time() - start))
-    path = Path(os.environ.get("FUZZ_SUMMARY", DEFAULT_SUMMARY))
+    summary = log.report(_title(through_selection, time.time() - start, shard))
+    path = _summary_path(shard)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(summary)
     print(summary)
