@@ -589,3 +589,41 @@ def test_alibi_over_a_list_made_in_compiled_code_reaches_plan_as_numbers(monkeyp
     slopes[1] = 0.125
     torch.testing.assert_close(compiled(q), step(q))
     assert seen[-1] == (0.5, 0.125)
+
+
+def _softcapped(score, b, h, q_idx, kv_idx):
+    return 8.0 * torch.tanh(score / 8.0)
+
+
+# (what changes between the compiled calls, the calls' (batch, seqlen, options) in order)
+CHANGING = {
+    "batch": [(2, 16, {}), (3, 16, {}), (5, 16, {})],
+    "sequence length": [(2, 16, {}), (2, 24, {}), (2, 9, {})],
+    "scale": [(2, 16, {"scale": 0.5}), (2, 16, {"scale": 0.25}), (2, 16, {"scale": 0.3})],
+    "window": [(2, 16, {"window": (4, 0)}), (2, 16, {"window": (3, 0)}), (2, 16, {"window": (7, 0)})],
+    "dropout_p": [(2, 16, {"dropout_p": p, "dropout_seed": 7}) for p in (0.1, 0.2, 0.3)],
+    "score_mod and batch": [(b, 16, {"score_mod": _softcapped}) for b in (2, 3, 4)],
+}
+
+
+@pytest.mark.parametrize("dynamic", [None, True], ids=["default", "dynamic"])
+@pytest.mark.parametrize("changing", list(CHANGING))
+def test_compiled_calls_whose_sizes_and_numbers_change_match_eager(changing, dynamic):
+    """A compiled model whose batch, lengths or number arguments change between calls (a last, smaller
+    batch; a schedule) recompiles and gives eager's outputs and gradients; with dynamic=True too. Sizes
+    and numbers that changed are symbolic while Dynamo traces: torch 2.11 failed every such call with
+    "SymNodeVariable() is not a constant" in the trace-time planning (found by sweep 15)."""
+    def step(q, k, v, options):
+        return fat.attention(q, k, v, mask="causal", **options)
+
+    run = torch.compile(step, backend="aot_eager", dynamic=dynamic)
+    torch._dynamo.reset()
+    for index, (batch, seqlen, options) in enumerate(CHANGING[changing]):
+        q, k, v = _inputs((batch, seqlen, 2, 8), (batch, seqlen, 2, 8), seed=60 + index)
+        got = run(q, k, v, options)
+        got_grads = torch.autograd.grad(_loss(got), (q, k, v))
+        want = step(q, k, v, options)
+        want_grads = torch.autograd.grad(_loss(want), (q, k, v))
+        torch.testing.assert_close(got, want, msg=f"{changing} call {index}")
+        for got_grad, want_grad in zip(got_grads, want_grads):
+            torch.testing.assert_close(got_grad, want_grad, msg=f"{changing} call {index}")

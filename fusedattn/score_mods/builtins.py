@@ -37,9 +37,11 @@ def traced_constant(value):
     Dynamo 2.11 keeps repr()'s and str()'s results symbolic in a function it inlines. Eagerly the same
     object: the trace cache knows a built-in's numbers by identity.)"""
     torch = sys.modules.get("torch")
-    if torch is None or not torch.compiler.is_compiling():
+    if torch is None or not torch.compiler.is_compiling() or isinstance(value, bool):
         return value
-    return int(f"{int(value)!r}") if isinstance(value, int) else float(f"{float(value)!r}")
+    if isinstance(value, (int, torch.SymInt)):  # (a symbolic int is no int: it would come back a float)
+        return int(f"{int(value)!r}")
+    return float(f"{float(value)!r}")
 
 
 def _defined(name: str, score_mod=None, mask_mod=None, tensors: dict | None = None) -> ScoreMod:

@@ -568,6 +568,7 @@ def _compiled_description(q, k, v, given: dict) -> tuple:
     options = settings_of(given)
     if options["window"] is not None:
         options["window"] = tuple(options["window"])
+    options = {name: trace_time.constants(value) for name, value in options.items()}
     return tensors, options, trace_time.describe(tensors)
 
 

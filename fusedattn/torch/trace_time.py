@@ -12,6 +12,7 @@ import torch
 from fusedattn.arguments import TensorMeta
 from fusedattn.config import Layout
 from fusedattn.frontend_common import TENSOR_ARGUMENTS, PreparedCall, prepare_call
+from fusedattn.score_mods.builtins import traced_constant
 from fusedattn.xp.torch_ops import OPS
 
 __all__ = ["describe", "configure", "refusal", "raise_refusal"]
@@ -22,8 +23,21 @@ API = "fusedattn.torch.attention"
 def describe(tensors: tuple) -> tuple:
     """Each of a call's tensors (TENSOR_ARGUMENTS' order) as (shape, strides, dtype, device,
     requires_grad), or None: what the planning functions take instead of the tensors."""
-    return tuple(None if x is None else (tuple(x.shape), tuple(x.stride()), x.dtype, x.device, x.requires_grad)
-                 for x in tensors)
+    return tuple(None if x is None else (constants(tuple(x.shape)), constants(tuple(x.stride())), x.dtype,
+                                         x.device, x.requires_grad) for x in tensors)
+
+
+_NUMBERS = (int, float, torch.SymInt, torch.SymFloat)
+
+
+def constants(value):
+    """value, its numbers (in tuples and lists too) plain constants while tracing: a size or a number
+    argument that changed between compiled calls (or any, with dynamic=True) is symbolic there, and the
+    planning functions Dynamo runs at trace time take constants only (torch 2.11 raised "SymNodeVariable()
+    is not a constant"). Dynamo guards on each value, so a new one recompiles."""
+    if isinstance(value, (tuple, list)):
+        return type(value)(map(constants, value))
+    return traced_constant(value) if isinstance(value, _NUMBERS) else value
 
 
 def configure(described: tuple, options: dict, backend, grad_enabled: bool, score_mod=None) -> PreparedCall:
