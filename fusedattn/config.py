@@ -48,11 +48,12 @@ class _Choice(str, enum.Enum):
     def parse(cls, value, argument: str):
         if isinstance(value, cls):
             return value
-        try:
-            return cls(value)
-        except ValueError:
-            accepted = ", ".join(repr(m.value) for m in cls)
-            raise ValueError(f"{argument}: expected one of {accepted}, got {value!r}") from None
+        # (a lookup: Dynamo reports cls(value)'s error as its own internal one, and 2.11 cannot iterate cls)
+        member = cls._value2member_map_.get(value) if isinstance(value, str) else None
+        if member is not None:
+            return member
+        accepted = ", ".join(repr(m.value) for m in cls)
+        raise ValueError(f"{argument}: expected one of {accepted}, got {value!r}")
 
     def __str__(self) -> str:
         return self.value

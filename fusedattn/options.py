@@ -8,7 +8,6 @@ option is a row here, a field of the config, and code in the backends that run i
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import textwrap
 from dataclasses import dataclass
@@ -171,10 +170,26 @@ def check_keywords(api: str, given, framework: str) -> None:
     elif name in _NAMES["jax" if framework == "torch" else "torch"]:
         hint = f"; {name} is for the {'JAX' if framework == 'torch' else 'torch'} frontend only"
     else:
-        close = difflib.get_close_matches(name, accepted, n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
+        close = _closest(name, accepted)
+        hint = f"; did you mean {close!r}?" if close else ""
     raise TypeError(f"{api}() got an unexpected keyword argument {name!r}{hint}. Its keywords: "
                     f"{', '.join(accepted)}")
+
+
+def _closest(name: str, accepted: list) -> str | None:
+    """The accepted name nearest `name` by edits (insert, delete, replace a letter), if at most half of
+    the longer name's letters differ. (Plain loops, no difflib: torch.compile traces this in a compiled
+    call, where difflib fails its trace and the user saw Dynamo's error instead of ours.)"""
+    best, best_edits = None, None
+    for candidate in accepted:
+        row = list(range(len(candidate) + 1))
+        for i, letter in enumerate(name, 1):
+            diagonal, row[0] = row[0], i
+            for j, other in enumerate(candidate, 1):
+                diagonal, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, diagonal + (letter != other))
+        if best_edits is None or row[-1] < best_edits:
+            best, best_edits = candidate, row[-1]
+    return best if best_edits is not None and 2 * best_edits <= max(len(name), len(best)) else None
 
 
 def signature(framework: str, required: tuple[str, ...] = ("q",), optional: tuple[str, ...] = ("k", "v"),

@@ -627,3 +627,38 @@ def test_compiled_calls_whose_sizes_and_numbers_change_match_eager(changing, dyn
         torch.testing.assert_close(got, want, msg=f"{changing} call {index}")
         for got_grad, want_grad in zip(got_grads, want_grads):
             torch.testing.assert_close(got_grad, want_grad, msg=f"{changing} call {index}")
+
+
+BAD_SETTINGS = {
+    "mask": {"mask": "causl"},
+    "layout": {"layout": "bshdd"},
+    "softmax_type": {"softmax_type": "softer"},
+    "bias_type": {"bias": torch.zeros(1, 2, 16, 16), "bias_type": "post"},
+    "dropout_seed float": {"dropout_p": 0.1, "dropout_seed": 1.5},
+    "dropout_seed float tensor": {"dropout_p": 0.1, "dropout_seed": torch.tensor(1.5)},
+    "dropout_offset float": {"dropout_p": 0.1, "dropout_seed": 1, "dropout_offset": 0.5},
+    "dropout_seed past int64": {"dropout_p": 0.1, "dropout_seed": 2**70},
+    "unknown keyword": {"maks": "causal"},
+    "window float": {"window": (2.5, 0)},
+}
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+@pytest.mark.parametrize("name", list(BAD_SETTINGS))
+def test_a_compiled_call_refuses_bad_settings_with_eagers_error(name, fullgraph):
+    """Bad settings raise eager's error, type and message, inside a compiled function; under fullgraph=True
+    Dynamo's error carries our message. Before (sweep 15): a misspelt mask, layout or softmax_type gave
+    Dynamo's internal error, a float dropout seed or offset was truncated silently, 2**70 a fake-tensor error,
+    and an unknown keyword under fullgraph=True Dynamo's "Failed to trace builtin operator"."""
+    settings = BAD_SETTINGS[name]
+    q = torch.randn(2, 16, 2, 8)
+    with pytest.raises((ValueError, TypeError)) as eager:
+        fat.attention(q, q, q, **settings)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q: fat.attention(q, q, q, **settings), backend="aot_eager", fullgraph=fullgraph)
+    with pytest.raises(Exception) as got:
+        compiled(q)
+    if fullgraph:
+        assert str(eager.value) in str(got.value).replace("\\'", "'"), str(got.value)
+    else:
+        assert type(got.value) is type(eager.value) and str(got.value) == str(eager.value)

@@ -103,13 +103,21 @@ def _dropout_state(seed, offset, like: torch.Tensor):
     """(seed, offset) as int64 tensors on q's device; a missing seed is drawn from torch's RNG."""
     if seed is None:
         seed = int(torch.randint(0, 2**31 - 1, (), dtype=torch.int64))
+    _check_dropout_state(seed, offset)
+    return _device_scalar(seed, like.device), _device_scalar(offset, like.device)
+
+
+def _check_dropout_state(seed, offset) -> None:
+    """Eager and compiled calls alike: an int (symbolic under torch.compile where it changed) or a
+    one-element integer tensor, each."""
     for name, value in (("dropout_seed", seed), ("dropout_offset", offset)):
-        if not (isinstance(value, int) or (isinstance(value, torch.Tensor) and value.numel() == 1
-                                           and not value.is_floating_point())):
-            raise ValueError(f"{API}: {name}: expected an int or a one-element integer tensor, got {value!r}")
+        if not (isinstance(value, (int, torch.SymInt)) or (isinstance(value, torch.Tensor) and value.numel() == 1
+                                                           and not value.is_floating_point())):
+            got = (f"a {value.dtype} tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor)
+                   else repr(value))  # (no tensor repr: a compiled call cannot make one)
+            raise ValueError(f"{API}: {name}: expected an int or a one-element integer tensor, got {got}")
         if isinstance(value, int) and not -2**63 <= value < 2**63:  # an int64 on the device
             raise ValueError(f"{API}: {name}: expected an int that fits in int64, got {value}")
-    return _device_scalar(seed, like.device), _device_scalar(offset, like.device)
 
 
 def _device_scalar(value, device: torch.device) -> torch.Tensor:
@@ -577,6 +585,7 @@ def _compiled_dropout(q, options: dict, given: dict) -> tuple:
     if options["dropout_p"] <= 0.0:
         return None, None
     dropout_seed, dropout_offset = given.get("dropout_seed"), given.get("dropout_offset", 0)
+    _check_dropout_state(0 if dropout_seed is None else dropout_seed, dropout_offset)
     seed = (torch.randint(0, 2**31 - 1, (), dtype=torch.int64, device=q.device) if dropout_seed is None
             else torch.as_tensor(dropout_seed, dtype=torch.int64, device=q.device))
     return seed, torch.as_tensor(dropout_offset, dtype=torch.int64, device=q.device)
