@@ -56,6 +56,11 @@ SHAPES = [  # (q shape, k shape, dv, enable_gqa)
     ((3, 6, 16), (3, 8, 16), 16, False),  # (N, L, E): one head
     ((6, 16), (8, 16), 16, False),  # (L, E)
     ((2, 3, 2, 5, 16), (2, 3, 2, 4, 16), 16, False),  # two batch dimensions
+    ((4, 5, 8), (2, 6, 8), 8, True),  # (H, L, E) with grouped heads (sweep 13: refused as batches)
+    ((2, 1, 5, 8), (2, 2, 6, 8), 8, False),  # one query head meets two key heads (sweep 13: refused)
+    ((2, 5, 8), (3, 2, 6, 8), 8, False),  # a 3-D query beside 4-D keys: its first dimension is heads
+    ((2, 4, 5, 0), (2, 4, 6, 0), 8, False),  # E=0: every key weighs alike (sweep 13: refused)
+    ((2, 4, 5, 8), (2, 4, 6, 8), 0, False),  # Ev=0: an empty output
 ]
 
 
@@ -119,6 +124,11 @@ def test_dropout_runs_and_is_reproducible_from_torchs_generator():
      "attn_mask: expected a bool tensor, a float32 one or one of query's dtype"),
     (lambda q, k, v: fat.scaled_dot_product_attention(q, k, v, attn_mask=torch.zeros(3, 5, 5, dtype=torch.bool)),
      "attn_mask: expected a shape broadcastable"),
+    (lambda q, k, v: fat.scaled_dot_product_attention(q[:1], k[:1], v[:1], attn_mask=torch.ones(2, 1, 1, 5,
+                                                                                                dtype=torch.bool)),
+     r"attn_mask: expected a shape broadcastable to the scores' \(1, 4, 5, 5\), got \(2, 1, 1, 5\)"),
+    (lambda q, k, v: fat.scaled_dot_product_attention(q[:1], k[:1], v[:1], attn_mask=torch.zeros(2, 1, 5, 5)),
+     r"attn_mask: expected a shape broadcastable to the scores' \(1, 4, 5, 5\), got \(2, 1, 5, 5\)"),
     (lambda q, k, v: fat.scaled_dot_product_attention(q[0, 0, 0], k, v), "query: expected at least 2 dimensions"),
     (lambda q, k, v: fat.scaled_dot_product_attention(q, k[..., :8], v), "head dim"),
 ])

@@ -35,8 +35,10 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     """torch.nn.functional.scaled_dot_product_attention, run by fusedattn.
 
     Args:
-        query: (..., Hq, L, E) (or (..., L, E): one head). key: (..., Hkv, S, E). value: (..., Hkv, S, Ev).
-            Leading (batch) dimensions broadcast against each other, as in PyTorch.
+        query: (..., Hq, L, E). key: (..., Hkv, S, E). value: (..., Hkv, S, Ev). Leading (batch)
+            dimensions broadcast against each other, as in PyTorch: a 3-D tensor is (H, L, E), a 2-D one
+            (L, E), and one query head meets every key head. E=0 weighs the keys alike (the mask's
+            terms aside); Ev=0 gives an empty output.
         attn_mask: boolean (True: take part) or a float tensor added to the scaled scores (cast to
             query's dtype, as nn.MultiheadAttention's float32 padding masks need under autocast),
             broadcastable to (..., Hq, L, S). A row whose every key is masked gives 0.
@@ -64,11 +66,15 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     if torch.is_autocast_enabled(query.device.type):  # SDPA is on autocast's lower-precision list
         low = torch.get_autocast_dtype(query.device.type)
         query, key, value = (x.to(low) if x.dtype == torch.float32 else x for x in (query, key, value))
-    one_head = query.dim() < 4
-    q, k, v = (x.unsqueeze(-3) if one_head else x for x in (query, key, value))
+    # Fewer than 4 dimensions: the missing leading ones are 1, as PyTorch broadcasts them (a 3-D tensor is
+    # (H, L, E): its heads group under enable_gqa).
+    dims = max(x.dim() for x in (query, key, value))
+    q, k, v = (x.reshape((1,) * (4 - x.dim()) + tuple(x.shape)) if x.dim() < 4 else x for x in (query, key, value))
     heads_q, heads_kv = q.shape[-3], k.shape[-3]
     if v.shape[-3] != heads_kv:
         raise ValueError(f"{API}: value: expected {heads_kv} heads like key, got {v.shape[-3]}")
+    if heads_q == 1 and heads_kv > 1 and not enable_gqa:  # one query head broadcast to the keys' heads
+        q, heads_q = q.expand(*q.shape[:-3], heads_kv, *q.shape[-2:]), heads_kv
     if heads_q != heads_kv and not (heads_kv == 1 or (enable_gqa and heads_q % heads_kv == 0)):
         hint = ("; pass enable_gqa=True for grouped-query attention" if not enable_gqa and heads_q % heads_kv == 0
                 else "")
@@ -81,18 +87,20 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
                          f"and {tuple(v.shape[:-3])} do not broadcast") from None
     batch = math.prod(lead)
     q, k, v = (x.expand(*lead, *x.shape[-3:]).reshape(batch, *x.shape[-3:]) for x in (q, k, v))
-    mask = None if attn_mask is None else _folded(attn_mask, query, lead, one_head,
-                                                  (heads_q, q.shape[-2], k.shape[-2]))
-    if batch == 0 or heads_q == 0 or q.shape[-2] == 0:  # nothing to compute: SDPA answers an empty tensor
+    mask = None if attn_mask is None else _folded(attn_mask, query, lead, (heads_q, q.shape[-2], k.shape[-2]))
+    if batch == 0 or heads_q == 0 or q.shape[-2] == 0 or v.shape[-1] == 0:  # nothing to compute: empty
         if q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2]:
             raise ValueError(f"{API}: key/value: expected key of query's head dim E={q.shape[-1]} and value of "
                              f"key's length, got key {tuple(key.shape)}, value {tuple(value.shape)}")
         out = _empty_output(q, k, v)
     else:
+        if q.shape[-1] == 0 and k.shape[-1] == 0:  # E=0: every score is 0 (then the mask's), as in PyTorch
+            q, k = (torch.nn.functional.pad(x, (0, 1)) for x in (q, k))
+            scale = 1.0 if scale is None else scale
         out = attention(q, k, v, layout="bhsd", dropout_p=dropout_p, scale=scale,
                         **_mask_options(attn_mask, mask, is_causal, query, batch, q.shape[-2], k.shape[-2]))
     out = out.reshape(*lead, *out.shape[1:])
-    return out.squeeze(-3) if one_head else out
+    return out.reshape(out.shape[4 - dims:]) if dims < 4 else out
 
 
 def _mask_options(given, mask, is_causal: bool, query, batch: int, seqlen_q: int, seqlen_kv: int) -> dict:
@@ -117,21 +125,21 @@ def _empty_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Te
     return torch.matmul(torch.matmul(q, k.transpose(-2, -1)), v)
 
 
-def _folded(mask: torch.Tensor, query: torch.Tensor, lead: tuple, one_head: bool, sizes: tuple) -> torch.Tensor:
+def _folded(mask: torch.Tensor, query: torch.Tensor, lead: tuple, sizes: tuple) -> torch.Tensor:
     """attn_mask checked and viewed as (batch|1, Hq|1, L|1, S|1), its batch dimensions folded into one."""
     if not isinstance(mask, torch.Tensor):
         raise ValueError(f"{API}: attn_mask: expected a torch.Tensor or None, got {type(mask).__name__}")
     if mask.dtype not in (torch.bool, torch.float32, query.dtype):  # PyTorch's rule
         raise ValueError(f"{API}: attn_mask: expected a bool tensor, a float32 one or one of query's dtype "
                          f"{query.dtype}, got {mask.dtype}")
-    if one_head:
-        mask = mask.unsqueeze(-3)
     full = (*lead, *sizes)
     try:
-        torch.broadcast_shapes(mask.shape, full)
+        fits = torch.broadcast_shapes(mask.shape, full) == full  # (a mask may not widen the output)
     except RuntimeError:
-        raise ValueError(f"{API}: attn_mask: expected a shape broadcastable to {full}, got "
-                         f"{tuple(mask.shape)}") from None
+        fits = False
+    if not fits:
+        raise ValueError(f"{API}: attn_mask: expected a shape broadcastable to the scores' {full}, got "
+                         f"{tuple(mask.shape)}")
     mask = mask.reshape((1,) * (len(full) - mask.dim()) + tuple(mask.shape))
     if len(lead) != 1:  # fold the batch dimensions into one, as the tensors were
         mask = mask.expand(*lead, *mask.shape[-3:]).reshape(math.prod(lead), *mask.shape[-3:])
