@@ -662,3 +662,19 @@ def test_a_compiled_call_refuses_bad_settings_with_eagers_error(name, fullgraph)
         assert str(eager.value) in str(got.value).replace("\\'", "'"), str(got.value)
     else:
         assert type(got.value) is type(eager.value) and str(got.value) == str(eager.value)
+
+
+def test_a_score_mod_call_the_native_operator_cannot_run_says_so_under_fullgraph():
+    """Without the native operator (a CPU tensor here) a compiled score_mod call breaks the graph with that
+    reason, not the list of callback kinds that may not be in a graph (sweep 15: a CPU user read the
+    latter); fullgraph=False gives eager's result."""
+    q, k, v = (x.detach() for x in _inputs((1, 8, 2, 8), (1, 8, 2, 8), seed=71))
+
+    def step(q, k, v):
+        return fat.attention(q, k, v, score_mod=_softcapped)
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="native cuDNN operator does not run this call here"):
+        torch.compile(step, backend="aot_eager", fullgraph=True)(q, k, v)
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(step, backend="aot_eager")(q, k, v), step(q, k, v))

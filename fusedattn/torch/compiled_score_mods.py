@@ -52,6 +52,12 @@ GRAPH_BREAK = (
     "callbacks, and calls the native operator does not run are bound per call in Python. Compile with "
     "fullgraph=False; everything around the call still compiles.")
 NOT_IN_GRAPH = (-1, (), False, (), "", (None, None))
+NO_NATIVE_OPERATOR = (-2, *NOT_IN_GRAPH[1:])  # as NOT_IN_GRAPH, for that reason (NO_NATIVE_BREAK)
+NO_NATIVE_BREAK = (
+    "fusedattn.torch.attention with this score_mod runs eagerly inside a compiled model (one graph break): the "
+    "native cuDNN operator does not run this call here; it needs a CUDA device, selection picking cudnn and the "
+    "native library built (`python -m fusedattn info` and fusedattn.explain say which is missing). Compile with "
+    "fullgraph=False; everything around the call still compiles.")
 API_AUX = "fusedattn::score_mod_aux"
 _FIELDS = tuple(f.name for f in dataclasses.fields(ScoreMod))
 
@@ -181,7 +187,9 @@ def _plan(described, options, backend, grad_enabled, score_mod, mask_mod, device
     cfg, selection, _, bound, _ = trace_time.configure(described, options, backend, grad_enabled, mod)
     native = _native_plan_on(cfg, selection.name, device)
     operands = torch_plans.operands(cfg)
-    if native is None or bound is None or bool(operands.aux) != bool(captured):
+    if native is None:
+        return NO_NATIVE_OPERATOR
+    if bound is None or bool(operands.aux) != bool(captured):
         return NOT_IN_GRAPH  # (captured tensors that make no aux tensor are not followed: eager binds them)
     aux, scalars = operands.values(bound.values)
     if not captured:

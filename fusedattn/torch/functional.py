@@ -537,6 +537,14 @@ _score_mod_call_outside_graph = torch.compiler.disable(_score_mod_call_outside_g
                                                        reason=compiled_score_mods.GRAPH_BREAK)
 
 
+def _score_mod_call_without_native_operator(*args, **kwargs):
+    return attention(*args, **kwargs)
+
+
+_score_mod_call_without_native_operator = torch.compiler.disable(_score_mod_call_without_native_operator,
+                                                                 reason=compiled_score_mods.NO_NATIVE_BREAK)
+
+
 def _compiled_score_mod_attention(q, k, v, given: dict):
     """A score_mod call in a compiled graph (torch/compiled_score_mods.py), or eagerly outside it."""
     if not compiled_score_mods.in_graph(given):
@@ -549,6 +557,8 @@ def _compiled_score_mod_attention(q, k, v, given: dict):
     native, scalars, empty_rows, sources, aux_key, reads = compiled_score_mods.plan(
         described, tuple(options.items()), given.get("backend"), torch.is_grad_enabled(),
         compiled_score_mods.passed(score_mod), mask_mod, q.device)
+    if native == compiled_score_mods.NO_NATIVE_OPERATOR[0]:
+        return _score_mod_call_without_native_operator(q, k, v, **given)
     if native < 0:
         return _score_mod_call_outside_graph(q, k, v, **given)
     captured = compiled_score_mods.captured(score_mod, mask_mod, q, sources, reads)
