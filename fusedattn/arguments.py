@@ -20,7 +20,7 @@ __all__ = ["TensorMeta", "CallArguments", "build_config", "check_offset_tensors"
            "clamp_max_seqlens", "bucket_max_seqlens", "ENV_THD_BUCKET", "check_sequence_values", "host_slopes"]
 
 INDEX_DTYPES = ("int32", "int64")
-_RAGGED_LAYOUTS = frozenset(layout.value for layout in Layout if layout.is_ragged)
+RAGGED_LAYOUTS = frozenset(layout.value for layout in Layout if layout.is_ragged)
 
 
 @dataclass(frozen=True)
@@ -384,7 +384,7 @@ def _check_max_seqlens(args: CallArguments, optional: bool) -> None:
 
 def infer_max_seqlens(args: CallArguments, host: dict[str, np.ndarray], traced: set[str]) -> None:
     """Fill a THD call's missing max_seqlen_q/kv from host copies of its offsets."""
-    if str(getattr(args.layout, "value", args.layout)) not in _RAGGED_LAYOUTS:
+    if str(getattr(args.layout, "value", args.layout)) not in RAGGED_LAYOUTS:
         return
     for side in ("q", "kv"):
         name = f"cu_seqlens_{side}"
@@ -404,7 +404,7 @@ def clamp_max_seqlens(args: CallArguments) -> None:
     100000 over 8 tokens asked for 160 GB). Before bucketing, so buckets stay shared. Not below 1 (a call
     with no tokens keeps its one-query shape), nor with a score_mod, whose tensors are sized by the bound
     the caller gave ((B, Hq, max_seqlen_q, max_seqlen_kv))."""
-    if str(getattr(args.layout, "value", args.layout)) not in _RAGGED_LAYOUTS or args.score_mod is not None:
+    if str(getattr(args.layout, "value", args.layout)) not in RAGGED_LAYOUTS or args.score_mod is not None:
         return
     q, k = args.tensors[0], args.tensors[1] or args.tensors[0]  # (packed layouts: k in q's tensor)
     for side, meta in (("q", q), ("kv", k)):
@@ -421,7 +421,7 @@ def bucket_max_seqlens(args: CallArguments, setting: str | None) -> None:
     """Round a THD call's max_seqlen_q/kv up to a bucket, so packed batches of varying longest
     sequence share one config (and one built graph). setting: None/"off", "pow2", or an int
     multiple. Correct for any bucket: positions past each sequence's length are masked."""
-    if not setting or setting == "off" or str(getattr(args.layout, "value", args.layout)) not in _RAGGED_LAYOUTS:
+    if not setting or setting == "off" or str(getattr(args.layout, "value", args.layout)) not in RAGGED_LAYOUTS:
         return
     if setting == "pow2":
         round_up = lambda n: 1 << max(n - 1, 0).bit_length() if n > 0 else 0  # noqa: E731

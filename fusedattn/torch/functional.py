@@ -202,6 +202,8 @@ def attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | 
     mods = _mod_keywords(options)
     has_mod = mods is not None
     if compiling:
+        if trace_time.reads_offsets(options, any(get(name) is not None for name in TENSOR_ARGUMENTS[6:])):
+            return _offsets_read_outside_graph(q, k, v, **options)
         if has_mod:
             return _compiled_score_mod_attention(q, k, v, options)
         return _compiled_attention(q, k, v, options)
@@ -535,6 +537,14 @@ def _score_mod_call_outside_graph(*args, **kwargs):
 
 _score_mod_call_outside_graph = torch.compiler.disable(_score_mod_call_outside_graph,
                                                        reason=compiled_score_mods.GRAPH_BREAK)
+
+
+def _offsets_read_outside_graph(*args, **kwargs):
+    return attention(*args, **kwargs)
+
+
+_offsets_read_outside_graph = torch.compiler.disable(_offsets_read_outside_graph,
+                                                     reason=trace_time.OFFSETS_READ_BREAK)
 
 
 def _score_mod_call_without_native_operator(*args, **kwargs):

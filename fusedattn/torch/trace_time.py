@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from fusedattn.arguments import TensorMeta
-from fusedattn.config import Layout
+from fusedattn.arguments import RAGGED_LAYOUTS, TensorMeta
 from fusedattn.frontend_common import TENSOR_ARGUMENTS, PreparedCall, prepare_call
 from fusedattn.score_mods.builtins import traced_constant
 from fusedattn.xp.torch_ops import OPS
@@ -40,6 +39,19 @@ def constants(value):
     return traced_constant(value) if isinstance(value, _NUMBERS) else value
 
 
+OFFSETS_READ_BREAK = (
+    f"{API}: a THD call without max_seqlen_q and max_seqlen_kv reads its offsets' values on the host, so it "
+    "runs eagerly inside a compiled model (one graph break); pass both max lengths (ints) to keep it in the graph")
+
+
+def reads_offsets(options: dict, offsets_given: bool) -> bool:
+    """Whether a call must read its offsets' values: a THD call's longest sequences come from them where a
+    max length is not given (a padded call's are its tensors' S)."""
+    if not offsets_given or (options.get("max_seqlen_q") is not None and options.get("max_seqlen_kv") is not None):
+        return False
+    return str(options.get("layout") or "bshd") in RAGGED_LAYOUTS  # (torch 2.11 cannot iterate an enum)
+
+
 def configure(described: tuple, options: dict, backend, grad_enabled: bool, score_mod=None) -> PreparedCall:
     """prepare_call on meta stand-ins of the described tensors (offsets are never read: THD and padded
     calls need both max lengths)."""
@@ -53,10 +65,7 @@ def configure(described: tuple, options: dict, backend, grad_enabled: bool, scor
         shape, _, dtype, device, requires_grad = entry
         stand_ins[name] = torch.empty(shape, dtype=dtype, device="meta").requires_grad_(requires_grad)
         metas[name] = TensorMeta(tuple(shape), OPS.dtype_name(stand_ins[name]), str(device), device.type)
-    offsets_given = any(stand_ins[n] is not None for n in TENSOR_ARGUMENTS[6:])
-    # A THD call's longest sequences come from its offsets' values; a padded one's are its tensors' S.
-    ragged = any(str(options.get("layout") or "bshd") == layout.value for layout in Layout if layout.is_ragged)
-    if offsets_given and ragged and (options["max_seqlen_q"] is None or options["max_seqlen_kv"] is None):
+    if reads_offsets(options, any(stand_ins[n] is not None for n in TENSOR_ARGUMENTS[6:])):
         raise ValueError(f"{API}: max_seqlen_q/max_seqlen_kv: expected ints under torch.compile for layout "
                          f"{options.get('layout')!r} (the offsets' values cannot be read while tracing), got None")
     differentiable = [stand_ins[n] for n in TENSOR_ARGUMENTS[:6] if stand_ins[n] is not None]
