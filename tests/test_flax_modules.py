@@ -128,3 +128,64 @@ def test_a_modules_mask_or_layout_is_overridden_only_by_a_value_not_by_an_empty_
     for name in ("mask", "layout"):
         with pytest.raises(ValueError, match=f"{name}: expected one of .*got ''"):
             module.apply(params, x, x, x, **{name: ""})
+
+
+def test_a_call_keyword_the_module_left_none_is_taken_as_flax_linen_merge_param_takes_it():
+    """scale=, window= at call time raised Python's "got multiple values for keyword argument" (sweep 13)."""
+    q, k, v = rand(15, B, S, H, D), rand(16, B, S, 2, D), rand(17, B, S, 2, D)
+    module = fj.DotProductAttention(mask="causal")
+    params = module.init(jax.random.key(0), q, k, v)
+    close(module.apply(params, q, k, v, scale=0.5, window=(1, 0)),
+          fj.attention(q, k, v, mask="causal", scale=0.5, window=(1, 0)))
+    close(fj.DotProductAttention(scale=0.5).apply({}, q, k, v, scale=None), fj.attention(q, k, v, scale=0.5))
+    x = rand(18, B, S, E)
+    mha = fj.MultiHeadAttention(num_heads=H, head_dim=D)
+    params = mha.init(jax.random.key(1), x)
+    assert not np.allclose(np.asarray(mha.apply(params, x, scale=0.05)), np.asarray(mha.apply(params, x)))
+
+
+@pytest.mark.parametrize("make, keywords, match", [
+    (lambda: fj.DotProductAttention(scale=0.5), {"scale": 0.25},
+     r"DotProductAttention: scale: expected it once, on the module or at call time, got scale=0.5 on the module "
+     r"and scale=0.25 at call time; leave the module's scale None"),
+    (lambda: fj.DotProductAttention(window=(2, 0)), {"window": (1, 1)},
+     r"DotProductAttention: window: expected it once"),
+    (lambda: fj.DotProductAttention(), {"softmax_type": "off_by_one"},
+     r"DotProductAttention: softmax_type: expected no softmax_type at call time \(the module sets it: "
+     r"DotProductAttention\(softmax_type=...\)\), got softmax_type='off_by_one'"),
+    (lambda: fj.DotProductAttention(), {"dropout_p": 0.1}, r"DotProductAttention: dropout_p: expected no dropout_p"),
+    (lambda: fj.DotProductAttention(), {"sink": jnp.zeros(H)},
+     r"sink: expected no sink at call time .*'sink' parameter.*got sink=jax.Array of shape \(4,\), dtype float32"),
+    (lambda: fj.DotProductAttention(), {"dropout_rng": jax.random.key(0)}, r"dropout_rng: .*rngs=\{'dropout': key\}"),
+], ids=["scale-twice", "window-twice", "softmax_type", "dropout_p", "sink", "dropout_rng"])
+def test_a_call_keyword_the_module_holds_raises_a_type_error_naming_it(make, keywords, match):
+    q = rand(19, B, S, H, D)
+    with pytest.raises(TypeError, match=match):
+        make().apply({}, q, q, q, **keywords)
+
+
+@pytest.mark.parametrize("make, keywords, match", [
+    (lambda: fj.MultiHeadAttention(num_heads=H, head_dim=D, window=(2, 0)), {"window": (1, 0)},
+     r"MultiHeadAttention: window: expected it once"),
+    (lambda: fj.MultiHeadAttention(num_heads=H, head_dim=D), {"layout": "bshd"},
+     r"MultiHeadAttention: layout: expected no layout at call time \(the module sets it: 'bs3hd' or 'bshd_bs2hd'"),
+    (lambda: fj.MultiHeadAttention(num_heads=H, head_dim=D), {"softmax_type": "off_by_one"},
+     r"MultiHeadAttention: softmax_type: .*MultiHeadAttention\(softmax_type=...\)"),
+], ids=["window-twice", "layout", "softmax_type"])
+def test_multi_head_attention_names_its_own_fields_given_at_call_time(make, keywords, match):
+    with pytest.raises(TypeError, match=match):
+        make().init(jax.random.key(0), rand(20, B, S, E), **keywords)
+
+
+@pytest.mark.parametrize("args, match", [
+    (lambda: (rand(21, S, E),), r"MultiHeadAttention: x: expected a 3-D array \(B, S, E\), got shape \(6, 16\)"),
+    (lambda: (rand(22, 1, B, S, E),), r"x: expected a 3-D array \(B, S, E\), got shape \(1, 2, 6, 16\)"),
+    (lambda: (rand(23, B, S, E), rand(24, 1, 9, E)),
+     r"MultiHeadAttention: kv_input: expected a 3-D array \(B, Skv, E_kv\) with x's batch B=2, got shape \(1, 9, 16\)"),
+    (lambda: (rand(25, B, S, E), rand(26, 9, E)), r"kv_input: expected a 3-D array .* got shape \(9, 16\)"),
+], ids=["x-2d", "x-4d", "kv-batch", "kv-2d"])
+def test_multi_head_attention_input_shapes_are_checked_by_name(args, match):
+    """A 2-D x or a kv_input of another batch gave a bare reshape error (sweep 13)."""
+    module = fj.MultiHeadAttention(num_heads=H, head_dim=D, mask="none")
+    with pytest.raises(ValueError, match=match):
+        module.init(jax.random.key(0), *args())

@@ -358,3 +358,53 @@ def test_segment_ids_on_a_padded_layout_are_refused_by_name(mask, num_sequences)
     ids = jnp.asarray([0, 0, 0, 1, 1], jnp.int32)
     with pytest.raises(ValueError, match=r"segment_ids_q/kv: expected None for layout 'bshd'.*packed layout"):
         fj.attention(q, q, q, mask=mask, segment_ids_q=ids, segment_ids_kv=ids, num_sequences=num_sequences)
+
+
+def test_local_window_size_takes_numpy_and_jax_integer_scalars_as_jax_nn():
+    """(np.int32(2), np.int32(1)) was refused as 'not a pair of ints'; jax.nn takes it (sweep 13)."""
+    q, k, v, _ = _case(5, 6, N, {})
+    want = _jax_nn(q, k, v, local_window_size=(2, 1))
+    for window in ((np.int32(2), np.int32(1)), [np.int64(2), jnp.int32(1)], (jnp.asarray(2), 1)):
+        np.testing.assert_allclose(fj.dot_product_attention(q, k, v, local_window_size=window), want,
+                                   rtol=1e-5, atol=1e-5, err_msg=repr(window))
+    np.testing.assert_allclose(fj.dot_product_attention(q, k, v, local_window_size=np.int64(1)),
+                               _jax_nn(q, k, v, local_window_size=1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [True, np.bool_(True), (True, 1), 2.0, (np.float32(2), 1), (1, jnp.float32(1)),
+                                    (1, 2, 3), (2,), jnp.asarray([2, 1])], ids=repr)
+def test_local_window_size_refuses_floats_bools_and_other_shapes_by_name(window):
+    q, k, v, _ = _case(3, 3, N, {})
+    with pytest.raises(ValueError, match=r"local_window_size: expected an int or a \(left, right\) pair of ints "
+                                         r"\(Python or NumPy integers, or concrete JAX integer scalars\), got "):
+        fj.dot_product_attention(q, k, v, local_window_size=window)
+
+
+def test_a_traced_local_window_size_is_refused_by_name():
+    q, k, v, _ = _case(3, 3, N, {})
+    with pytest.raises(ValueError, match=r"local_window_size: expected a value known when tracing .* static"):
+        jax.jit(lambda w: fj.dot_product_attention(q, k, v, local_window_size=(w, 1)))(jnp.int32(1))
+
+
+def test_rows_without_keys_take_the_mean_of_value_in_float64_for_float64_inputs():
+    """The mean was taken in float32: errors of 1e-8 where float64 gives 1e-16 (sweep 13)."""
+    with jax.enable_x64(True):
+        q, k, v = (jax.random.normal(jax.random.key(i), (2, 4, 2, 8), jnp.float64) for i in range(3))
+        out = fj.dot_product_attention(q, k, v, key_value_seq_lengths=_lengths(0, 4))
+        assert out.dtype == jnp.float64
+        exact = np.asarray(v, np.float64)[0].mean(axis=0)  # (K, H): every query of batch 0
+        np.testing.assert_allclose(np.asarray(out[0]), np.broadcast_to(exact, out[0].shape), rtol=0, atol=1e-14)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bfloat16", "float16"])
+def test_the_residual_has_the_inputs_dtype_as_jax_nns(dtype):
+    """It was float32 for every input dtype; jax.nn casts its log-sum-exp to the inputs' dtype (sweep 13)."""
+    q = jax.random.normal(jax.random.key(0), (2, 3, 4, 8)).astype(dtype)
+    k = jax.random.normal(jax.random.key(1), (2, 5, 2, 8)).astype(dtype)
+    options = {"key_value_seq_lengths": _lengths(0, 3)}  # batch 0 sees no key: jax.nn's masked logit, cast
+    _, want = jax.nn.dot_product_attention(q, k, k, return_residual=True, **options)
+    _, residual = fj.dot_product_attention(q, k, k, return_residual=True, **options)
+    assert residual.dtype == want.dtype == dtype
+    np.testing.assert_allclose(np.asarray(residual, np.float32), np.asarray(want, np.float32), rtol=1e-2)
+    _, empty = fj.dot_product_attention(q[:, :0], k, k, return_residual=True)
+    assert empty.dtype == dtype

@@ -132,7 +132,7 @@ def _inputs(seed=0):
 
 
 def _recognised_as(mask) -> str | None:
-    folded = dropin._folded(mask, torch.empty(0, dtype=torch.float64), (B,), False, (H, L, S))
+    folded = dropin._folded(mask, torch.empty(0, dtype=torch.float64), (B,), (H, L, S))
     options = dropin._recognized(mask, folded, B, L, S, torch.device("cpu"))
     return None if options is None else options["mask"]
 

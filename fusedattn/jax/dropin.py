@@ -7,6 +7,8 @@ masks (and windows it cannot spell) become an additive bias in q's dtype.
 
 from __future__ import annotations
 
+import operator
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -51,15 +53,30 @@ def _cu_seqlens(lengths, batch: int, full: int):
     return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lengths, dtype=jnp.int32)])
 
 
+def _window_size(size) -> int | None:
+    """size as a Python int if it is an integer scalar (int, NumPy integer, concrete 0-d JAX integer array)."""
+    if isinstance(size, bool | np.bool_):  # ints to Python, yet no window size
+        return None
+    try:
+        return operator.index(size)  # NumPy and JAX define it for integer scalars only; tracers raise
+    except TypeError:
+        return None
+
+
 def _window(local_window_size):
+    """(left, right) Python ints, or None; it shapes the mask, so it must be known when tracing."""
     if local_window_size is None:
         return None
-    if isinstance(local_window_size, int) and not isinstance(local_window_size, bool):
-        return (local_window_size, local_window_size)
-    if (isinstance(local_window_size, tuple | list) and len(local_window_size) == 2
-            and all(isinstance(w, int) and not isinstance(w, bool) for w in local_window_size)):
-        return tuple(local_window_size)
-    raise _error("local_window_size", "an int or a (left, right) pair of ints", repr(local_window_size))
+    is_pair = isinstance(local_window_size, tuple | list)
+    sizes = tuple(local_window_size) if is_pair else (local_window_size,)
+    if any(isinstance(w, jax.core.Tracer) for w in sizes):
+        raise _error("local_window_size", "a value known when tracing (it shapes the mask)",
+                     "a traced value; mark it static in jax.jit (static_argnames)")
+    ints = tuple(_window_size(w) for w in sizes)
+    if None not in ints and len(ints) == (2 if is_pair else 1):
+        return ints if is_pair else ints * 2
+    raise _error("local_window_size", "an int or a (left, right) pair of ints (Python or NumPy integers, "
+                 "or concrete JAX integer scalars)", repr(local_window_size))
 
 
 def _check_broadcast(x, name: str, full: tuple[int, int, int, int]):
@@ -146,14 +163,15 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
             keys past a key length are masked.
         local_window_size: int w (= (w, w)) or (left, right): query i sees keys
             i - left <= j <= i + right (top-left diagonal, as jax.nn; ANDed with is_causal).
+            Python or NumPy integers, or concrete JAX integer scalars; not traced values.
         implementation: None: fusedattn selects the backend (cuDNN on a GPU, the reference on
             CPU); 'xla': fusedattn's jax.numpy reference (plain XLA math, no custom call);
             'cudnn': the cudnn backend forced (raises with its reasons where it cannot run, as
             jax.nn raises for shapes cuDNN refuses).
         return_residual: also return the log-sum-exp of the scaled logits, (B, T, N) (or (T, N)),
-            float32, as jax.nn does: rows without a visible key or past a query length hold
-            -0.7 * float32's largest value, jax.nn's masked logit. Like jax.nn's, it passes no
-            gradient.
+            in query's dtype, as jax.nn does (taken in float32, then cast): rows without a visible
+            key or past a query length hold -0.7 * float32's largest value, jax.nn's masked logit
+            (-inf in float16, as in jax.nn). Like jax.nn's, it passes no gradient.
 
     Rows that see no key (fully masked, or a key length of 0) give the mean of value over all
     S keys, as jax.nn does (its masked logits all equal one large negative number), with the
@@ -200,7 +218,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     padded = q_lengths is not None or kv_lengths is not None
     if batch == 0 or sq == 0 or heads == 0:  # nothing to compute (every argument checked): jax.nn answers empty
         out = jnp.zeros(out_shape, q.dtype)
-        return (out, jnp.zeros((*out_shape[:-1],), jnp.float32)) if return_residual else out
+        return (out, jnp.zeros((*out_shape[:-1],), q.dtype)) if return_residual else out
 
     mask_name, native_window, leftover = _translate(bool(is_causal), window, padded, sq, skv)
     if leftover is not None:
@@ -223,11 +241,13 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         # No gradient through it, as jax.nn gives none: a loss that reads it trains the same after the switch.
         lse = jax.lax.stop_gradient(lse)
         residual = jnp.where(jnp.isfinite(lse), lse, jnp.float32(_MASKED_LOGIT)).transpose(0, 2, 1)
+        residual = residual.astype(q.dtype)  # jax.nn casts its float32 log-sum-exp to the inputs' dtype
         residual = residual.reshape((*out_shape[:-1],))  # (B, T, N), or (T, N) for 3-D inputs
 
     empty = _empty_rows(mask, _structure(bool(is_causal), window, sq, skv), kv_lengths, q_lengths, sq, skv)
     if empty is not None:
-        mean = jnp.mean(v.astype(jnp.float32), axis=1).astype(out.dtype)  # (B, K, H)
+        # Summed in float32 at least (bfloat16 loses keys), in float64 for float64 inputs.
+        mean = jnp.mean(v.astype(jnp.promote_types(v.dtype, jnp.float32)), axis=1).astype(out.dtype)  # (B, K, H)
         mean = jnp.repeat(mean, heads // heads_kv, axis=1)[:, None]  # (B, 1, N, H)
         out = jnp.where(empty[..., None], mean, out)
     out = out.reshape(out_shape)

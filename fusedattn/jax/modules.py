@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from fusedattn.arguments import host_slopes
 from fusedattn.checks import check_backend, check_count, check_probability, check_scale, check_window
 from fusedattn.config import Layout, Mask, SoftmaxType
-from fusedattn.jax.functional import attention
+from fusedattn.jax.functional import _describe_value, attention
 
 __all__ = ["DotProductAttention", "MultiHeadAttention", "TransformerLayer"]
 
@@ -37,6 +37,41 @@ def _check_attention_fields(module: str, *, mask, window, softmax_type, dropout_
     SoftmaxType.parse(softmax_type, f"{module}: softmax_type")
     check_probability(dropout_p, f"{module}: {dropout_name}")
     check_backend(backend, f"{module}: backend")
+
+
+def _shown(value) -> str:
+    """repr for small settings; type, shape and dtype for arrays (never their contents)."""
+    return repr(value) if isinstance(value, str | int | float | tuple | dict) else _describe_value(value)
+
+
+def _owned_keywords(module: str) -> dict:
+    """Keywords of `attention` that the module sets itself (name -> how), never given per call."""
+    return {"softmax_type": f"{module}(softmax_type=...)",
+            "dropout_p": f"{module}(dropout_p=...), applied when deterministic=False",
+            "sink": "its 'sink' parameter, made with softmax_type='learnable'",
+            "dropout_rng": "drawn from the 'dropout' RNG stream: apply(..., rngs={'dropout': key})"}
+
+
+def _call_keywords(module: str, kwargs: dict, *, fields: dict, owned: dict) -> dict:
+    """kwargs with the module's fields merged in, or a TypeError naming a keyword the module sets itself.
+
+    fields (name -> value) merge as flax.linen.merge_param merges: the one of module and call that is
+    not None is taken, both set raise. owned (see _owned_keywords) are never call keywords. Without
+    this, Python's "got multiple values for keyword argument" was the error.
+    """
+    for name, how in owned.items():
+        if name in kwargs:
+            raise TypeError(f"{module}: {name}: expected no {name} at call time (the module sets it: {how}), "
+                            f"got {name}={_shown(kwargs[name])}")
+    merged = dict(kwargs)
+    for name, value in fields.items():
+        given = kwargs.get(name)
+        if value is not None and given is not None:
+            raise TypeError(f"{module}: {name}: expected it once, on the module or at call time, got "
+                            f"{name}={_shown(value)} on the module and {name}={_shown(given)} at call "
+                            f"time; leave the module's {name} None to pass it per call")
+        merged[name] = value if given is None else given
+    return merged
 
 
 def _slopes(module: str, kwargs: dict) -> dict:
@@ -78,20 +113,24 @@ class DotProductAttention(nn.Module):
                  layout: str | None = None, **kwargs):
         """mask and layout override the module's for this call; other keywords go to `attention`.
 
+        window, scale, backend and shard_axes may be given here when the module leaves them None
+        (as flax.linen.merge_param: once, on the module or per call); softmax_type, dropout_p, the
+        sink and the dropout RNG are the module's, and raise a TypeError here.
+
         alibi_slopes may be a JAX array, or a list, tuple or NumPy array (such as
         `fusedattn.standard_alibi_slopes(Hq)`), made a float32 array.
         """
-        kwargs = _slopes(type(self).__name__, kwargs)
+        name = type(self).__name__
+        fields = {"window": self.window, "scale": self.scale, "backend": self.backend, "shard_axes": self.shard_axes}
+        kwargs = _call_keywords(name, _slopes(name, kwargs), fields=fields, owned=_owned_keywords(name))
         sink = None
         if self.softmax_type == "learnable":
             sink = self.param("sink", nn.initializers.zeros, (self.num_heads,), jnp.float32)
         dropout = 0.0 if deterministic else self.dropout_p
         rng = self.make_rng("dropout") if dropout > 0.0 else None
         layout, mask = (self.layout if layout is None else layout), (self.mask if mask is None else mask)  # ("": bad)
-        return attention(q, k, v, layout=layout, mask=mask, window=self.window,
-                         softmax_type=self.softmax_type, sink=sink, dropout_p=dropout, dropout_rng=rng,
-                         scale=self.scale, deterministic=self.deterministic_backward, backend=self.backend,
-                         shard_axes=self.shard_axes, **kwargs)
+        return attention(q, k, v, layout=layout, mask=mask, softmax_type=self.softmax_type, sink=sink,
+                         dropout_p=dropout, dropout_rng=rng, deterministic=self.deterministic_backward, **kwargs)
 
 
 class MultiHeadAttention(nn.Module):
@@ -99,6 +138,8 @@ class MultiHeadAttention(nn.Module):
 
     num_kv_heads < num_heads gives GQA/MQA. fused_qkv projects q, k and v with one matmul
     (self-attention); with `kv_input` (cross-attention) q and kv are projected separately.
+    x is (B, S, E); kv_input (B, Skv, E_kv) with x's B. Call keywords go to DotProductAttention
+    (scale, mask, alibi_slopes, ...; window, backend, shard_axes where the module leaves them None).
     """
 
     num_heads: int
@@ -127,6 +168,15 @@ class MultiHeadAttention(nn.Module):
         _check_attention_fields(name, mask=self.mask, window=self.window, softmax_type=self.softmax_type,
                                 dropout_name="dropout_p", dropout_p=self.dropout_p, backend=self.backend)
 
+    def _check_inputs(self, x, kv_input) -> None:
+        """Shapes the projections' reshapes rely on, refused by name before a bare reshape error."""
+        name = type(self).__name__
+        if jnp.ndim(x) != 3:
+            raise ValueError(f"{name}: x: expected a 3-D array (B, S, E), got shape {jnp.shape(x)}")
+        if kv_input is not None and (jnp.ndim(kv_input) != 3 or jnp.shape(kv_input)[0] != jnp.shape(x)[0]):
+            raise ValueError(f"{name}: kv_input: expected a 3-D array (B, Skv, E_kv) with x's batch "
+                             f"B={jnp.shape(x)[0]}, got shape {jnp.shape(kv_input)}")
+
     def _dense(self, features: int, name: str):
         return nn.Dense(features, use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype, name=name)
 
@@ -134,7 +184,14 @@ class MultiHeadAttention(nn.Module):
     def __call__(self, x, kv_input=None, *, deterministic: bool = True, **kwargs):
         heads, dim = self.num_heads, self.head_dim
         kv_heads = self.num_kv_heads or heads
-        kwargs = _slopes(type(self).__name__, kwargs)
+        name = type(self).__name__
+        self._check_inputs(x, kv_input)
+        # Checked here, not only in the inner module, so that errors name this module; its fields reach the
+        # inner module as fields, so only the call's keywords go on.
+        owned = {**_owned_keywords(name), "layout": "'bs3hd' or 'bshd_bs2hd' from its fused projection, else 'bshd'"}
+        _call_keywords(name, kwargs, fields={"window": self.window, "backend": self.backend,
+                                             "shard_axes": self.shard_axes}, owned=owned)
+        kwargs = _slopes(name, kwargs)
         batch, seqlen = x.shape[:2]
         core = DotProductAttention(mask=self.mask, window=self.window, softmax_type=self.softmax_type,
                                    num_heads=heads, dropout_p=self.dropout_p, backend=self.backend,
