@@ -531,28 +531,16 @@ def _score_mod_names(given: tuple) -> tuple:
 
 # ---------------------------------------------------------------- under torch.compile
 
-def _score_mod_call_outside_graph(*args, **kwargs):
-    return attention(*args, **kwargs)
+def _eager_call_behind_graph_break(reason: str):
+    """`attention` run eagerly inside a compiled function: one graph break, whose reason fullgraph=True shows."""
+    def eager_call(*args, **kwargs):
+        return attention(*args, **kwargs)
+    return torch.compiler.disable(eager_call, reason=reason)
 
 
-_score_mod_call_outside_graph = torch.compiler.disable(_score_mod_call_outside_graph,
-                                                       reason=compiled_score_mods.GRAPH_BREAK)
-
-
-def _offsets_read_outside_graph(*args, **kwargs):
-    return attention(*args, **kwargs)
-
-
-_offsets_read_outside_graph = torch.compiler.disable(_offsets_read_outside_graph,
-                                                     reason=trace_time.OFFSETS_READ_BREAK)
-
-
-def _score_mod_call_without_native_operator(*args, **kwargs):
-    return attention(*args, **kwargs)
-
-
-_score_mod_call_without_native_operator = torch.compiler.disable(_score_mod_call_without_native_operator,
-                                                                 reason=compiled_score_mods.NO_NATIVE_BREAK)
+_score_mod_call_outside_graph = _eager_call_behind_graph_break(compiled_score_mods.GRAPH_BREAK)
+_offsets_read_outside_graph = _eager_call_behind_graph_break(trace_time.OFFSETS_READ_BREAK)
+_score_mod_call_without_native_operator = _eager_call_behind_graph_break(compiled_score_mods.NO_NATIVE_BREAK)
 
 
 def _compiled_score_mod_attention(q, k, v, given: dict):
