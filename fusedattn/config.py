@@ -293,6 +293,12 @@ class AttentionConfig:
         return self.mask.is_padding
 
     @property
+    def stats_dtype(self) -> str:
+        """dtype of the LSE and max_logit: float64 for float64 inputs (their reference is float64),
+        float32 otherwise."""
+        return "float64" if self.dtype == "float64" else "float32"
+
+    @property
     def gqa_group(self) -> int:
         return self.heads_q // self.heads_kv
 

@@ -84,10 +84,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_seqlen_kv", None, SETTING, "the same for keys and values."),
     Option("deterministic", False, SETTING, "ask for a bitwise-reproducible backward."),
     Option("return_lse", False, SETTING,
-           "return an AttentionResult(out, lse, max_logit) holding the float32 log-sum-exp of the scaled "
-           "scores, (B, Hq, Sq) or (Tq, Hq) for THD; it unpacks as `out, lse, max_logit`."),
+           "return an AttentionResult(out, lse, max_logit) holding the log-sum-exp of the scaled scores "
+           "(float32; float64 for float64 inputs), (B, Hq, Sq) or (Tq, Hq) for THD; it unpacks as "
+           "`out, lse, max_logit`."),
     Option("return_max_logit", False, SETTING,
-           "return an AttentionResult holding the largest visible score per head, float32 (Hq,)."),
+           "return an AttentionResult holding the largest visible score per head, (Hq,) in the LSE's dtype."),
     Option("backend", None, SELECTION,
            "force one backend by name; its reasons raise if it cannot run the call."),
     Option("score_mod", None, SCORE_MOD,

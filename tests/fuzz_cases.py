@@ -920,8 +920,9 @@ def compare_outcome(case: Case, got: Outcome, same: Outcome, exact: Outcome) -> 
     problems = []
     if got.out.dtype != call_dtype:
         problems.append(f"out: dtype {got.out.dtype}, expected {call_dtype}")
-    if got.lse.dtype != F32:
-        problems.append(f"lse: dtype {got.lse.dtype}, expected float32")
+    stats = torch.float64 if call_dtype == torch.float64 else F32
+    if got.lse.dtype != stats:
+        problems.append(f"lse: dtype {got.lse.dtype}, expected {stats}")
     floor = ATOL[case.dtype]
     problems += compare("out", got.out, same.out, exact.out, floor)
     problems += compare("lse", got.lse, same.lse, exact.lse, floor)

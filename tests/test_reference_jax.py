@@ -219,7 +219,8 @@ def compare_with_naive(calls, layout, arrays, offsets, options, seed, *, naive_s
     out, lse, max_logit, grads = jax_run(layout, arrays, offsets, options, g_out, g_lse)
 
     assert_reference_ran(calls)
-    assert out.dtype == arrays["q"].dtype and lse.dtype == F32 and max_logit.dtype == F32
+    stats = jnp.float64 if out.dtype == jnp.float64 else F32  # float64 calls keep float64 statistics
+    assert out.dtype == arrays["q"].dtype and lse.dtype == stats and max_logit.dtype == stats
     assert_close(out, out_n, "out", rtol)
     assert_close(lse, lse_n, "lse", rtol)
     assert_close(max_logit, max_n, "max_logit", rtol)
@@ -630,7 +631,7 @@ def test_low_precision_error_within_plain_same_dtype(ran, dtype, feature):
         assert err_f <= 2 * err_p + atol, \
             f"{what}: error {err_f:.3g} > 2 x plain {dtype} error {err_p:.3g} + {atol:.3g}"
 
-    assert out.dtype == dt and lse.dtype == F32
+    assert out.dtype == dt and lse.dtype == (jnp.float64 if dt == jnp.float64 else F32)
     check("out", out, out_p, out_n)
     check("lse", lse, lse_p, lse_n)
     for name in names:

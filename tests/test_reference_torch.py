@@ -228,7 +228,8 @@ def check(gen, ran, *, backend=None, dropout=None, **case):
     assert isinstance(result, AttentionResult)
     (out, lse, max_logit), leaves64 = call.naive(**naive_extra)
     assert result.out.dtype == case.get("dtype", F32)
-    assert result.lse.dtype == F32 and result.max_logit.dtype == F32
+    stats = F64 if result.out.dtype == F64 else F32  # float64 calls keep float64 statistics
+    assert result.lse.dtype == stats and result.max_logit.dtype == stats
     assert_matches(result.out, out, "out")
     assert_matches(result.lse, lse, "lse")
     assert_matches(result.max_logit, max_logit, "max_logit")
@@ -238,7 +239,7 @@ def check(gen, ran, *, backend=None, dropout=None, **case):
     # (The cotangents are rounded to the outputs' dtypes first, so both sides see the same values.)
     finite = torch.isfinite(lse)
     g_out = torch.randn(out.shape, generator=gen, dtype=F64).to(result.out.dtype)
-    g_lse = torch.randn(lse.shape, generator=gen, dtype=F64).to(F32)
+    g_lse = torch.randn(lse.shape, generator=gen, dtype=F64).to(stats)
     names = [n for n, x in call.leaves.items() if x.requires_grad]
     grads = torch.autograd.grad(
         [result.out, torch.where(finite, result.lse, 0.0)], [call.leaves[n] for n in names],

@@ -53,8 +53,8 @@ ARRAY_NAMES: tuple[str, ...] = tuple(f.name for f in fields(AttentionInputs) if 
 
 
 class AttentionOutputs(NamedTuple):
-    """out contiguous in q's base layout; lse float32 (B, Hq, Sq), or (Tq, Hq) for THD;
-    max_logit float32 (Hq,) when cfg.return_max_logit, else an empty (0,) array."""
+    """out contiguous in q's base layout; lse (B, Hq, Sq), or (Tq, Hq) for THD; max_logit (Hq,) when
+    cfg.return_max_logit, else an empty (0,) array. Both in cfg.stats_dtype (float32; float64 for float64)."""
 
     out: Any
     lse: Any = None

@@ -40,7 +40,8 @@ def output_shapes(cfg: AttentionConfig, q) -> tuple[jax.ShapeDtypeStruct, ...]:
     out = jax.ShapeDtypeStruct(tuple(q.shape[:-1]) + (cfg.head_dim_v,), jnp.dtype(cfg.out_dtype))
     lse_shape = (q.shape[0], cfg.heads_q) if cfg.layout.is_ragged else (cfg.batch, cfg.heads_q, cfg.seqlen_q)
     max_logit = (cfg.heads_q,) if cfg.return_max_logit else (0,)
-    return (out, jax.ShapeDtypeStruct(lse_shape, jnp.float32), jax.ShapeDtypeStruct(max_logit, jnp.float32))
+    stats = jnp.dtype(cfg.stats_dtype)
+    return (out, jax.ShapeDtypeStruct(lse_shape, stats), jax.ShapeDtypeStruct(max_logit, stats))
 
 
 def unpacked(cfg: AttentionConfig) -> AttentionConfig:

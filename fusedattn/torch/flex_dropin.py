@@ -37,7 +37,8 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
             A row with no visible key gives 0 (LSE -inf).
         scale: multiplies q kᵀ; default 1/sqrt(E).
         enable_gqa: allow Hkv < Hq with Hq a multiple of Hkv.
-        return_lse: also return the log-sum-exp of the (modified) scores, (B, Hq, L), float32.
+        return_lse: also return the log-sum-exp of the (modified) scores, (B, Hq, L), float32
+            (float64 for float64 inputs).
         kernel_options: FlexAttention's tuning hints for its own Triton kernels (block sizes, stages);
             accepted for a drop-in and not used: fusedattn picks its kernels itself.
         return_aux: a FlexAttention AuxRequest; its `lse` is returned in an AuxOutput as FlexAttention

@@ -135,11 +135,12 @@ def attention_fwd(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b
 def _attention_fwd_fake(key, q, k, v, *rest):
     cfg, _ = _entry(key)
     out = q.new_empty((*q.shape[:-1], cfg.head_dim_v))
+    stats = getattr(torch, cfg.stats_dtype)
     if cfg.layout.is_ragged:
-        lse = q.new_empty((q.shape[0], cfg.heads_q), dtype=torch.float32)
+        lse = q.new_empty((q.shape[0], cfg.heads_q), dtype=stats)
     else:
-        lse = q.new_empty((cfg.batch, cfg.heads_q, cfg.seqlen_q), dtype=torch.float32)
-    max_logit = q.new_empty((cfg.heads_q if cfg.return_max_logit else 0,), dtype=torch.float32)
+        lse = q.new_empty((cfg.batch, cfg.heads_q, cfg.seqlen_q), dtype=stats)
+    max_logit = q.new_empty((cfg.heads_q if cfg.return_max_logit else 0,), dtype=stats)
     return out, lse, max_logit
 
 

@@ -32,7 +32,7 @@ def reference_forward(cfg: AttentionConfig, inputs: AttentionInputs) -> Attentio
         dropout_offset=inputs.dropout_offset, score_mod=inputs.score_mod,
     )
     out = ops.astype(out, cfg.out_dtype)
-    lse = ops.astype(lse, "float32")
+    lse = ops.astype(lse, cfg.stats_dtype)
     if cfg.layout.is_ragged:
         total = inputs.q.shape[0]
         out = padded_to_thd(from_bhsd(out, "bshd"), inputs.cu_seqlens_q, total, inputs.cu_seqlens_q_padded)
@@ -43,7 +43,7 @@ def reference_forward(cfg: AttentionConfig, inputs: AttentionInputs) -> Attentio
             out = out.contiguous()
     if not cfg.return_max_logit:  # the same contract as every backend: empty unless asked for
         max_logit = max_logit[:0]
-    return AttentionOutputs(out, lse, ops.astype(max_logit, "float32"))
+    return AttentionOutputs(out, lse, ops.astype(max_logit, cfg.stats_dtype))
 
 
 class ReferenceBackend(Backend):
