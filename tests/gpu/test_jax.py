@@ -615,13 +615,31 @@ def test_score_mod(cudnn_calls, name, jit):
     assert all(cfg.score_mod_key is not None for _, cfg in cudnn_calls if cfg.framework == "jax")
 
 
-def test_a_missing_bprop_makes_the_gradient_check_fail(cudnn_calls):
-    """The comparison above can fail: without its bprop (derivative factor[h], not 1) the gradients are off."""
+def _wrong_bprop(graph, dscore, tensors):
+    """Derivative dscore + factor[h] where it is dscore * factor[h]: a user's mistake cuDNN cannot see."""
+    return graph.add(a=dscore, b=tensors["factor"])
+
+
+def test_a_wrong_bprop_makes_the_gradient_check_fail(cudnn_calls):
+    """The comparison above can fail: with a wrong bprop cuDNN runs and the gradients are off."""
     q, k, v = qkv(91, hkv=H, scale_q=3.0)
-    options = {"mask": "causal", "score_mod": scaled_with_key_bias,
+    options = {"mask": "causal", "score_mod": scaled_with_key_bias, "score_mod_bprop": _wrong_bprop,
                "score_mod_tensors": {n: jnp.asarray(x) for n, x in _aux(90).items()}}
     with pytest.raises(AssertionError, match="dq|dk|dv"):
         check(cudnn_calls, {"q": q, "k": k, "v": v}, options, seed=91)
+
+
+def test_a_missing_bprop_is_refused_by_name_not_run_with_derivative_one():
+    """Without its bprop, a graph-API score_mod whose derivative is not 1 is refused for gradients."""
+    q, k, v = (jnp.asarray(x, BF16) for x in qkv(91, hkv=H, scale_q=3.0))
+    options = {"mask": "causal", "score_mod": scaled_with_key_bias,
+               "score_mod_tensors": {n: jnp.asarray(x) for n, x in _aux(90).items()}}
+
+    def loss(q):
+        return fj.attention(q, k, v, backend="cudnn", **options).astype(jnp.float32).sum()
+
+    with pytest.raises(fusedattn.NoBackendError, match="score_mod without score_mod_bprop"):
+        jax.grad(loss)(q)
 
 
 def test_score_mod_aux_arrays_are_traced_arguments_read_at_run_time(cudnn_calls):
