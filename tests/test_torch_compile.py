@@ -688,3 +688,42 @@ def test_a_score_mod_call_the_native_operator_cannot_run_says_so_under_fullgraph
         torch.compile(step, backend="aot_eager", fullgraph=True)(q, k, v)
     torch._dynamo.reset()
     torch.testing.assert_close(torch.compile(step, backend="aot_eager")(q, k, v), step(q, k, v))
+
+
+@pytest.mark.parametrize("offsets", ["thd", "thd padded offsets", "padding"])
+def test_compiled_score_mod_calls_with_sequence_offsets_plan_the_operator_with_them(offsets, monkeypatch):
+    """A compiled score_mod call with sequence offsets plans the native operator (its offsets are operands,
+    read on the device as an eager call's): plan says how many it takes. Without a GPU the operator is
+    missing, so the call breaks the graph for that reason and gives eager's result."""
+    from fusedattn.torch import compiled_score_mods, functional
+
+    cu = torch.tensor([0, 3, 3, 10], dtype=torch.int32)
+    if offsets == "padding":
+        q = torch.randn(3, 7, 2, 16)
+        given = dict(mask="padding", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    else:
+        q = torch.randn(16, 2, 16)
+        given = dict(layout="thd", mask="padding_causal", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=7,
+                     max_seqlen_kv=7)
+        if offsets == "thd padded offsets":
+            padded = torch.tensor([0, 4, 8, 16], dtype=torch.int32)
+            given.update(cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded)
+    given["score_mod"] = _softcapped
+    _, options, described = functional._compiled_description(q, q, q, given)
+    plan = (compiled_score_mods.plan.__wrapped__ if hasattr(compiled_score_mods.plan, "__wrapped__")
+            else compiled_score_mods.plan)
+    args = (described, tuple(options.items()), None, True, _softcapped, None, q.device)
+    assert plan(*args)[0] == compiled_score_mods.NO_NATIVE_OPERATOR[0]  # (no native operator on a CPU)
+    monkeypatch.setattr(functional, "_native_plan_on", lambda cfg, name, device: 7)
+    planned = plan(*args)
+    assert planned[0] == 7 and planned[-1] == (4 if offsets == "thd padded offsets" else 2)
+    monkeypatch.undo()
+
+    def step(q):
+        return fat.attention(q, q, q, **given)
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="native cuDNN operator does not run this call here"):
+        torch.compile(step, backend="aot_eager", fullgraph=True)(q)
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(step, backend="aot_eager")(q), step(q), rtol=0, atol=0)

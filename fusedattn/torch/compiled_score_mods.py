@@ -20,8 +20,8 @@ captured by a callback made inside the compiled code (Dynamo, torch 2.11 to 2.13
 closure to plan, nor its cells' contents to the traced code; a callback made outside it can be: its
 cells are real), ScoreMods holding tensors, mods whose
 tensors learn, tensors read through a helper or a container, cuDNN-native callbacks
-score_mod(graph, score, tensors), and calls the native operator does not run (sequence lengths,
-max_logit, ...).
+score_mod(graph, score, tensors), and calls the native operator does not run (max_logit, ...). Sequence
+offsets (THD, padding masks) are operands of the graph, read on the device as an eager call's.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ GRAPH_BREAK = (
     "callback made inside the compiled code, ScoreMods holding tensors, mods that learn, cuDNN-native "
     "callbacks, and calls the native operator does not run are bound per call in Python. Compile with "
     "fullgraph=False; everything around the call still compiles.")
-NOT_IN_GRAPH = (-1, (), False, (), "", (None, None))
+NOT_IN_GRAPH = (-1, (), False, (), "", (None, None), 0)
 NO_NATIVE_OPERATOR = (-2, *NOT_IN_GRAPH[1:])  # as NOT_IN_GRAPH, for that reason (NO_NATIVE_BREAK)
 NO_NATIVE_BREAK = (
     "fusedattn.torch.attention with this score_mod runs eagerly inside a compiled model (one graph break): the "
@@ -154,15 +154,14 @@ def captured(score_mod, mask_mod, like: torch.Tensor, sources: tuple, reads: tup
 
 @torch._dynamo.assume_constant_result
 def plan(described: tuple, options: tuple, backend, grad_enabled: bool, score_mod, mask_mod, device) -> tuple:
-    """(native plan id, scalars, empty_rows, sources, aux key, reads) of a compiled score_mod call, or
-    NOT_IN_GRAPH when the call must run outside the graph (see the module's docstring). sources: where the
+    """(native plan id, scalars, empty_rows, sources, aux key, reads, offsets) of a compiled score_mod call,
+    or NOT_IN_GRAPH when the call must run outside the graph (see the module's docstring). sources: where the
     callbacks read their captured tensors (see `fetch`), and the aux key names the binding score_mod_aux
-    makes of them ("" without any); reads: see `touch`. score_mod: as `passed` gives it. Dynamo runs this
-    once per distinct call."""
+    makes of them ("" without any); reads: see `touch`; offsets: how many sequence offset tensors the
+    operator takes (cu_seqlens_q and _kv, then the padded ones: 0, 2 or 4), read on the device as an eager
+    call's. score_mod: as `passed` gives it. Dynamo runs this once per distinct call."""
     if isinstance(score_mod, tuple):  # a ScoreMod's fields (passed)
         score_mod = _rebuilt(score_mod)
-    if any(entry is not None for entry in described[6:]):
-        return NOT_IN_GRAPH  # sequence offsets: the eager call runs it (this graph passes no offsets)
     try:
         return _plan(described, dict(options), backend, grad_enabled, score_mod, mask_mod, device)
     except Exception:  # the eager call outside the graph raises it again, with its own message
@@ -192,15 +191,16 @@ def _plan(described, options, backend, grad_enabled, score_mod, mask_mod, device
     if bound is None or bool(operands.aux) != bool(captured):
         return NOT_IN_GRAPH  # (captured tensors that make no aux tensor are not followed: eager binds them)
     aux, scalars = operands.values(bound.values)
+    offsets = (4 if cfg.padded_offsets else 2) if cfg.has_sequence_lengths else 0
     if not captured:
-        return native, tuple(scalars), may_empty_rows(cfg, bound), (), "", (None, None)
+        return native, tuple(scalars), may_empty_rows(cfg, bound), (), "", (None, None), offsets
     reads = tuple(_reads_instead_of_call(fn, index, sources) for index, fn in enumerate((score_mod, mask_mod)))
     if False in reads:
         return NOT_IN_GRAPH  # a callback over a captured cell that also reads a helper or an object
     key = _remember_aux(mod, tuple(name for name, _ in sources), cfg, bound.key, aux)
     # The captured values can change between runs without a new trace: rows that may empty are cleared.
     empty_rows = may_empty_rows(cfg, bound) or any(x.is_floating_point() for x in captured.values())
-    return native, tuple(scalars), empty_rows, tuple(source for _, source in sources), key, reads
+    return native, tuple(scalars), empty_rows, tuple(source for _, source in sources), key, reads, offsets
 
 
 # ---------------------------------------------------------------- captured tensors as graph inputs

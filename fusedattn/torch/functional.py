@@ -552,7 +552,7 @@ def _compiled_score_mod_attention(q, k, v, given: dict):
     for fn in (score_mod, mask_mod):
         if type(fn) is types.FunctionType:
             _score_mod_made_in_compiled_code_over_tensors_breaks_the_graph_here(fn)
-    native, scalars, empty_rows, sources, aux_key, reads = compiled_score_mods.plan(
+    native, scalars, empty_rows, sources, aux_key, reads, offsets = compiled_score_mods.plan(
         described, tuple(options.items()), given.get("backend"), torch.is_grad_enabled(),
         compiled_score_mods.passed(score_mod), mask_mod, q.device)
     if native == compiled_score_mods.NO_NATIVE_OPERATOR[0]:
@@ -565,8 +565,9 @@ def _compiled_score_mod_attention(q, k, v, given: dict):
         aux = torch.ops.fusedattn.score_mod_aux.default(aux_key, captured)
     unpacked = split_packed(options["layout"], tuple(x for x in tensors[:3] if x is not None))
     seed, offset = _compiled_dropout(q, options, given)
+    sequences = list(tensors[6:6 + offsets])  # TENSOR_ARGUMENTS' order: cu_seqlens_q, _kv, then the padded ones
     out, lse = torch.ops.fusedattn_native.attention.default(native, *unpacked, tensors[5], seed, offset, tensors[3],
-                                                            list(aux), list(scalars), empty_rows, [])[:2]
+                                                            list(aux), list(scalars), empty_rows, sequences)[:2]
     return _compiled_result(out, lse, None, options)
 
 

@@ -638,6 +638,29 @@ def test_compiled_thd_calls_run_the_operator_with_eagers_bits():
         assert torch.equal(got, want), f"d{name} differs from eager"
 
 
+@pytest.mark.parametrize("name", ["thd+softcap", "thd_gaps+softcap", "padding+softcap", "padding_sink+late_keys"])
+def test_compiled_score_mod_calls_with_sequence_offsets_stay_in_the_graph(name):
+    """A score_mod call with sequence offsets (THD, padded offsets, padding masks) is the native operator
+    inside a fullgraph compiled graph, the offsets its operands: eager's bits forward and backward."""
+    tensors, options = _scored_call(name)
+    options = {**options, "deterministic": True}
+    leaves = [t.detach().clone().requires_grad_() for t in tensors]
+
+    def loss(*x):
+        return fat.attention(*x, **options).float().square().sum()
+
+    assert NATIVE_OP in _compiled_targets(loss, *leaves)
+    eager_loss = loss(*leaves)
+    eager = torch.autograd.grad(eager_loss, leaves)
+    for backend in ("aot_eager", "inductor"):
+        torch._dynamo.reset()
+        compiled_loss = torch.compile(loss, fullgraph=True, backend=backend)(*leaves)
+        grads = torch.autograd.grad(compiled_loss, leaves)
+        assert torch.equal(compiled_loss, eager_loss), f"loss ({backend}) differs from eager"
+        for which, got, want in zip("qkv", grads, eager):
+            assert torch.equal(got, want), f"d{which} ({backend}) differs from eager"
+
+
 # ---------------------------------------------------------------- score_mods in compiled graphs
 
 
