@@ -36,20 +36,23 @@ class TensorMeta:
         return f"{name}: shape {self.shape}, dtype {self.dtype}, device {self.device or self.device_kind}"
 
 
-def host_slopes(argument: str, value):
-    """ALiBi slopes given as a list, tuple or NumPy array, as a float32 NumPy array (Hq,) or (B, Hq).
+def host_slopes(argument: str, value, q_dtype: str = "float64"):
+    """ALiBi slopes given as a list, tuple or NumPy array, as a NumPy array (Hq,) or (B, Hq): float64 for
+    a float64 call (q_dtype, as the frontend names q's dtype; the default keeps every digit), float32
+    otherwise, the precision the kernels read slopes in.
 
     None for anything else (None, a framework tensor): the frontend describes and checks those.
     Frontends turn the result into their own array on q's device, so
     `alibi_slopes=fusedattn.standard_alibi_slopes(Hq)` works as written.
     """
+    dtype = np.float64 if q_dtype == "float64" else np.float32
     if isinstance(value, (list, tuple)):
         rows, batched = python_slopes(argument, value)
-        return np.asarray(rows if batched else rows[0], dtype=np.float32)
+        return np.asarray(rows if batched else rows[0], dtype=dtype)
     if not isinstance(value, np.ndarray):
         return None
     try:
-        array = np.asarray(value, dtype=np.float32)
+        array = np.asarray(value, dtype=dtype)
     except (TypeError, ValueError):
         raise ValueError(f"{argument}: expected (Hq,) or (B, Hq) real numbers, got {value!r}") from None
     if array.ndim not in (1, 2) or array.size == 0:

@@ -46,6 +46,14 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
+def x64():
+    """JAX in float64 for one test (the setting is restored afterwards)."""
+    jax = pytest.importorskip("jax")
+    with jax.enable_x64(True):
+        yield
+
+
+@pytest.fixture
 def triton_interpreter():
     """Skips a test of Triton kernels unless they run in Triton's interpreter (a CPU machine); tests/gpu
     runs the same kernels on the GPU."""

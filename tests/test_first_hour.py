@@ -27,10 +27,19 @@ def test_standard_slopes_are_a_plain_list_of_floats():
 
 
 @pytest.mark.parametrize("form", HOST_FORMS)
-def test_host_slopes_become_float32_arrays(form):
-    values = host_slopes("alibi_slopes", HOST_FORMS[form])
+def test_host_slopes_take_the_precision_of_the_call(form):
+    values = host_slopes("alibi_slopes", HOST_FORMS[form], "bfloat16")
     assert values.dtype == np.float32 and values.shape == (H,)
     np.testing.assert_array_equal(values, np.float32(STANDARD))
+    for q_dtype in ("float64", None):  # a float64 call's, and the default: every digit kept
+        values = host_slopes("alibi_slopes", HOST_FORMS[form], *([q_dtype] if q_dtype else []))
+        assert values.dtype == np.float64
+        np.testing.assert_array_equal(values, np.float64(STANDARD))
+
+
+# Slopes that float32 rounds: a float64 call given them as a list must not carry float32's error.
+ODD_SLOPES = [0.3, 0.7, 1.1, 0.13]
+ODD_FORMS = {"list": ODD_SLOPES, "tuple": tuple(ODD_SLOPES), "numpy64": np.array(ODD_SLOPES)}
 
 
 def test_host_slopes_leave_none_to_the_frontend():
@@ -240,3 +249,33 @@ def test_flax_modules_still_init_apply_and_clone():
         layer.clone(num_heads=2, num_kv_heads=4)
     explicit = fj.TransformerLayer(hidden_size=100, num_heads=16, head_dim=8)  # head_dim given: no divisibility
     assert explicit.init(jax.random.key(2), jax.random.normal(jax.random.key(3), (1, 4, 100)))
+
+
+@torch_frontend
+@pytest.mark.parametrize("form", ODD_FORMS)
+def test_torch_float64_call_keeps_host_slopes_float64(form):
+    import torch
+
+    import fusedattn.torch as ft
+
+    q, k, v = torch.randn(3, 2, 8, H, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    want = ft.attention(q, k, v, alibi_slopes=torch.tensor(ODD_SLOPES, dtype=torch.float64))
+    rounded = ft.attention(q, k, v, alibi_slopes=torch.tensor(ODD_SLOPES, dtype=torch.float32))
+    assert not torch.equal(want, rounded)  # the check below can tell the precisions apart
+    torch.testing.assert_close(ft.attention(q, k, v, alibi_slopes=ODD_FORMS[form]), want, rtol=0, atol=0)
+    torch.testing.assert_close(ft.DotProductAttention()(q, k, v, alibi_slopes=ODD_FORMS[form]), want,
+                               rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("form", ODD_FORMS)
+def test_jax_float64_call_keeps_host_slopes_float64(form, x64):
+    jax, _ = _jax_qkv()
+    import jax.numpy as jnp
+
+    import fusedattn.jax as fj
+
+    q, k, v = jax.random.normal(jax.random.key(3), (3, 2, 8, H, 16), jnp.float64)
+    want = fj.attention(q, k, v, alibi_slopes=jnp.asarray(ODD_SLOPES, jnp.float64))
+    rounded = fj.attention(q, k, v, alibi_slopes=jnp.asarray(ODD_SLOPES, jnp.float32))
+    assert not np.array_equal(want, rounded)
+    np.testing.assert_array_equal(fj.attention(q, k, v, alibi_slopes=ODD_FORMS[form]), want)

@@ -42,13 +42,6 @@ SHAPES = ((7, 7), (5, 9))  # (Sq, Skv)
 F32_EPS = 2.0**-24  # aux tensors are float32 by design (cuDNN reads float32)
 
 
-@pytest.fixture
-def x64():
-    """JAX in float64 for one test (the setting is restored afterwards)."""
-    with jax.enable_x64(True):
-        yield
-
-
 # ------------------------------------------------------------------ helpers
 
 @functools.cache
@@ -268,6 +261,28 @@ def test_jax_reference_matches_naive(name, x64, ran):
                                                          backend="reference"), arrays, cotangent)
     want = jax_out_and_grads(lambda q, k, v: naive_jax(q, k, v, score_mod, mask_mod), arrays, cotangent)
     assert got[0].shape == (B, sq, H, D) and got[0].dtype == jnp.float64
+    assert_all_close(got, want)
+    assert {n for n, _, _ in ran} == {"reference"}
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_jax_numbers_in_a_float64_callback_keep_float64_precision(jit, x64, ran):
+    """Numbers a callback writes (s * 0.37, s + 0.1) are float64 in a float64 call, under jit too, beside a
+    mask_mod that stays a select: they were traced on float32 stand-ins, which rounded them (1e-8 errors)."""
+    def score_mod(s, b, h, q_idx, kv_idx):
+        return s * 0.37 + 0.1
+
+    def mask_mod(b, h, q_idx, kv_idx):  # depends on the head: a select in the graph, not a native mask
+        return (h % 2 == 0) | (q_idx >= kv_idx)
+
+    arrays = qkv("jax", *SHAPES[1], seed=21)
+    cotangent = normal("jax", 28, (B, SHAPES[1][0], H, D))
+
+    def attend(q, k, v):
+        return fj.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod, backend="reference")
+
+    got = jax_out_and_grads(jax.jit(attend) if jit else attend, arrays, cotangent)
+    want = jax_out_and_grads(lambda q, k, v: naive_jax(q, k, v, score_mod, mask_mod), arrays, cotangent)
     assert_all_close(got, want)
     assert {n for n, _, _ in ran} == {"reference"}
 

@@ -576,12 +576,6 @@ def test_unsorted_document_ids_run_in_the_graph_and_agree():
     assert documents_thd.boundaries(ids, batch, seqlen) is None
 
 
-@pytest.fixture
-def x64():
-    with jax.enable_x64(True):
-        yield
-
-
 def _jax_run(q, k, v, layout, **options):
     """(out, lse, (dq, dk, dv)) of a JAX call, the loss reading out and LSE, as _torch_run."""
     def loss(q, k, v):

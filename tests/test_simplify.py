@@ -101,12 +101,6 @@ def test_the_generated_expressions_exercise_the_rewrites():
     assert changed > 50 and divisions > 50
 
 
-@pytest.fixture
-def x64():
-    with jax.enable_x64(True):
-        yield
-
-
 def _ops(expr) -> list[str]:
     return [n.op for n in expr.nodes if n.op not in ("input", "scalar")]
 

@@ -284,7 +284,7 @@ def attention(q, k=None, v=None, **options):
             options = {**options, "mask_mod": documents.fallback}  # traced or unsorted ids: a select
     get = options.get
     alibi_slopes = get("alibi_slopes")
-    slopes = host_slopes(f"{API}: alibi_slopes", alibi_slopes)
+    slopes = host_slopes(f"{API}: alibi_slopes", alibi_slopes, OPS.dtype_name(q))
     if slopes is not None:  # a list such as fusedattn.standard_alibi_slopes(Hq), or a NumPy array
         alibi_slopes = jnp.asarray(slopes)
     elif alibi_slopes is not None and not isinstance(alibi_slopes, (jax.Array, jax.core.Tracer)):

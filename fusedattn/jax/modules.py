@@ -75,9 +75,10 @@ def _call_keywords(module: str, kwargs: dict, *, fields: dict, owned: dict) -> d
 
 
 def _slopes(module: str, kwargs: dict) -> dict:
-    """Call keywords with list/tuple/NumPy alibi_slopes made a float32 JAX array."""
+    """Call keywords with list/tuple/NumPy alibi_slopes checked and made a float64 NumPy array, which
+    `attention` makes an array of the precision of q's dtype."""
     slopes = host_slopes(f"{module}: alibi_slopes", kwargs.get("alibi_slopes"))
-    return kwargs if slopes is None else {**kwargs, "alibi_slopes": jnp.asarray(slopes)}
+    return kwargs if slopes is None else {**kwargs, "alibi_slopes": slopes}
 
 
 class DotProductAttention(nn.Module):
@@ -118,7 +119,7 @@ class DotProductAttention(nn.Module):
         sink and the dropout RNG are the module's, and raise a TypeError here.
 
         alibi_slopes may be a JAX array, or a list, tuple or NumPy array (such as
-        `fusedattn.standard_alibi_slopes(Hq)`), made a float32 array.
+        `fusedattn.standard_alibi_slopes(Hq)`), made an array of q's precision.
         """
         name = type(self).__name__
         fields = {"window": self.window, "scale": self.scale, "backend": self.backend, "shard_axes": self.shard_axes}

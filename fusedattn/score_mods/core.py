@@ -272,11 +272,13 @@ def refuse_unfollowed(api: str, mod: ScoreMod) -> None:
 
 def _normalize(label: str, value, full: tuple, device: str | None, training: bool, float64: bool = False):
     """One aux entry as a 4-D array in a dtype cuDNN reads, or a RuntimeScalar. label: who it is, for errors.
-    float64: a float64 call's (which only the reference runs): its float64 arrays keep their precision."""
+    float64: a float64 call's (which only the reference runs): its float64 arrays and numbers keep their
+    precision (a number travels as a float64 scalar, as the Python float it is)."""
+    real = "float64" if float64 else "float32"
     if isinstance(value, bool) or isinstance(value, numbers.Integral):
         return RuntimeScalar(int(value), "int32")
     if isinstance(value, numbers.Real):
-        return RuntimeScalar(float(value), "float32")
+        return RuntimeScalar(float(value), real)
     shape = getattr(value, "shape", None)
     if shape is None:
         raise ValueError(f"{label}: expected a tensor or a number, got {type(value).__name__}")
@@ -289,7 +291,7 @@ def _normalize(label: str, value, full: tuple, device: str | None, training: boo
         if array.ndim:
             raise ValueError(f"{label}: expected a framework tensor (torch or JAX) or a number, got a NumPy "
                              f"array of shape {array.shape}; convert it on q's device once")
-        return RuntimeScalar(array.item(), "int32" if array.dtype.kind in "biu" else "float32")
+        return RuntimeScalar(array.item(), "int32" if array.dtype.kind in "biu" else real)
     ops = namespace(value)
     if device is not None and ops.name == "torch" and str(value.device) != device:
         if len(shape) == 0 and value.device.type == "cpu":

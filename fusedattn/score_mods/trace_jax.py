@@ -174,7 +174,11 @@ def trace_jax(fn, names: list[str]) -> Expr:
 
 def trace_jax_into(builder: Builder, fn, names: list[str]) -> list[int]:
     """fn traced into builder (inputs shared with what it holds by name): the node of each result."""
-    stand_ins = [jnp.zeros((), jnp.float32 if n in ("score", "dscore") else jnp.int32) for n in names]
+    # With x64 on, a float64 score: the numbers the callback writes (s * 0.37) stay float64 in the trace,
+    # where a float32 one would round them (a float64 call then carries float32 error); cuDNN's graphs
+    # take them as float32 either way.
+    score = jnp.float64 if jax.config.read("jax_enable_x64") else jnp.float32
+    stand_ins = [jnp.zeros((), score if n in ("score", "dscore") else jnp.int32) for n in names]
     try:
         # A fresh wrapper each time: JAX caches traces by function, and would miss a changed global.
         closed = jax.make_jaxpr(lambda *args: fn(*args))(*stand_ins)
