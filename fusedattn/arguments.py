@@ -36,16 +36,16 @@ class TensorMeta:
         return f"{name}: shape {self.shape}, dtype {self.dtype}, device {self.device or self.device_kind}"
 
 
-def host_slopes(argument: str, value, q_dtype: str = "float64"):
+def host_slopes(argument: str, value, q_dtype="float64"):
     """ALiBi slopes given as a list, tuple or NumPy array, as a NumPy array (Hq,) or (B, Hq): float64 for
-    a float64 call (q_dtype, as the frontend names q's dtype; the default keeps every digit), float32
-    otherwise, the precision the kernels read slopes in.
+    a float64 call (q_dtype: q's dtype, of any framework, or None when q is not an array yet; the default
+    keeps every digit), float32 otherwise, the precision the kernels read slopes in.
 
     None for anything else (None, a framework tensor): the frontend describes and checks those.
     Frontends turn the result into their own array on q's device, so
     `alibi_slopes=fusedattn.standard_alibi_slopes(Hq)` works as written.
     """
-    dtype = np.float64 if q_dtype == "float64" else np.float32
+    dtype = np.float64 if str(q_dtype).endswith("float64") else np.float32
     if isinstance(value, (list, tuple)):
         rows, batched = python_slopes(argument, value)
         return np.asarray(rows if batched else rows[0], dtype=dtype)
@@ -216,7 +216,8 @@ def _check_index(args: CallArguments, name: str, meta: TensorMeta | None, batch:
     if meta.dtype not in INDEX_DTYPES:
         raise args.error(name, "an int32 or int64 tensor", f"dtype {meta.dtype}")
     if len(meta.shape) != 1 or meta.shape[0] < 2:
-        raise args.error(name, "a 1-D tensor of B+1 >= 2 offsets", f"shape {meta.shape}")
+        raise args.error(name, "a 1-D tensor of B+1 >= 2 offsets (offsets need at least one sequence; a batch "
+                         "without any has nothing to attend: skip the call)", f"shape {meta.shape}")
     if _other_device(meta.device, device):
         raise args.error(name, f"device {device} like q", meta.device)
     if batch is not None and meta.shape[0] != batch + 1:

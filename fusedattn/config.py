@@ -41,6 +41,14 @@ def standard_alibi_slopes(heads: int) -> list[float]:
     return slopes + extra[: heads - n]
 
 
+# Where an array given for a named choice belongs, by the choice's class.
+_ARRAY_HINTS = {
+    "Mask": ("; a mask tensor is not a mask name: pass an additive one as bias= (0 where kept, -inf where "
+             "dropped), a condition as mask_mod=, or call the drop-in scaled_dot_product_attention(attn_mask=) "
+             "(torch) or dot_product_attention(mask=) (JAX), which take boolean masks"),
+}
+
+
 class _Choice(str, enum.Enum):
     """A string enum whose `parse` names the argument and the accepted values on error."""
 
@@ -53,6 +61,9 @@ class _Choice(str, enum.Enum):
         if member is not None:
             return member
         accepted = ", ".join(repr(m.value) for m in cls)
+        if hasattr(value, "shape") and hasattr(value, "dtype"):  # an array: its description, not its contents
+            raise ValueError(f"{argument}: expected one of {accepted}, got an array of shape {tuple(value.shape)}, "
+                             f"dtype {value.dtype}{_ARRAY_HINTS.get(cls.__name__, '')}")
         raise ValueError(f"{argument}: expected one of {accepted}, got {value!r}")
 
     def __str__(self) -> str:

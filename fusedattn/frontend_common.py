@@ -32,9 +32,10 @@ __all__ = ["AttentionResult", "pick_outputs", "documents_possible", "call_as_thd
 class AttentionResult(NamedTuple):
     """Returned instead of the bare output when return_lse or return_max_logit is set.
 
-    out: attention output in q's layout. lse: float32 log-sum-exp of the scaled scores
-    (including the sink term), (B, Hq, Sq), or (Tq, Hq) for THD; None unless return_lse.
-    max_logit: float32 (Hq,) largest visible score per head; None unless return_max_logit.
+    out: attention output in q's layout. lse: log-sum-exp of the scaled scores (including the
+    sink term), float32 (float64 for float64 inputs), (B, Hq, Sq), or (Tq, Hq) for THD; None unless
+    return_lse. max_logit: (Hq,) largest visible score per head, in the LSE's dtype; None unless
+    return_max_logit.
     """
 
     out: Any

@@ -266,7 +266,9 @@ def check_cu_seqlens(argument: str, cu_seqlens: np.ndarray, total_tokens: int,
     """
     cu = np.asarray(cu_seqlens)
     if cu.ndim != 1 or cu.shape[0] < 2:
-        raise ValueError(f"{argument}: expected a 1-D tensor of B+1 >= 2 offsets, got shape {tuple(cu.shape)}")
+        raise ValueError(f"{argument}: expected a 1-D tensor of B+1 >= 2 offsets (offsets need at least one "
+                         f"sequence; a batch without any has nothing to attend: skip the call), got shape "
+                         f"{tuple(cu.shape)}")
     if cu[0] != 0:
         raise ValueError(f"{argument}: expected the first offset to be 0, got {int(cu[0])}")
     lengths = np.diff(cu.astype(np.int64))

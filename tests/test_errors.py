@@ -212,6 +212,9 @@ TORCH_CASES = [
     Case("dropout-seed-past-int64", lambda A: A(Q, K, V, dropout_p=0.1, dropout_seed=2**70),
          "dropout_seed: expected an int that fits in int64", f"got {2**70}"),
     Case("score-mod-not-callable", lambda A: A(Q, K, V, score_mod=3), "score_mod: expected a callable", "got int"),
+    Case("mask-tensor", lambda A: A(Q, K, V, mask=torch.ones(8, 8, dtype=torch.bool)), "mask: expected one of",
+         "got an array of shape (8, 8), dtype torch.bool; a mask tensor is not a mask name: pass an additive one as "
+         "bias="),
     Case("backend-unknown", lambda A: A(Q, K, V, backend="flash"), "backend: expected one of", "got 'flash'"),
     Case("env-backend-unknown", lambda A: A(Q, K, V), "FUSEDATTN_BACKEND: expected one of", "got 'flash'",
          env={"FUSEDATTN_BACKEND": "flash"}),
@@ -337,6 +340,8 @@ JAX_CASES = [
     Case("dtype-int-q", lambda A: A(JQ.astype(jnp.int32), JK, JV), "q: expected a floating dtype", "got int32"),
     Case("not-an-array", lambda A: A([[1.0]], JK, JV), "q: expected a JAX array", "got list"),
     Case("mask-unknown", lambda A: A(JQ, JK, JV, mask="diag"), "mask: expected one of", "got 'diag'"),
+    Case("mask-array", lambda A: A(JQ, JK, JV, mask=jnp.ones((8, 8), bool)), "mask: expected one of",
+         "got an array of shape (8, 8), dtype bool; a mask tensor is not a mask name"),
     Case("window-3-values", lambda A: A(JQ, JK, JV, window=(1, 2, 3)), "window: expected (left, right)",
          "got (1, 2, 3)"),
     Case("window-right-with-causal", lambda A: A(JQ, JK, JV, mask="causal", window=(4, 4)), "window: right=4",

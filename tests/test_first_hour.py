@@ -109,6 +109,7 @@ def test_torch_score_mod_alibi_takes_standard_slopes():
 
 def _jax_qkv():
     jax = pytest.importorskip("jax")
+    import fusedattn.jax  # noqa: F401 (the tests call it as fusedattn.jax)
     return jax, jax.random.normal(jax.random.key(0), (2, 8, H, 16))
 
 
@@ -279,3 +280,26 @@ def test_jax_float64_call_keeps_host_slopes_float64(form, x64):
     rounded = fj.attention(q, k, v, alibi_slopes=jnp.asarray(ODD_SLOPES, jnp.float32))
     assert not np.array_equal(want, rounded)
     np.testing.assert_array_equal(fj.attention(q, k, v, alibi_slopes=ODD_FORMS[form]), want)
+
+
+def test_jax_takes_numpy_arrays_with_a_score_mod_and_segment_ids():
+    """NumPy q/k/v with a score_mod, and NumPy segment ids, run as their JAX arrays do (both were refused
+    with a message that named neither the function nor the argument)."""
+    jax, _ = _jax_qkv()
+    import jax.numpy as jnp
+
+    import fusedattn.jax as fj
+
+    rng = np.random.default_rng(5)
+    q, k, v = rng.standard_normal((3, 2, 8, H, 16), dtype=np.float32)
+    def score_mod(s, b, h, q_idx, kv_idx):
+        return s * 0.5 + np.float32(0.25) * h
+
+    want = fj.attention(*map(jnp.asarray, (q, k, v)), score_mod=score_mod)
+    np.testing.assert_array_equal(fj.attention(q, k, v, score_mod=score_mod), want)
+    ids = np.array([0, 0, 0, 1, 1, 1, 1, 1], np.int32)
+    packed = {"layout": "thd", "num_sequences": 2}
+    want = fj.attention(q[0], k[0], v[0], segment_ids_q=jnp.asarray(ids), segment_ids_kv=jnp.asarray(ids),
+                        **packed)
+    np.testing.assert_array_equal(fj.attention(q[0], k[0], v[0], segment_ids_q=ids, segment_ids_kv=ids, **packed),
+                                  want)

@@ -7,6 +7,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from fusedattn.arguments import TensorMeta, host_slopes
@@ -274,6 +275,12 @@ def attention(q, k=None, v=None, **options):
         >>> grads = jax.grad(lambda q: attention(q, k, v).sum())(q)
     """
     check_keywords(API, options, "jax")
+    # NumPy arrays become JAX arrays here, as jax.numpy takes them: the score_mod tracer and the segment-id
+    # packing work on the framework's arrays.
+    q, k, v = (jnp.asarray(x) if isinstance(x, np.ndarray) else x for x in (q, k, v))
+    for name in ("segment_ids_q", "segment_ids_kv"):
+        if isinstance(options.get(name), np.ndarray):
+            options = {**options, name: jnp.asarray(options[name])}
     options = flex_keywords(options)  # a built-in in flex form: its score_mod and mask_mod
     if options.get("mask_mod") is not None:  # its causal, window, padding and document parts as native masks
         options, documents = rewrite_mask("jax", q, k, v, options, document_ok=documents_possible(options, "jax"))
@@ -284,7 +291,7 @@ def attention(q, k=None, v=None, **options):
             options = {**options, "mask_mod": documents.fallback}  # traced or unsorted ids: a select
     get = options.get
     alibi_slopes = get("alibi_slopes")
-    slopes = host_slopes(f"{API}: alibi_slopes", alibi_slopes, OPS.dtype_name(q))
+    slopes = host_slopes(f"{API}: alibi_slopes", alibi_slopes, getattr(q, "dtype", None))
     if slopes is not None:  # a list such as fusedattn.standard_alibi_slopes(Hq), or a NumPy array
         alibi_slopes = jnp.asarray(slopes)
     elif alibi_slopes is not None and not isinstance(alibi_slopes, (jax.Array, jax.core.Tracer)):

@@ -35,7 +35,8 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
             create_block_mask(mask_mod) would (from_kv_blocks, full blocks that mask_mod masks
             partly) is applied as well (checked once per BlockMask, not while torch.compile traces).
             A row with no visible key gives 0 (LSE -inf).
-        scale: multiplies q kᵀ; default 1/sqrt(E).
+        scale: multiplies q kᵀ; default 1/sqrt(E). A finite Python float > 0: FlexAttention also runs 0,
+            negative and tensor scales, which this drop-in refuses by name (pass float(scale)).
         enable_gqa: allow Hkv < Hq with Hq a multiple of Hkv.
         return_lse: also return the log-sum-exp of the (modified) scores, (B, Hq, L), float32
             (float64 for float64 inputs).

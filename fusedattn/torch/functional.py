@@ -180,7 +180,7 @@ def attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | 
     alibi_slopes = get("alibi_slopes")
     if alibi_slopes is not None and not isinstance(alibi_slopes, torch.Tensor):
         # a list such as fusedattn.standard_alibi_slopes(Hq), or a NumPy array
-        slopes = host_slopes(f"{API}: alibi_slopes", alibi_slopes, OPS.dtype_name(q))
+        slopes = host_slopes(f"{API}: alibi_slopes", alibi_slopes, getattr(q, "dtype", None))
         if slopes is None:
             raise ValueError(f"{API}: alibi_slopes: expected a tensor, list or NumPy array of (Hq,) or (B, Hq) "
                              f"slopes, got {type(alibi_slopes).__name__}")

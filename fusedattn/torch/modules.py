@@ -72,7 +72,7 @@ class DotProductAttention(nn.Module):
             raise TypeError(f"{name}.forward: {held[0]} is the module's, set when it is constructed; a call may "
                             f"pass {', '.join(sorted(_CALL_KEYWORDS))}")
         check_keywords(f"{name}.forward", options, "torch")
-        slopes = host_slopes(f"{name}: alibi_slopes", options.get("alibi_slopes"), str(q.dtype).removeprefix("torch."))
+        slopes = host_slopes(f"{name}: alibi_slopes", options.get("alibi_slopes"), getattr(q, "dtype", None))
         if slopes is not None:
             options["alibi_slopes"] = torch.as_tensor(slopes, device=q.device)
         if options.get("mask") is None:  # (only None means the module's: "" is a bad mask, said so by attention)
