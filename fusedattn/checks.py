@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import numbers
 
-__all__ = ["check_window", "check_probability", "check_scale", "check_count", "check_backend"]
+__all__ = ["check_window", "check_probability", "check_scale", "check_count", "check_backend", "number_from_array"]
 
 
 def _is_int(value) -> bool:
@@ -30,10 +30,27 @@ def check_window(value, argument: str = "window", accepted: tuple = (tuple, list
 
 
 def check_probability(value, argument: str = "dropout_p") -> float:
-    """A dropout probability in [0, 1), as a float."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+    """A dropout probability in [0, 1), as a float (a NumPy float as the Python float of its value)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= value < 1.0:
         raise ValueError(f"{argument}: expected a float in [0, 1), got {value!r}")
     return float(value)
+
+
+def number_from_array(value, argument: str):
+    """A 0-d array given where a drop-in's original takes a number (scale=1 / jnp.sqrt(d),
+    scale=torch.tensor(0.3)) as the Python float of its value, read now (a host read: a Python float
+    costs nothing); anything else as it is, for the checks. A value traced by jax.jit cannot be read:
+    the kernel's scale is fixed when the call is traced."""
+    if isinstance(value, numbers.Number) or getattr(value, "shape", None) != ():
+        return value
+    if any(kind.__name__.endswith("Tracer") for kind in type(value).__mro__):
+        raise ValueError(f"{argument}: expected a number known when the call is traced (the kernels take the "
+                         f"scale as a constant), got a traced array; pass a Python float, or mark the argument "
+                         f"static (jax.jit(..., static_argnames=...))")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return value  # (not a real number: the checks say so)
 
 
 def check_scale(value, argument: str = "scale") -> float | None:

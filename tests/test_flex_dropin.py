@@ -58,6 +58,7 @@ def test_gqa_scale_and_plain_output():
         theirs = flex_module.flex_attention(*tensors, scale=0.3, enable_gqa=True)
     assert isinstance(ours, torch.Tensor)
     _close("out", ours, theirs)
+    torch.testing.assert_close(flex_attention(*tensors, scale=torch.tensor(0.3), enable_gqa=True), ours)
 
 
 # ------------------------------------------------------------------ block tables
@@ -205,3 +206,15 @@ def test_kernel_options_and_an_lse_request_are_taken_as_flex_attention_takes_the
         flex_attention(q, k, v, return_aux=request(max_scores=True))
     with pytest.raises(ValueError, match="return_aux: expected None when return_lse=True"):
         flex_attention(q, k, v, return_lse=True, return_aux=request(lse=True))
+
+
+def test_a_block_table_shorter_than_the_queries_is_refused_by_name():
+    """A BlockMask made for fewer queries than the call has: the error named an internal captured tensor."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    q = k = v = torch.randn(2, 2, 6, 8)
+    block_mask = BlockMask.from_kv_blocks(torch.tensor([[[1]]], dtype=torch.int32),
+                                          torch.tensor([[[[0]]]], dtype=torch.int32), BLOCK_SIZE=4, seq_lengths=(6, 6))
+    with pytest.raises(ValueError, match=r"^flex_attention: block_mask: its table covers 1 query blocks of 4 \(4 "
+                                         r"queries\), the call has L=6; make it for this length"):
+        flex_attention(q, k, v, block_mask=block_mask)

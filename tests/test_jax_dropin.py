@@ -408,3 +408,15 @@ def test_the_residual_has_the_inputs_dtype_as_jax_nns(dtype):
     np.testing.assert_allclose(np.asarray(residual, np.float32), np.asarray(want, np.float32), rtol=1e-2)
     _, empty = fj.dot_product_attention(q[:, :0], k, k, return_residual=True)
     assert empty.dtype == dtype
+
+
+def test_a_concrete_array_scale_runs_as_jax_nn_takes_it():
+    """scale=1 / jnp.sqrt(d) is how JAX code writes it; a traced scale (jit) is refused by name."""
+    q, k, v = (jax.random.normal(jax.random.key(i), (2, 6, 3, 8)) for i in range(3))
+    want = fj.dot_product_attention(q, k, v, scale=float(1 / np.sqrt(8.0)))
+    np.testing.assert_allclose(fj.dot_product_attention(q, k, v, scale=1 / jnp.sqrt(8.0)), want, rtol=1e-6)
+    np.testing.assert_allclose(want, jax.nn.dot_product_attention(q, k, v, scale=1 / jnp.sqrt(8.0)), rtol=1e-5,
+                               atol=1e-6)
+    with pytest.raises(ValueError, match=r"dot_product_attention: scale: expected a number known when the call "
+                                         r"is traced .* got a traced array"):
+        jax.jit(lambda s: fj.dot_product_attention(q, k, v, scale=s))(0.3)

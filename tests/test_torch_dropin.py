@@ -237,3 +237,28 @@ def test_an_empty_query_or_key_length_beside_a_mask_answers_as_sdpa(q_len, k_len
     torch.testing.assert_close(got, want)
     got.sum().backward()
     assert q.grad.shape == q.shape and k.grad.shape == k.shape
+
+
+def test_numbers_given_as_numpy_or_0d_tensors_run_as_sdpa_takes_them():
+    """PyTorch takes scale=torch.tensor(0.3) and dropout_p=np.float32(...); ours refused both (the second
+    with 'expected a float in [0, 1), got np.float32(0.1)')."""
+    import numpy as np
+
+    q, k, v = (torch.randn(2, 3, 5, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    want = F.scaled_dot_product_attention(q, k, v, scale=0.3)
+    torch.testing.assert_close(fat.scaled_dot_product_attention(q, k, v, scale=torch.tensor(0.3)), want)
+    torch.testing.assert_close(fat.scaled_dot_product_attention(q, k, v, scale=np.float32(0.3)), want)
+    torch.manual_seed(4)
+    a = fat.scaled_dot_product_attention(q, k, v, dropout_p=np.float32(0.25))
+    torch.manual_seed(4)
+    b = fat.scaled_dot_product_attention(q, k, v, dropout_p=0.25)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_dropout_of_one_drops_every_weight_as_sdpa():
+    leaves = [torch.randn(2, 3, 5, 8, requires_grad=True) for _ in range(3)]
+    out = fat.scaled_dot_product_attention(*leaves, dropout_p=1.0)
+    assert out.shape == (2, 3, 5, 8) and torch.equal(out, torch.zeros_like(out))
+    assert torch.equal(out, F.scaled_dot_product_attention(*leaves, dropout_p=1.0))
+    out.sum().backward()
+    assert all(torch.equal(x.grad, torch.zeros_like(x)) for x in leaves)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fusedattn.checks import check_scale
+from fusedattn.checks import check_scale, number_from_array
 from fusedattn.jax.functional import _is_torch, _type_name, attention
 
 __all__ = ["dot_product_attention"]
@@ -156,8 +156,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
             (fewer dimensions gain leading unit axes); cast to query's dtype (jax.nn adds it in
             float32), with a gradient.
         mask: boolean, True = takes part, broadcastable to (B, N, T, S).
-        scale: multiplies `q kᵀ`; default 1/sqrt(H). Zero or negative scales raise, as in
-            fusedattn.jax.attention (jax.nn takes them).
+        scale: multiplies `q kᵀ`; default 1/sqrt(H). A number, or a concrete 0-d array (1 / jnp.sqrt(H),
+            read once per call); under jit it must be static (a traced scale raises). Zero or negative
+            scales raise, as in fusedattn.jax.attention (jax.nn takes them).
         is_causal: query i sees keys j <= i (top-left diagonal, also when T != S).
         query_seq_lengths, key_value_seq_lengths: (B,) int32; rows past a query length give 0,
             keys past a key length are masked.
@@ -187,6 +188,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     """
     if implementation not in _IMPLEMENTATIONS:
         raise _error("implementation", "None, 'xla' or 'cudnn'", repr(implementation))
+    scale = number_from_array(scale, f"{API}: scale")  # (1 / jnp.sqrt(d), as jax.nn takes it)
     try:
         check_scale(scale)
     except ValueError as error:

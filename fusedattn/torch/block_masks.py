@@ -85,6 +85,12 @@ def mask_of_block_mask(block_mask, mask_mod, batch: int, heads: int, query_len: 
     """The mask_mod that gives what compiled FlexAttention computes with this BlockMask: mask_mod itself
     (None for no mask) when the table agrees with it, else one that applies the table as well.
     device: the query's (mask_mod and the applied table live there; default the table's)."""
+    block_q = block_mask.BLOCK_SIZE[0]
+    covered = block_mask.kv_num_blocks.shape[-1] * block_q
+    if covered < query_len:  # (FlexAttention's eager form ignores the table; its compiled kernels read past it)
+        raise ValueError(f"flex_attention: block_mask: its table covers {block_mask.kv_num_blocks.shape[-1]} query "
+                         f"blocks of {block_q} ({covered} queries), the call has L={query_len}; make it for this "
+                         f"length: create_block_mask(mask_mod, B, H, Q_LEN={query_len}, KV_LEN={key_len})")
     device = block_mask.kv_num_blocks.device if device is None else device
     key = (id(block_mask), id(mask_mod), batch, heads, query_len, key_len, str(device),
            *(getattr(t, "_version", None) for t in (block_mask.kv_num_blocks, block_mask.kv_indices)))

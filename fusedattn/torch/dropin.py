@@ -15,11 +15,13 @@ Assign it over torch.nn.functional's in a model:
 from __future__ import annotations
 
 import math
+import numbers
 import weakref
 
 import torch
 
 from fusedattn.cache import LRUCache, register
+from fusedattn.checks import number_from_array
 from fusedattn.mask_patterns import classify
 from fusedattn.torch.functional import attention
 
@@ -42,12 +44,14 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
         attn_mask: boolean (True: take part) or a float tensor added to the scaled scores (cast to
             query's dtype, as nn.MultiheadAttention's float32 padding masks need under autocast),
             broadcastable to (..., Hq, L, S). A row whose every key is masked gives 0.
-        dropout_p: dropout on the attention weights (seeded from torch's generator).
+        dropout_p: dropout on the attention weights (seeded from torch's generator); 1.0 drops them all
+            (output and gradients 0), as in PyTorch.
         is_causal: top-left causal mask (query i sees keys j <= i); with attn_mask, both apply (a key
             takes part where the mask lets it and it is not in the future), as PyTorch 2.13's CPU
             kernel computes them (its math kernel raises).
-        scale: multiplies q kᵀ; default 1/sqrt(E). Zero or negative scales raise (PyTorch's CPU math
-            gives NaN rows for them under is_causal).
+        scale: multiplies q kᵀ; default 1/sqrt(E). A number, or a 0-d tensor (read once per call: a
+            host read). Zero or negative scales raise (PyTorch's CPU math gives NaN rows for them under
+            is_causal).
         enable_gqa: allow Hkv < Hq with Hq a multiple of Hkv (grouped-query attention).
 
     Under autocast, float32 query, key and value are cast to autocast's dtype, as PyTorch's SDPA is.
@@ -55,6 +59,7 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     Returns:
         (..., Hq, L, Ev), in query's dtype (autocast's under autocast).
     """
+    scale = number_from_array(scale, f"{API}: scale")  # (a 0-d tensor, as PyTorch takes it)
     for name, x in (("query", query), ("key", key), ("value", value)):
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"{API}: {name}: expected a torch.Tensor, got {type(x).__name__}")
@@ -97,8 +102,11 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
         if q.shape[-1] == 0 and k.shape[-1] == 0:  # E=0: every score is 0 (then the mask's), as in PyTorch
             q, k = (torch.nn.functional.pad(x, (0, 1)) for x in (q, k))
             scale = 1.0 if scale is None else scale
-        out = attention(q, k, v, layout="bhsd", dropout_p=dropout_p, scale=scale,
+        drop_all = isinstance(dropout_p, numbers.Real) and dropout_p == 1  # PyTorch drops every weight
+        out = attention(q, k, v, layout="bhsd", dropout_p=0.0 if drop_all else dropout_p, scale=scale,
                         **_mask_options(attn_mask, mask, is_causal, query, batch, q.shape[-2], k.shape[-2]))
+        if drop_all:  # zeros, and zero gradients, as PyTorch gives
+            out = out * 0
     out = out.reshape(*lead, *out.shape[1:])
     return out.reshape(out.shape[4 - dims:]) if dims < 4 else out
 

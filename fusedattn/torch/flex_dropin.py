@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from fusedattn.checks import number_from_array
 from fusedattn.torch.block_masks import mask_of_block_mask
 from fusedattn.torch.functional import attention
 
@@ -29,14 +30,15 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 
     Args:
         query: (B, Hq, L, E). key: (B, Hkv, S, E). value: (B, Hkv, S, Ev).
-        score_mod: score_mod(score, b, h, q_idx, kv_idx) -> score, in torch, as for FlexAttention.
+        score_mod: score_mod(score, b, h, q_idx, kv_idx) -> score, in torch, as for FlexAttention; a
+            score it leaves at or below -1e8 counts as masked (FlexAttention keeps it a number).
         block_mask: a FlexAttention BlockMask for (L, S), as compiled FlexAttention reads it: its
             mask_mod masks the keys where it is False, and a table that lists other blocks than
             create_block_mask(mask_mod) would (from_kv_blocks, full blocks that mask_mod masks
             partly) is applied as well (checked once per BlockMask, not while torch.compile traces).
             A row with no visible key gives 0 (LSE -inf).
-        scale: multiplies q kᵀ; default 1/sqrt(E). A finite Python float > 0: FlexAttention also runs 0,
-            negative and tensor scales, which this drop-in refuses by name (pass float(scale)).
+        scale: multiplies q kᵀ; default 1/sqrt(E). A number > 0, or a 0-d tensor (read once per call: a
+            host read). FlexAttention also runs 0 and negative scales, which this drop-in refuses by name.
         enable_gqa: allow Hkv < Hq with Hq a multiple of Hkv.
         return_lse: also return the log-sum-exp of the (modified) scores, (B, Hq, L), float32
             (float64 for float64 inputs).
@@ -51,6 +53,7 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     if kernel_options is not None and not isinstance(kernel_options, dict):
         raise ValueError(f"{API}: kernel_options: expected a dict of FlexAttention kernel options or None, got "
                          f"{type(kernel_options).__name__}")
+    scale = number_from_array(scale, f"{API}: scale")
     aux = _aux_request(return_aux, return_lse)
     for name, x in (("query", query), ("key", key), ("value", value)):
         if not isinstance(x, torch.Tensor) or x.dim() != 4:
