@@ -215,9 +215,8 @@ def _check_index(args: CallArguments, name: str, meta: TensorMeta | None, batch:
         return None
     if meta.dtype not in INDEX_DTYPES:
         raise args.error(name, "an int32 or int64 tensor", f"dtype {meta.dtype}")
-    if len(meta.shape) != 1 or meta.shape[0] < 2:
-        raise args.error(name, "a 1-D tensor of B+1 >= 2 offsets (offsets need at least one sequence; a batch "
-                         "without any has nothing to attend: skip the call)", f"shape {meta.shape}")
+    if len(meta.shape) != 1 or meta.shape[0] < 1:
+        raise args.error(name, "a 1-D tensor of B+1 offsets (B >= 0)", f"shape {meta.shape}")
     if _other_device(meta.device, device):
         raise args.error(name, f"device {device} like q", meta.device)
     if batch is not None and meta.shape[0] != batch + 1:

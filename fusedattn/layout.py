@@ -183,8 +183,10 @@ def thd_to_padded(x, cu_seqlens, max_seqlen: int, padded_offsets=None):
 def padded_to_thd(y, cu_seqlens, total_tokens: int, padded_offsets=None):
     """(B, S, ...) -> (total_tokens, ...) packed; tokens outside every sequence are zero."""
     ops = namespace(y)
-    starts, lengths = sequence_starts(cu_seqlens, padded_offsets)
     batch, seqlen = y.shape[0], y.shape[1]
+    if batch * seqlen == 0:  # no sequence, or none with a token: every token lies outside them
+        return ops.full((total_tokens,) + tuple(y.shape[2:]), 0, y, ops.dtype_name(y))
+    starts, lengths = sequence_starts(cu_seqlens, padded_offsets)
     token = ops.arange(total_tokens, like=y, dtype="int64")
     starts64 = ops.astype(starts, "int64")
     b = ops.clip(ops.searchsorted(starts64, token, right=True) - 1, 0, batch - 1)
@@ -192,8 +194,6 @@ def padded_to_thd(y, cu_seqlens, total_tokens: int, padded_offsets=None):
     valid = (position >= 0) & (position < ops.take(ops.astype(lengths, "int64"), b, axis=0))
     flat_index = ops.where(valid, b * seqlen + ops.clip(position, 0, max(seqlen - 1, 0)), 0)
     flat = ops.reshape(y, (batch * seqlen,) + tuple(y.shape[2:]))
-    if batch * seqlen == 0:
-        return ops.full((total_tokens,) + tuple(y.shape[2:]), 0, y, ops.dtype_name(y))
     gathered = ops.take(flat, flat_index, axis=0)
     valid = ops.reshape(valid, (total_tokens,) + (1,) * (len(y.shape) - 2))
     return ops.where(valid, gathered, 0)
@@ -265,10 +265,8 @@ def check_cu_seqlens(argument: str, cu_seqlens: np.ndarray, total_tokens: int,
     Raises ValueError naming the argument and the offending values.
     """
     cu = np.asarray(cu_seqlens)
-    if cu.ndim != 1 or cu.shape[0] < 2:
-        raise ValueError(f"{argument}: expected a 1-D tensor of B+1 >= 2 offsets (offsets need at least one "
-                         f"sequence; a batch without any has nothing to attend: skip the call), got shape "
-                         f"{tuple(cu.shape)}")
+    if cu.ndim != 1 or cu.shape[0] < 1:
+        raise ValueError(f"{argument}: expected a 1-D tensor of B+1 offsets (B >= 0), got shape {tuple(cu.shape)}")
     if cu[0] != 0:
         raise ValueError(f"{argument}: expected the first offset to be 0, got {int(cu[0])}")
     lengths = np.diff(cu.astype(np.int64))

@@ -159,8 +159,10 @@ TORCH_CASES = [
          "cu_seqlens_q: expected an int32 or int64 tensor", "got dtype float32"),
     Case("cu-seqlens-2d", lambda A: thd(A, cu_seqlens_q=CU[None]), "cu_seqlens_q: expected a 1-D tensor",
          "got shape (1, 3)"),
-    Case("cu-seqlens-one-offset", lambda A: thd(A, cu_seqlens_q=i32([0])), "cu_seqlens_q: expected a 1-D tensor",
-         "got shape (1,)"),
+    Case("cu-seqlens-one-offset", lambda A: thd(A, cu_seqlens_q=i32([0])), "cu_seqlens_kv: expected B+1 = 1 offsets",
+         "got shape (3,)"),
+    Case("cu-seqlens-no-offset", lambda A: thd(A, cu_seqlens_q=i32([])), "cu_seqlens_q: expected a 1-D tensor of B+1 "
+         "offsets (B >= 0)", "got shape (0,)"),
     Case("cu-seqlens-0d", lambda A: thd(A, cu_seqlens_q=torch.tensor(4, dtype=torch.int32)), "cu_seqlens_q",
          "shape ()"),
     Case("cu-seqlens-device", lambda A: thd(A, cu_seqlens_q=CU.to("meta")), "cu_seqlens_q", "meta"),
@@ -571,3 +573,34 @@ def test_an_empty_batch_answers_empty_outputs_and_gradients(options):
         return (got[0] if isinstance(got, tuple) else got).sum()
 
     assert jax.jit(jax.grad(loss))(arrays[0]).shape == (0, 4, 2, 8)
+
+
+@torch_frontend
+@pytest.mark.parametrize("layout, tokens", [("bshd", 0), ("thd", 0), ("thd", 5)], ids=["padding", "thd", "thd-gaps"])
+def test_offsets_without_a_sequence_answer_as_an_empty_batch(layout, tokens):
+    """cu_seqlens=[0] (an empty packed batch) was refused: it runs on the reference, every token outside every
+    sequence (output 0, LSE 0 in THD gaps, gradients 0), as the README's empty batch."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    import fusedattn.jax as fja
+    import fusedattn.torch as fat
+
+    cu = torch.zeros(1, dtype=torch.int32)
+    shape = (tokens, 2, 8) if layout == "thd" else (0, 4, 2, 8)
+    q = torch.randn(*shape, requires_grad=True)
+    options = {"layout": layout, "mask": "padding", "cu_seqlens_q": cu, "cu_seqlens_kv": cu, "return_lse": True}
+    result = fat.attention(q, q, q, **options)
+    result.out.sum().backward()
+    assert result.out.shape == shape and torch.equal(result.out, torch.zeros(shape))
+    assert torch.equal(result.lse, torch.zeros(result.lse.shape)) and torch.equal(q.grad, torch.zeros(shape))
+    assert "B=0: an empty batch" in str(fat.explain(q, q, q, **options))
+    jax_options = {**options, "cu_seqlens_q": jnp.zeros(1, jnp.int32), "cu_seqlens_kv": jnp.zeros(1, jnp.int32)}
+
+    def loss(q):
+        return fja.attention(q, q, q, **jax_options).out.sum()
+
+    grad = jax.jit(jax.grad(loss))(jnp.ones(shape))
+    assert grad.shape == shape and not grad.any()
+    assert not np.asarray(fja.attention(jnp.ones(shape), jnp.ones(shape), jnp.ones(shape), **jax_options).out).any()

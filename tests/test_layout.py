@@ -354,10 +354,8 @@ def test_check_cu_seqlens_returns_the_longest_sequence(cu, total, padded, longes
 
 
 @pytest.mark.parametrize("cu, total, padded, message", [
-    ([[0, 3]], 3, None, "cu_seqlens_q: expected a 1-D tensor of B+1 >= 2 offsets (offsets need at "
-     "least one sequence; a batch without any has nothing to attend: skip the call), got shape (1, 2)"),
-    ([0], 3, None, "cu_seqlens_q: expected a 1-D tensor of B+1 >= 2 offsets (offsets need at "
-     "least one sequence; a batch without any has nothing to attend: skip the call), got shape (1,)"),
+    ([[0, 3]], 3, None, "cu_seqlens_q: expected a 1-D tensor of B+1 offsets (B >= 0), got shape (1, 2)"),
+    ([], 3, None, "cu_seqlens_q: expected a 1-D tensor of B+1 offsets (B >= 0), got shape (0,)"),
     ([2, 3], 3, None, "cu_seqlens_q: expected the first offset to be 0, got 2"),
     ([0, 5, 3, 6], 9, None, "cu_seqlens_q: expected non-decreasing offsets, got 5 then 3 at index 1"),
     ([0, 3, 10], 9, None, "cu_seqlens_q: last offset 10 exceeds the 9 packed tokens of the tensor"),
@@ -368,7 +366,7 @@ def test_check_cu_seqlens_returns_the_longest_sequence(cu, total, padded, longes
     ([0, 3, 6], 9, [0, 4, 10], "cu_seqlens_q_padded: last offset 10 exceeds the 9 packed tokens of the tensor"),
     ([0, 0, 0], 9, [0, 4, 3],
      "cu_seqlens_q_padded: expected non-decreasing offsets, got 4 then 3 at index 1"),
-], ids=["2d", "one-offset", "first-not-0", "decreasing", "beyond", "padded-shape", "padded-negative",
+], ids=["2d", "no-offset", "first-not-0", "decreasing", "beyond", "padded-shape", "padded-negative",
         "padded-no-room", "padded-beyond", "padded-decreasing"])
 def test_check_cu_seqlens_rejects(cu, total, padded, message):
     padded = None if padded is None else np.asarray(padded)
