@@ -181,3 +181,33 @@ def test_jax_table_made_from_numpy_inside_the_callback_runs_under_jit():
     want = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), q)
     np.testing.assert_allclose(np.asarray(eager), np.asarray(want), rtol=2e-5, atol=2e-6)
     np.testing.assert_allclose(np.asarray(jitted), np.asarray(want), rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_jax_half_precision_tables_are_traced_and_learn(dtype):
+    """A bfloat16 table captured by a score_mod (relative_position_bias, alibi, s + t[h, kv_idx]) was not traced:
+    NumPy's floating test says no to ml_dtypes' bfloat16, and the grad was refused as 'read where no gradient
+    can reach it'. Now each half dtype learns as float16 did, within its rounding of the float32 gradient."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    import fusedattn.jax as fja
+    from fusedattn import score_mods
+
+    half = getattr(jnp, dtype)
+    keys = jax.random.split(jax.random.key(8), 3)
+    q = jax.random.normal(keys[0], (1, 5, 2, 8))
+    table = jax.random.normal(keys[1], (2, 9))
+    cotangent = jax.random.normal(keys[2], (1, 5, 2, 8))
+    mods = {"relative_position_bias": lambda t: score_mods.relative_position_bias(t),
+            "capture": lambda t: (lambda s, b, h, q_idx, kv_idx: s + t[h, kv_idx])}
+    for name, make in mods.items():
+        def loss(q, t, make=make):
+            return (fja.attention(q, q, q, score_mod=make(t)).astype(jnp.float32) * cotangent).sum()
+
+        want = jax.grad(loss, argnums=1)(q.astype(half).astype(jnp.float32), table.astype(half).astype(jnp.float32))
+        for transform in (jax.grad, lambda f, argnums: jax.jit(jax.grad(f, argnums=argnums))):
+            got = transform(loss, argnums=1)(q.astype(half), table.astype(half))
+            assert got.dtype == half, name
+            scale = float(jnp.abs(want).max())
+            np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=0.05 * scale, err_msg=name)

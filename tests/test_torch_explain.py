@@ -35,3 +35,14 @@ def test_attention_runs_as_usual_after_explain(ran):
     fat.explain(q, q, q, mask="causal")
     out = fat.attention(q, q, q, mask="causal")
     assert out.shape == q.shape and [name for name, _, _ in ran] == ["reference"]
+
+
+def test_a_term_over_kv_idx_alone_is_not_reported_as_a_materialized_gather():
+    """s + t[h, kv_idx] is a zero-stride view over Sq (no copy): explain said it was a gather that mixes
+    q_idx and kv_idx, with its memory per call; a real gather (t[h, kv_idx - q_idx + M]) still is."""
+    q = torch.randn(1, 16, 2, 8)
+    t = torch.randn(2, 64)
+    text = str(fat.explain(q, q, q, score_mod=lambda s, b, h, q_idx, kv_idx: s + t[h, kv_idx]))
+    assert "over every (q_idx, kv_idx) pair" not in text, text
+    text = str(fat.explain(q, q, q, score_mod=lambda s, b, h, q_idx, kv_idx: s + t[h, kv_idx - q_idx + 20]))
+    assert "over every (q_idx, kv_idx) pair" in text and "an index that mixes q_idx and kv_idx" in text, text

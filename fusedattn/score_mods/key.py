@@ -174,9 +174,12 @@ def dense_aux_notes(aux: tuple) -> list[str]:
     for name, description in aux:
         if description[0] != "array" or len(description[1]) != 4 or min(description[1][2:]) <= 1:
             continue
-        shape, dtype = description[1], description[2]
+        shape, dtype, stride = description[1], description[2], description[3]
+        if 0 in stride[2:]:  # a view spread over one axis (torch's expand): no copy, nothing per call
+            continue
         size = math.prod(shape) * _BYTES.get(dtype, 4)
         notes.append(f"score_mod: {name} is a {list(shape)} {dtype} tensor over every (q_idx, kv_idx) pair, "
-                     f"{size / 2**20:.3g} MiB per call (an index that mixes q_idx and kv_idx is a gather, "
-                     "materialized)")
+                     f"{size / 2**20:.3g} MiB per call (materialized: an index that mixes q_idx and kv_idx is a "
+                     "gather, and a term over kv_idx alone is spread over Sq, as cuDNN 9.19 reads (., ., 1, Skv) "
+                     "tensors wrongly in the backward)")
     return notes

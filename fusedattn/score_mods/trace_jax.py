@@ -37,9 +37,9 @@ def _kind_of_dtype(dtype) -> str:
     dtype = np.dtype(dtype)
     if dtype == np.bool_:
         return BOOL
-    if np.issubdtype(dtype, np.floating):
+    if jnp.issubdtype(dtype, jnp.floating):  # (NumPy's own test says no to bfloat16, an ml_dtypes type)
         return FLOAT
-    if np.issubdtype(dtype, np.integer):
+    if jnp.issubdtype(dtype, jnp.integer):
         return INT
     raise ExprError(f"dtype {dtype} is not supported in a score_mod")
 
