@@ -694,6 +694,29 @@ def test_flex_corpus_entry(cudnn_calls, name):
     assert_cudnn_ran(cudnn_calls)
 
 
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+def test_half_precision_tables_run_on_cudnn(cudnn_calls, dtype):
+    """A table captured in bfloat16 (or float16): traced (bfloat16 was not, and such calls left cuDNN), run
+    on cuDNN under jit, against the references of the same table values."""
+    q, k, v = _bf16(*qkv(99, hkv=2, scale_q=2.0))
+    jarrays = {"q": q, "k": k, "v": v}
+    table = jnp.asarray(normal(100, (H, 2 * S - 1)), dtype)
+    g = jnp.asarray(normal(101, q.shape), BF16)
+
+    def options(t):
+        return {"mask": "causal", "score_mod": sm.relative_position_bias(t)}
+
+    same = jax_reference(jarrays, options(table), g)
+    with jax.enable_x64(True):
+        exact = jax_reference(jarrays, options(jnp.asarray(np.asarray(table, np.float64))), g, wide=True)
+    try:
+        got = jax_cudnn(jarrays, options(table), g)
+    except fusedattn.NoBackendError as error:
+        pytest.fail(f"cuDNN declined a half-precision table from JAX: {error}")
+    compare(got, same, exact, list(jarrays))
+    assert_cudnn_ran(cudnn_calls)
+
+
 # ----------------------------------------------------------------------------- Flax
 
 def _adam(lr: float):
