@@ -43,6 +43,7 @@ class LRUCache(Generic[V]):
         self.misses = 0
         self.builds = 0
         self._generation = 0  # bumped by clear(): builds started before it are not kept
+        self._when_cleared: list[Callable[[], None]] = []  # caches built on this one's entries (clear())
 
     def __len__(self) -> int:
         with self._lock:
@@ -114,10 +115,17 @@ class LRUCache(Generic[V]):
             self._items.pop(key, None)
 
     def clear(self) -> None:
-        """Drop every entry; builds in progress still answer their callers but are not kept."""
+        """Drop every entry; builds in progress still answer their callers but are not kept. What was
+        made from the entries goes too (when_cleared)."""
         with self._lock:
             self._items.clear()
             self._generation += 1
+        for dependent in self._when_cleared:
+            dependent()
+
+    def when_cleared(self, dependent: Callable[[], None]) -> None:
+        """Calls `dependent` whenever this cache is cleared: it drops what it made from the entries."""
+        self._when_cleared.append(dependent)
 
     def keys(self) -> list:
         with self._lock:

@@ -114,3 +114,24 @@ def _spy_native_calls(monkeypatch, calls):
         return result
 
     monkeypatch.setattr(functional, "_native_call", spy)
+
+
+@pytest.fixture(scope="session")
+def native_torch_build(tmp_path_factory):
+    """(path, build messages) of the native torch library built into a fresh cache, once per process: one
+    library path per process, as torch registers its operator namespace once."""
+    from fusedattn.backends.cudnn.native import build
+
+    cache = tmp_path_factory.mktemp("native-cache")
+    before = os.environ.get(build.ENV_CACHE)
+    os.environ[build.ENV_CACHE] = str(cache)
+    try:
+        messages: list = []
+        path = build.library_path("torch", announce=messages.append)
+        assert build.library_path("torch", announce=messages.append) == path and len(messages) == 2  # cached
+    finally:
+        if before is None:
+            os.environ.pop(build.ENV_CACHE)
+        else:
+            os.environ[build.ENV_CACHE] = before
+    return path, tuple(messages)

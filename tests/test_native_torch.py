@@ -22,23 +22,10 @@ pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g+
 
 
 @pytest.fixture(scope="module")
-def operator(tmp_path_factory):
-    """The operator library built into a fresh cache (once for the module), loaded into torch."""
-    import os
-
-    cache = tmp_path_factory.mktemp("native-cache")
-    before = os.environ.get(build.ENV_CACHE)
-    os.environ[build.ENV_CACHE] = str(cache)
-    try:
-        messages = []
-        path = build.library_path("torch", announce=messages.append)
-        assert len(messages) == 2 and "compiling" in messages[0] and "built in" in messages[1]
-        assert build.library_path("torch", announce=messages.append) == path and len(messages) == 2  # cached
-    finally:
-        if before is None:
-            os.environ.pop(build.ENV_CACHE)
-        else:
-            os.environ[build.ENV_CACHE] = before
+def operator(native_torch_build):
+    """The operator library built into a fresh cache (once per process: conftest), loaded into torch."""
+    path, messages = native_torch_build
+    assert len(messages) == 2 and "compiling" in messages[0] and "built in" in messages[1]
     return torch_plans.load_operator(path)
 
 

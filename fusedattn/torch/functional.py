@@ -48,7 +48,14 @@ from fusedattn.score_mods.core import ScoreMod, as_score_mod, bind, needs_gradie
 from fusedattn.score_mods.flex import PartialMask
 from fusedattn.score_mods.mask_rewrite import rewrite_mask
 from fusedattn.selection import ENV_BACKEND, forget_calls, recall_call, remember_call
-from fusedattn.torch import compiled_score_mods, mask_rewrites, rows_with_keys, score_mod_bindings, trace_time
+from fusedattn.torch import (
+    compiled_score_mods,
+    mask_rewrites,
+    rows_with_keys,
+    score_mod_bindings,
+    trace_time,
+    warm_entries,
+)
 from fusedattn.torch import documents as documents_thd
 from fusedattn.torch.autograd import run_attention
 from fusedattn.torch.ops import backend_of, config_of, register_config
@@ -142,15 +149,22 @@ def attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | 
         >>> q = k = v = torch.randn(2, 128, 8, 64)
         >>> out = attention(q, k, v, mask="causal")
     """
+    compiling = torch.compiler.is_compiling()
+    warm_call = torch_plans.warm_call
+    if warm_call is not None and not compiling and not _explaining.get():  # a repeat call answered in C
+        out = warm_call(q, k, v, options)
+        if out is not None:
+            return out
+    given_options = options
     mod = options.get("score_mod")
-    if type(mod) is ScoreMod and mod.flex and not torch.compiler.is_compiling():
+    if type(mod) is ScoreMod and mod.flex and not compiling:
         # a built-in in flex form: its score_mod and mask_mod (compiled, it stays a ScoreMod of numbers,
         # whose closures Dynamo need not see: compiled_score_mods)
         options = flex_keywords(options)
     # A call without tensor options (settings and maybe a score_mod) looks its plan up before anything
     # else is read: the warm path of most calls. One with a mask_mod too, once its rewrite is known
     # (mask_rewrites). Any other call, and any miss, goes on below.
-    eager = not torch.compiler.is_compiling() and not _explaining.get()
+    eager = not compiling and not _explaining.get()
     warm = eager and _WARM_KEYWORDS.issuperset(options)
     rewrite_key = signature = documents = None
     if eager and not warm and options.get("mask_mod") is not None and _MASK_WARM_KEYWORDS.issuperset(options):
@@ -170,10 +184,17 @@ def attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | 
         if has_mod:  # the binding carries its plan
             binding = _kept_binding(signature, mods)
             if binding is not None:
-                return _kept_call(binding, signature, q, k, v, None, None, options)
+                out = _kept_call(binding, signature, q, k, v, None, None, options)
+                if rewrite_key is None:
+                    warm_entries.remember(q, k, v, given_options, binding.planned[0], binding.planned[2], binding,
+                                          mods)
+                return out
         signature, planned = _recalled(signature)
         if planned is not None and planned[2] is not None and not has_mod:
-            return _native_call(planned[2], signature, planned, q, k, v, None, None, None, options)
+            out = _native_call(planned[2], signature, planned, q, k, v, None, None, None, options)
+            if rewrite_key is None:
+                warm_entries.remember(q, k, v, given_options, planned[0], planned[2])
+            return out
     if not _KEYWORDS.issuperset(options):
         check_keywords(API, options, "torch")
     get = options.get
@@ -185,7 +206,6 @@ def attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | 
             raise ValueError(f"{API}: alibi_slopes: expected a tensor, list or NumPy array of (Hq,) or (B, Hq) "
                              f"slopes, got {type(alibi_slopes).__name__}")
         alibi_slopes = options["alibi_slopes"] = torch.as_tensor(slopes, device=q.device)
-    compiling = torch.compiler.is_compiling()
     before_rewrite = options
     if (documents is None and get("mask_mod") is not None and not compiling
             and not isinstance(get("mask_mod"), PartialMask)):  # (a PartialMask is what a rewrite kept)

@@ -36,7 +36,7 @@ from fusedattn.score_mods.flex import (
     unchanged_reads,
 )
 
-__all__ = ["Binding", "recall", "remember", "forget", "may_empty_rows", "signature_part"]
+__all__ = ["Binding", "recall", "remember", "forget", "may_empty_rows", "signature_part", "fixed_but_dicts"]
 
 CAPACITY = 128  # bindings (each under two keys, see recall) hold the aux tensors they made: a few per model
 
@@ -118,6 +118,13 @@ def _fixed_parts(mod: ScoreMod) -> tuple | bool:
     if all(fn is None or (type(fn) is types.FunctionType and library_function(fn)) for fn in callbacks):
         object.__setattr__(mod, _FIXED, fixed)
     return fixed
+
+
+def fixed_but_dicts(mod: ScoreMod) -> bool:
+    """Whether all a ScoreMod reads besides its dicts is fixed (its callbacks are this library's)."""
+    if _FIXED not in mod.__dict__:
+        _fixed_parts(mod)
+    return _FIXED in mod.__dict__
 
 
 def signature_part(value) -> tuple:

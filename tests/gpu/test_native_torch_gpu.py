@@ -836,3 +836,54 @@ def test_max_logit_calls_run_on_the_operator_and_match_float64(mask):
     assert torch.equal(max_logit, eager_max)
     assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(loss, (q, k, v)), eager))
     _never_waiting(lambda: torch.autograd.grad(step(q, k, v)[0], (q, k, v)), repeats=2)
+
+
+def test_calls_answered_in_c_give_the_python_paths_bits_and_follow_changes(monkeypatch):
+    """Warm entries (torch/warm_entries.py): from the third call on, a plain call and score_mod calls are
+    answered in C, with the bits of the Python path (forward and gradients); a new captured number and an
+    in-place change of a captured tensor still reach the kernel."""
+    from fusedattn.torch import functional, warm_entries
+
+    assert torch_plans.warm_call is not None, "the library was built without its Python entry"
+    global CAP
+    q, k, v = _inputs(seed=9)
+    slopes = torch.rand(8, device="cuda")
+    grad = torch.randn(2, 256, 8, 64, device="cuda", dtype=torch.bfloat16)
+
+    from fusedattn import score_mods as sm
+
+    def alibi(score, b, h, q_idx, kv_idx):  # (a helper function read would be looked inside: Python's check)
+        return CAP * sm.tanh(score / CAP) + slopes[h] * (kv_idx - q_idx) / 64
+
+    builtin = sm.softcap(20.0)
+    python_calls = []
+    original = functional._operator
+    monkeypatch.setattr(functional, "_operator", lambda *args: python_calls.append(1) or original(*args))
+
+    def step(**options):
+        out = fat.attention(q, k, v, mask="causal", **options)
+        return (out, *torch.autograd.grad(out, (q, k, v), grad))
+
+    def python_path(**options):
+        with monkeypatch.context() as patch:
+            patch.setattr(torch_plans, "warm_call", None)
+            return step(**options)
+
+    before = CAP
+    try:
+        for options in ({}, {"score_mod": alibi}, {"score_mod": builtin}):
+            for change in (None, "cap", "slopes"):
+                CAP = 5.0 if change == "cap" else CAP
+                if change == "slopes":
+                    slopes.mul_(2)
+                want = python_path(**options)
+                for _ in range(3):
+                    got = step(**options)
+                python_calls.clear()
+                got = step(**options)
+                assert not python_calls, f"{options}, after {change}: not answered in C"
+                for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+                    assert torch.equal(a, b), f"{options}, after {change}: {name} differs from the Python path's"
+        assert warm_entries.size() > 0
+    finally:
+        CAP = before

@@ -27,7 +27,8 @@ __all__ = ["KINDS", "library_path", "built_path", "build", "include_dirs", "cach
 
 HERE = Path(__file__).resolve().parent
 # Included by the libraries: part of their cache keys.
-HEADERS = (HERE / "bounded.h", HERE / "core_api.h", HERE / "replay.h", HERE / "triton_launch.h")
+HEADERS = (HERE / "bounded.h", HERE / "core_api.h", HERE / "replay.h", HERE / "triton_launch.h",
+           HERE / "warm_entries.h")
 KINDS = ("core", "torch", "jax")
 SOURCES = {"core": HERE / "launch_core.cc", "torch": HERE / "torch_op.cc", "jax": HERE / "jax_call.cc"}
 NAMES = {"core": "libfusedattn_core.so", "torch": "libfusedattn_torch.so", "jax": "libfusedattn_cudnn_call.so"}

@@ -1032,6 +1032,8 @@ TORCH_LIBRARY_IMPL(fusedattn_native, Meta, m) {
 // still apply, as the call goes through the dispatcher.
 #include <torch/csrc/autograd/python_variable.h>
 
+#include "warm_entries.h"
+
 namespace {
 
 // The operator's arguments after the plan, as Python passes them: positionally, the trailing ones optional.
@@ -1167,6 +1169,133 @@ PyObject *python_attention(PyObject *, PyObject *const *args, Py_ssize_t nargs) 
     }
 }
 
+// warm_call(q, k, v, keywords): the output of a repeat call its warm entry answers (warm_entries.h), or None
+// (a miss: the Python path runs the call).
+PyObject *python_warm_call(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("fusedattn_native::attention", "")
+                         .typed<decltype(attention_autograd)>();
+    auto &kept = fusedattn_warm::entries();
+    if (nargs != 4 || kept.by_key.empty()) Py_RETURN_NONE;
+    std::shared_ptr<fusedattn_warm::Entry> entry;
+    try {
+        fusedattn_warm::KeyWriter writer(kept.identity_types);
+        if (!writer.call(args[0], args[1], args[2], args[3], kept.settings)) Py_RETURN_NONE;
+        auto found = kept.by_key.find(writer.key);
+        if (found == kept.by_key.end() || !found->second->holds()) Py_RETURN_NONE;
+        entry = found->second;
+    } catch (...) {  // nothing can be read as a key: the Python path explains
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    const Tensor &q = THPVariable_Unpack(args[0]), &k = THPVariable_Unpack(args[1]), &v = THPVariable_Unpack(args[2]);
+    try {
+        std::vector<Tensor> outputs;
+        {
+            WithoutGil released;
+            outputs = op.call(entry->plan, q, k, v, c10::nullopt, c10::nullopt, c10::nullopt, c10::nullopt,
+                              entry->aux, entry->scalars, entry->empty_rows, {});
+        }
+        return THPVariable_Wrap(std::move(outputs[0]));
+    } catch (const c10::Error &error) {
+        if (std::strstr(error.what_without_backtrace(), kNotRegistered) != nullptr) {  // the registry dropped it
+            kept.by_key.clear();
+            Py_RETURN_NONE;
+        }
+        raise_error(std::current_exception());
+        return nullptr;
+    } catch (...) {
+        raise_error(std::current_exception());
+        return nullptr;
+    }
+}
+
+// Reads a tuple or list of Python objects into held references.
+std::vector<fusedattn_warm::Held> held_items(PyObject *items) {
+    if (!PyTuple_Check(items) && !PyList_Check(items)) throw BadArgument{"fusedattn warm entry: expected a tuple"};
+    std::vector<fusedattn_warm::Held> held;
+    PyObject **each = PySequence_Fast_ITEMS(items);
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(items); ++i) held.emplace_back(each[i]);
+    return held;
+}
+
+// warm_configure(settings, identity_types): the environment settings a key reads (a tuple of str) and the
+// keyword types it names by identity (a tuple of types); drops every entry.
+PyObject *python_warm_configure(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyTuple_CheckExact(args[0]) || !PyTuple_CheckExact(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "warm_configure(settings, identity_types): expected two tuples");
+        return nullptr;
+    }
+    auto &kept = fusedattn_warm::entries();
+    kept.by_key.clear();
+    for (PyObject **field : {&kept.settings, &kept.identity_types}) Py_XDECREF(*field);
+    kept.settings = args[0];
+    kept.identity_types = args[1];
+    Py_INCREF(kept.settings);
+    Py_INCREF(kept.identity_types);
+    Py_RETURN_NONE;
+}
+
+// warm_remember(q, k, v, keywords, plan, aux, scalars, empty_rows, functions, dicts, tensors): keeps the answer
+// the Python path gave this call (the operator's plan and operands) under the call's key, with its guards:
+// functions ((fn, cells' contents, names, their globals), ...), dicts ((dict, keys, values), ...) and tensors
+// ((tensor, version, requires_grad), ...). Whether kept (a call with no key is not).
+PyObject *python_warm_remember(PyObject *, PyObject *const *args, Py_ssize_t nargs) try {
+    if (nargs != 11) throw BadArgument{"fusedattn warm_remember: expected 11 arguments"};
+    auto &kept = fusedattn_warm::entries();
+    if (kept.settings == nullptr) throw BadArgument{"fusedattn warm_remember: warm_configure first"};
+    fusedattn_warm::KeyWriter writer(kept.identity_types);
+    if (!writer.call(args[0], args[1], args[2], args[3], kept.settings)) Py_RETURN_FALSE;
+    auto entry = std::make_shared<fusedattn_warm::Entry>();
+    entry->plan = PyLong_AsLongLong(args[4]);
+    if (entry->plan == -1 && PyErr_Occurred()) return nullptr;
+    for (auto &item : held_items(args[5])) {
+        if (!THPVariable_Check(item.get())) throw BadArgument{"warm_remember: aux: expected tensors"};
+        entry->aux.push_back(THPVariable_Unpack(item.get()));
+    }
+    for (auto &item : held_items(args[6])) entry->scalars.push_back(PyFloat_AsDouble(item.get()));
+    if (PyErr_Occurred()) return nullptr;
+    entry->empty_rows = args[7] == Py_True;
+    for (PyObject *object : writer.identities) entry->identities.emplace_back(object);
+    for (auto &item : held_items(args[8])) {
+        auto parts = held_items(item.get());
+        if (parts.size() != 4 || !PyFunction_Check(parts[0].get())) throw BadArgument{"warm_remember: bad function guard"};
+        fusedattn_warm::FunctionGuard guard{parts[0], fusedattn_warm::Held(PyFunction_GET_CODE(parts[0].get())),
+                                            held_items(parts[1].get()), held_items(parts[2].get()),
+                                            held_items(parts[3].get())};
+        if (guard.names.size() != guard.globals.size()) throw BadArgument{"warm_remember: bad function guard"};
+        entry->functions.push_back(std::move(guard));
+    }
+    for (auto &item : held_items(args[9])) {
+        auto parts = held_items(item.get());
+        if (parts.size() != 3 || !PyDict_CheckExact(parts[0].get())) throw BadArgument{"warm_remember: bad dict guard"};
+        entry->dicts.push_back({parts[0], held_items(parts[1].get()), held_items(parts[2].get())});
+    }
+    for (auto &item : held_items(args[10])) {
+        auto parts = held_items(item.get());
+        if (parts.size() != 3 || !THPVariable_Check(parts[0].get())) throw BadArgument{"warm_remember: bad tensor guard"};
+        entry->tensors.push_back({THPVariable_Unpack(parts[0].get()), PyLong_AsLongLong(parts[1].get()),
+                                  parts[2].get() == Py_True});
+    }
+    if (PyErr_Occurred()) return nullptr;
+    if (kept.by_key.size() >= fusedattn_warm::kCapacity) kept.by_key.clear();
+    kept.by_key[writer.key] = std::move(entry);
+    Py_RETURN_TRUE;
+} catch (...) {
+    raise_error(std::current_exception());
+    return nullptr;
+}
+
+// warm_clear(): drops every warm entry (Python's caches behind them were cleared); warm_size(): how many are kept.
+PyObject *python_warm_clear(PyObject *, PyObject *) {
+    fusedattn_warm::entries().by_key.clear();
+    Py_RETURN_NONE;
+}
+
+PyObject *python_warm_size(PyObject *, PyObject *) {
+    return PyLong_FromSize_t(fusedattn_warm::entries().by_key.size());
+}
+
 // tensor_key(*tensors): bytes that name each tensor's shape, strides, dtype, device and requires_grad
 // (a missing one: None), equal exactly when those agree; None where an argument is no dense strided
 // tensor with concrete sizes (nested, sparse or symbolic ones: the full path explains them).
@@ -1204,6 +1333,15 @@ PyMethodDef entry_methods[] = {
      "tensor_key(*tensors) -> bytes naming their shapes, strides, dtypes, devices and requires_grad"},
     {"attention", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&python_attention)), METH_FASTCALL,
      "fusedattn_native.attention(plan, q, k, v, sink, seed, offset[, bias, aux, scalars, empty_rows, offsets])"},
+    {"warm_call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&python_warm_call)), METH_FASTCALL,
+     "warm_call(q, k, v, keywords) -> the output of a call its warm entry answers, or None"},
+    {"warm_remember", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&python_warm_remember)),
+     METH_FASTCALL, "warm_remember(q, k, v, keywords, plan, aux, scalars, empty_rows, functions, dicts, tensors) -> "
+     "whether the call's answer is kept"},
+    {"warm_configure", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&python_warm_configure)),
+     METH_FASTCALL, "warm_configure(settings, identity_types): what a key reads from the environment, and by identity"},
+    {"warm_clear", &python_warm_clear, METH_NOARGS, "warm_clear(): drop every warm entry"},
+    {"warm_size", &python_warm_size, METH_NOARGS, "warm_size() -> the number of warm entries"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef entry_module = {PyModuleDef_HEAD_INIT, "libfusedattn_torch", nullptr, -1, entry_methods};

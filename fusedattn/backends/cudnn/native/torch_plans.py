@@ -48,6 +48,9 @@ entry = None
 # The same module's tensor_key(*tensors): bytes naming their shapes, strides, dtypes, devices and
 # requires_grad (a repeat call's plan-cache signature reads it); None where there is no entry.
 tensor_key = None
+# The same module's warm entries (native/warm_entries.h, torch/warm_entries.py): warm_call(q, k, v, keywords)
+# answers a repeat call in C or gives None; warm_remember keeps an answer; None where there is no entry.
+warm_call = warm_remember = warm_clear = warm_size = None
 
 _lock = threading.Lock()
 _state: dict = {}  # "library" (the operator, ctypes) or "reason" (str), once decided
@@ -92,10 +95,15 @@ def _load() -> ctypes.CDLL:
     if operator.fusedattn_torch_init(str(core.path()).encode()) != 0:
         raise RuntimeError(operator.fusedattn_torch_last_error().decode())
     operator.fusedattn_torch_bounds(PLAN_CAPACITY)
-    global entry, tensor_key
+    global entry, tensor_key, warm_call, warm_remember, warm_clear, warm_size
     module = python_module(path)
     if module is not None:
+        from fusedattn.torch import warm_entries
+
+        warm_entries.configure(module)
         entry, tensor_key = module.attention, module.tensor_key
+        warm_call, warm_remember, warm_clear, warm_size = (module.warm_call, module.warm_remember,
+                                                           module.warm_clear, module.warm_size)
     return operator
 
 

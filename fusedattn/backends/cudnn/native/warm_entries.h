@@ -1,0 +1,270 @@
+// Repeat calls of fusedattn.torch.attention answered in C: the warm entries.
+//
+// After Python has answered a call from its plan cache (and, for a score_mod, its kept binding), it
+// hands the answer here under a key made of the call itself: q, k, v (shapes, strides, dtypes,
+// devices, requires_grad), every keyword with its type and value (callbacks and other objects by
+// identity, the entry holding them), the grad mode and fusedattn's environment settings. The answer
+// is the operator's plan and operands, with guards: what the callbacks read (their cells and globals,
+// objects by identity, numbers by exact value), dicts they read item by item, and the tensors they
+// hold (version, requires_grad). A later call with the same key whose guards hold goes straight to
+// the operator; any other call misses and takes the Python path, which may hand a new answer.
+// Python calls this only for eager calls (never while torch.compile traces nor while explain runs).
+// Needs the GIL throughout (entries hold Python objects).
+
+#pragma once
+
+#include <Python.h>
+
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <ATen/PythonTorchFunctionTLS.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+namespace fusedattn_warm {
+
+// A strong reference, dropped with its holder (always under the GIL: entries live in a map only
+// Python calls touch, and that map is never destroyed at exit).
+class Held {
+   public:
+    Held() = default;
+    explicit Held(PyObject *object) : object_(object) { Py_XINCREF(object_); }
+    Held(const Held &other) : Held(other.object_) {}
+    Held &operator=(const Held &) = delete;
+    ~Held() { Py_XDECREF(object_); }
+    PyObject *get() const { return object_; }
+
+   private:
+    PyObject *object_ = nullptr;
+};
+
+// Whether `now` is the read `was` was: the same object, or an int or float of the same type and value
+// (floats by their bits: -0.0 is not 0.0), as the bindings' keys compare them.
+inline bool same_read(PyObject *was, PyObject *now) {
+    if (was == now) return true;
+    if (was == nullptr || now == nullptr || Py_TYPE(was) != Py_TYPE(now)) return false;
+    if (PyFloat_CheckExact(was)) {
+        double a = PyFloat_AS_DOUBLE(was), b = PyFloat_AS_DOUBLE(now);
+        return std::memcmp(&a, &b, sizeof a) == 0;
+    }
+    if (PyLong_CheckExact(was)) {
+        int overflow_a = 0, overflow_b = 0;
+        long long a = PyLong_AsLongLongAndOverflow(was, &overflow_a);
+        long long b = PyLong_AsLongLongAndOverflow(now, &overflow_b);
+        return overflow_a == 0 && overflow_b == 0 && a == b;
+    }
+    return false;
+}
+
+// What one callback reads: its code, no defaults, its cells' contents and the globals its names read
+// (a missing global reads as None, as Python's fn.__globals__.get gives it).
+struct FunctionGuard {
+    Held function, code;
+    std::vector<Held> cells;
+    std::vector<Held> names, globals;
+
+    bool holds() const {
+        PyObject *fn = function.get();
+        if (PyFunction_GET_CODE(fn) != code.get() || PyFunction_GET_DEFAULTS(fn) != nullptr ||
+            PyFunction_GET_KW_DEFAULTS(fn) != nullptr) {
+            return false;
+        }
+        PyObject *closure = PyFunction_GET_CLOSURE(fn);
+        Py_ssize_t count = closure == nullptr ? 0 : PyTuple_GET_SIZE(closure);
+        if (count != static_cast<Py_ssize_t>(cells.size())) return false;
+        for (Py_ssize_t i = 0; i < count; ++i) {
+            if (!same_read(cells[i].get(), PyCell_GET(PyTuple_GET_ITEM(closure, i)))) return false;
+        }
+        PyObject *scope = PyFunction_GET_GLOBALS(fn);
+        for (size_t i = 0; i < names.size(); ++i) {
+            PyObject *now = PyDict_GetItemWithError(scope, names[i].get());  // borrowed
+            if (now == nullptr) {
+                if (PyErr_Occurred()) {
+                    PyErr_Clear();
+                    return false;
+                }
+                now = Py_None;
+            }
+            if (!same_read(globals[i].get(), now)) return false;
+        }
+        return true;
+    }
+};
+
+// A dict read whole: the same keys in the same order, each with the same value.
+struct DictGuard {
+    Held dict;
+    std::vector<Held> keys, values;
+
+    bool holds() const {
+        if (PyDict_GET_SIZE(dict.get()) != static_cast<Py_ssize_t>(keys.size())) return false;
+        Py_ssize_t position = 0;
+        PyObject *key = nullptr, *value = nullptr;
+        for (size_t i = 0; PyDict_Next(dict.get(), &position, &key, &value); ++i) {
+            if (!same_read(keys[i].get(), key) || !same_read(values[i].get(), value)) return false;
+        }
+        return true;
+    }
+};
+
+// A tensor a score_mod holds: unchanged in place, learning (or not) as when bound.
+struct TensorGuard {
+    at::Tensor tensor;
+    int64_t version;
+    bool requires_grad;
+
+    bool holds() const { return tensor._version() == version && tensor.requires_grad() == requires_grad; }
+};
+
+// What a hit runs, and what must still hold for it to be right.
+struct Entry {
+    int64_t plan = -1;
+    std::vector<at::Tensor> aux;
+    std::vector<double> scalars;
+    bool empty_rows = false;
+    std::vector<Held> identities;  // the key's objects by identity: alive, so their addresses name them
+    std::vector<FunctionGuard> functions;
+    std::vector<DictGuard> dicts;
+    std::vector<TensorGuard> tensors;
+
+    bool holds() const {
+        for (const auto &guard : tensors) {
+            if (!guard.holds()) return false;
+        }
+        for (const auto &guard : functions) {
+            if (!guard.holds()) return false;
+        }
+        for (const auto &guard : dicts) {
+            if (!guard.holds()) return false;
+        }
+        return true;
+    }
+};
+
+// The key of a call: false where it has none (a q, k or v that is no plain dense tensor, a tensor
+// overriding torch functions or a mode that does, an int past int64). identities: objects keyed by address.
+class KeyWriter {
+   public:
+    explicit KeyWriter(PyObject *types) : identity_types(types) {}
+    std::string key;
+    std::vector<PyObject *> identities;
+    PyObject *identity_types;  // a tuple of the types whose objects a key names by identity
+
+    bool tensor(PyObject *given) {
+        if (!THPVariable_CheckExact(given)) return false;
+        const at::Tensor &x = THPVariable_Unpack(given);
+        if (x.layout() != c10::kStrided || x.is_nested() || x.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {
+            return false;
+        }
+        word(x.dim());
+        for (int64_t size : x.sizes()) word(size);
+        for (int64_t stride : x.strides()) word(stride);
+        word(static_cast<int64_t>(x.scalar_type()));
+        word(static_cast<int64_t>(x.device().type()));
+        word(x.device().index());
+        word(x.requires_grad());
+        return true;
+    }
+
+    bool value(PyObject *given) {
+        if (given == Py_None) return tag('N');
+        if (given == Py_True) return tag('T');
+        if (given == Py_False) return tag('F');
+        if (PyLong_CheckExact(given)) {
+            int overflow = 0;
+            long long number = PyLong_AsLongLongAndOverflow(given, &overflow);
+            if (overflow != 0) return false;
+            tag('i');
+            word(number);
+            return true;
+        }
+        if (PyFloat_CheckExact(given)) {
+            double number = PyFloat_AS_DOUBLE(given);
+            tag('f');
+            key.append(reinterpret_cast<const char *>(&number), sizeof number);
+            return true;
+        }
+        if (PyUnicode_CheckExact(given)) {
+            Py_ssize_t size = 0;
+            const char *text = PyUnicode_AsUTF8AndSize(given, &size);
+            if (text == nullptr) {
+                PyErr_Clear();
+                return false;
+            }
+            tag('s');
+            word(size);
+            key.append(text, static_cast<size_t>(size));
+            return true;
+        }
+        if (PyTuple_CheckExact(given)) {
+            tag('t');
+            word(PyTuple_GET_SIZE(given));
+            for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(given); ++i) {
+                if (!value(PyTuple_GET_ITEM(given, i))) return false;
+            }
+            return true;
+        }
+        if (identity_types == nullptr || PySequence_Contains(identity_types, reinterpret_cast<PyObject *>(Py_TYPE(given))) != 1) {
+            PyErr_Clear();
+            return false;  // tensors, and objects an equal one may replace at each call: the Python path
+        }
+        tag('o');
+        word(reinterpret_cast<intptr_t>(given));
+        identities.push_back(given);
+        return true;
+    }
+
+    // q, k, v, the keywords (a dict), the grad mode and the settings' values (names: a tuple of str).
+    bool call(PyObject *q, PyObject *k, PyObject *v, PyObject *keywords, PyObject *settings) {
+        if (at::impl::torch_function_mode_enabled() || !tensor(q) || !tensor(k) || !tensor(v)) return false;
+        if (!PyDict_CheckExact(keywords) || !PyTuple_CheckExact(settings)) return false;
+        Py_ssize_t position = 0;
+        PyObject *name = nullptr, *given = nullptr;
+        while (PyDict_Next(keywords, &position, &name, &given)) {
+            if (!value(name) || !value(given)) return false;
+        }
+        tag(at::GradMode::is_enabled() ? 'G' : 'g');
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(settings); ++i) {
+            const char *setting = PyUnicode_AsUTF8(PyTuple_GET_ITEM(settings, i));
+            if (setting == nullptr) {
+                PyErr_Clear();
+                return false;
+            }
+            const char *found = std::getenv(setting);
+            if (found == nullptr) {
+                tag('-');
+            } else {
+                tag('=');
+                word(static_cast<int64_t>(std::strlen(found)));
+                key.append(found);
+            }
+        }
+        return true;
+    }
+
+   private:
+    bool tag(char c) {
+        key.push_back(c);
+        return true;
+    }
+    void word(int64_t w) { key.append(reinterpret_cast<const char *>(&w), sizeof w); }
+};
+
+// The entries, at most kCapacity (all dropped when one more comes: a model has a few dozen calls).
+constexpr size_t kCapacity = 512;
+struct Entries {
+    std::unordered_map<std::string, std::shared_ptr<Entry>> by_key;
+    PyObject *settings = nullptr;        // the environment settings a key reads (a tuple of str), from Python
+    PyObject *identity_types = nullptr;  // the keyword types a key names by identity (a tuple of types)
+};
+inline Entries &entries() {
+    static auto *kept = new Entries();  // never destroyed: its objects may outlive the interpreter's end
+    return *kept;
+}
+
+}  // namespace fusedattn_warm

@@ -1,0 +1,104 @@
+"""Repeat calls answered in C: the warm entries (backends/cudnn/native/warm_entries.h).
+
+A repeat call's Python (its signature, the plan cache, a score_mod's binding and their checks) costs
+more host time than the operator it leads to. Once Python has answered a call from those caches, it
+hands the answer (the operator's plan and operands) to the native library under a key made of the
+call itself: q, k, v, every keyword with its type and value (callbacks, ScoreMods and dicts by
+identity), the grad mode and the settings the signature reads. Guards go with it: what the callbacks
+read (cells and globals: objects by identity, numbers by value), the dicts a ScoreMod or
+score_mod_tensors holds, and the tensors a mod holds (version, requires_grad). The next call with that
+key whose guards hold runs the operator from C; anything else misses and takes the Python path.
+
+Only answers the Python path keeps can be handed over, and only those whose reads the guards can
+check: a plain call, or a score_mod call whose binding was made by the very objects given (not by a
+closure made anew at each call, which Python finds by its code), whose callbacks read plainly (no
+objects looked inside: a closure over `self` stays in Python) and whose term does not learn. Calls
+with tensor keywords (bias, sink, offsets), dropout, a mask_mod, packed layouts, returned LSE or
+max_logit, and rows without keys keep the Python path. The entries are dropped whenever the caches
+behind them are (plans, bindings, decisions: cache.clear_all too).
+"""
+
+from __future__ import annotations
+
+import operator
+import types
+
+from fusedattn.arguments import ENV_THD_BUCKET
+from fusedattn.backends.cudnn.native import torch_plans
+from fusedattn.cache import registry
+from fusedattn.score_mods.core import ScoreMod
+from fusedattn.score_mods.flex import fixed_reads, flat_reads, library_function, plain_reads
+from fusedattn.selection import ENV_BACKEND
+from fusedattn.torch import score_mod_bindings
+
+__all__ = ["configure", "remember", "clear", "size"]
+
+SETTINGS = (ENV_BACKEND, ENV_THD_BUCKET)  # the environment settings a call's signature reads
+IDENTITY_TYPES = (types.FunctionType, ScoreMod, dict)  # keyword values a key names by identity
+_is = operator.is_
+
+
+def configure(module) -> None:
+    """Tells the library's warm entries what a key reads (on loading it)."""
+    module.warm_configure(SETTINGS, IDENTITY_TYPES)
+
+
+def remember(q, k, v, keywords: dict, cfg, plan, binding=None, given: tuple = ()) -> None:
+    """Hands a warm call's answer to C where it can check the answer's reads. keywords: the call's own
+    (before a flex built-in became its functions); binding: the score_mod binding the call used, and
+    given: the score_mod keywords' values it was looked up with (SCORE_MOD_NAMES' order)."""
+    remember_in_c = torch_plans.warm_remember
+    if (remember_in_c is None or type(plan) is not int or v is None or cfg.dropout_p > 0.0 or cfg.return_lse
+            or cfg.return_max_logit or cfg.has_sequence_lengths):
+        return
+    aux, scalars, empty_rows, watched = [], [], False, ()
+    functions: list = []
+    dicts: list = []
+    if binding is not None:
+        if binding.term is not None or len(given) != len(binding.given) or not all(map(_is, binding.given, given)):
+            return  # a learning term (summed anew each call), or bound by other objects (found by their code)
+        aux, scalars, empty_rows, watched = binding.aux, binding.scalars, binding.empty_rows, binding.watched
+        for value in (*keywords.values(), *binding.given):
+            if not _guard(value, functions, dicts):
+                return
+    remember_in_c(q, k, v, keywords, plan, aux, scalars, empty_rows, tuple(functions), tuple(dicts),
+                  tuple((x, version, learns) for x, version, learns in watched))
+
+
+def _guard(value, functions: list, dicts: list) -> bool:
+    """Adds the guards of one keyword's value: False where its reads cannot be checked in C."""
+    if value is None or type(value) in (int, float, bool, str, tuple):
+        return True
+    if type(value) is types.FunctionType:
+        if not (fixed_reads(value) or plain_reads(value, flat_reads(value))):
+            return False  # it reads objects looked inside (a closure over `self`): Python checks those
+        try:
+            cells = tuple(c.cell_contents for c in value.__closure__ or ())
+        except ValueError:  # an empty cell
+            return False
+        names = () if library_function(value) else value.__code__.co_names
+        scope = value.__globals__
+        functions.append((value, cells, names, tuple(map(scope.get, names))))
+        return value.__defaults__ is None and value.__kwdefaults__ is None
+    if type(value) is ScoreMod:  # one of this library's callbacks only: what can change is its dicts
+        if not score_mod_bindings.fixed_but_dicts(value):
+            return False
+        return all(_guard(part, functions, dicts) for part in (value.tensors, value.bprop_tensors, *value.flex))
+    if type(value) is dict:
+        dicts.append((value, tuple(value), tuple(value.values())))
+        return True
+    return type(value) is types.MappingProxyType  # a built-in's own copy, read-only: fixed
+
+
+def clear() -> None:
+    """Drops every warm entry (the caches behind them were cleared)."""
+    if torch_plans.warm_clear is not None:
+        torch_plans.warm_clear()
+
+
+for _behind in ("selection.calls", "torch.score_mod.bindings"):  # the plan cache and the bindings
+    registry[_behind].when_cleared(clear)
+
+
+def size() -> int:
+    return 0 if torch_plans.warm_size is None else torch_plans.warm_size()

@@ -1,0 +1,298 @@
+"""Warm entries (torch/warm_entries.py, backends/cudnn/native/warm_entries.h): repeat calls answered in C.
+
+The real library runs here on the CPU: its operator dispatches to a CPU kernel registered by this module,
+which writes into every output a number naming the plan and operands it was given, so each test sees
+which answer a call got. A call is the Python path's until Python hands its answer over; then C answers
+it while its key (q, k, v, keywords with types, grad mode, settings) and guards (what callbacks read,
+captured tensors' versions) hold, and the Python path otherwise, which validates as always.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+
+import pytest
+import torch
+
+import fusedattn.torch as fat
+from fusedattn import score_mods as sm
+from fusedattn.backends.cudnn.native import torch_plans
+from fusedattn.cache import clear_all
+from fusedattn.selection import ENV_BACKEND, clear_decisions
+from fusedattn.torch import functional, warm_entries
+
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                                reason="no C++ compiler")
+
+
+def _stamp(plan, aux, scalars) -> float:
+    """The number a call's outputs hold: its plan and operands."""
+    return plan * 1000.0 + sum(scalars) + sum(float(x.float().sum()) for x in aux)
+
+
+def _forward(plan, q, k, v, sink, seed, offset, bias, aux, scalars, empty_rows, offsets):
+    out = torch.full((*q.shape[:-1], v.shape[-1]), _stamp(plan, aux, scalars), dtype=torch.float64)  # (exact)
+    return [out, torch.zeros(q.shape[0], q.shape[2], q.shape[1])]
+
+
+def _backward(plan, grad_out, grad_lse, q, k, v, out, stats, sink, seed, offset, bias, aux, scalars, table):
+    return [torch.full_like(x, _stamp(plan, aux, scalars), dtype=torch.float64) for x in (q, k, v)]
+
+
+@pytest.fixture(scope="module")
+def library(native_torch_build):
+    """The operator library with its Python module, and CPU kernels for its ops."""
+    path = native_torch_build[0]
+    operator = torch_plans.load_operator(path)
+    module = torch_plans.python_module(path)
+    if module is None:
+        pytest.skip("this interpreter has no C headers: the library is built without its Python entry")
+    kernels = torch.library.Library("fusedattn_native", "IMPL", "CPU")
+    kernels.impl("forward", _forward)
+    kernels.impl("backward", _backward)
+    yield operator, module
+    kernels._destroy()
+
+
+@pytest.fixture
+def warm(library, monkeypatch):
+    """The warm path wired to the library: every config gets a real plan (bf16 BSHD here), counted calls."""
+    operator, module = library
+    for name in ("warm_call", "warm_remember", "warm_clear", "warm_size"):
+        monkeypatch.setattr(torch_plans, name, getattr(module, name))
+    monkeypatch.setattr(torch_plans, "entry", module.attention)
+    monkeypatch.setattr(torch_plans, "tensor_key", module.tensor_key)
+    warm_entries.configure(module)
+    plans: dict = {}
+
+    def plan_on(cfg, name, device):
+        if cfg not in plans:
+            shape = torch_plans.plan_shape(cfg, True)
+            plans[cfg] = operator.fusedattn_torch_plan(0, 1 if cfg.is_training else -1,
+                                                       (ctypes.c_int64 * len(shape))(*shape), len(shape), cfg.scale)
+        return plans[cfg]
+
+    python_calls = []
+    original = functional._operator
+
+    def counted(*args):
+        python_calls.append(args[0])
+        return original(*args)
+
+    monkeypatch.setattr(functional, "_native_plan_on", plan_on)
+    monkeypatch.setattr(functional, "_operator", counted)
+    clear_decisions()
+    yield python_calls
+    clear_all()
+    module.warm_clear()
+
+
+def _qkv(requires_grad=False, seqlen=16):
+    return [torch.randn(1, seqlen, 2, 8, dtype=torch.bfloat16, requires_grad=requires_grad) for _ in range(3)]
+
+
+def _runs(python_calls, call, times=3) -> list[str]:
+    """Which path answered each of `times` calls: 'python' or 'c'."""
+    paths = []
+    for _ in range(times):
+        before = len(python_calls)
+        call()
+        paths.append("python" if len(python_calls) > before else "c")
+    return paths
+
+
+def test_a_plain_repeat_call_is_answered_in_c_with_the_python_paths_output(warm):
+    q, k, v = _qkv()
+    outputs = []
+    assert _runs(warm, lambda: outputs.append(fat.attention(q, k, v, mask="causal")), 4) == [
+        "python", "python", "c", "c"]  # cold, warm in Python (hands its answer over), then C
+    assert all(torch.equal(out, outputs[0]) for out in outputs) and outputs[0].shape == (1, 16, 2, 8)
+    assert warm_entries.size() == 1
+
+
+def test_validation_is_never_skipped_by_a_warm_entry(warm):
+    q, k, v = _qkv()
+    assert _runs(warm, lambda: fat.attention(q, k, v, window=(2, 0))) == ["python", "python", "c"]
+    with pytest.raises(ValueError, match="window"):
+        fat.attention(q, k, v, window=(2.0, 0))
+    with pytest.raises(ValueError, match="scale"):
+        fat.attention(q, k, v, window=(2, 0), scale=-1.0)
+    assert _runs(warm, lambda: fat.attention(q, k, v, window=(2, 0)), 1) == ["c"]
+
+
+def test_what_a_key_holds_sends_other_calls_to_python(warm, monkeypatch):
+    q, k, v = _qkv()
+    assert _runs(warm, lambda: fat.attention(q, k, v, mask="causal")) == ["python", "python", "c"]
+    assert _runs(warm, lambda: fat.attention(q, k, v, mask="causal", scale=0.5), 2) == ["python", "python"]
+    assert _runs(warm, lambda: fat.attention(q, k[:, :8], v[:, :8], mask="causal"), 2) == ["python", "python"]
+    assert _runs(warm, lambda: fat.attention(q, k.transpose(1, 2).contiguous().transpose(1, 2), v, mask="causal"),
+                 1) == ["python"]  # other strides
+    q.requires_grad_(True)
+    assert _runs(warm, lambda: fat.attention(q, k, v, mask="causal"), 2) == ["python", "python"]
+    with torch.no_grad():
+        assert _runs(warm, lambda: fat.attention(q, k, v, mask="causal"), 2) == ["python", "python"]
+    monkeypatch.setenv(ENV_BACKEND, "reference")
+    assert _runs(warm, lambda: fat.attention(q, k, v, mask="causal"), 1) == ["python"]
+    monkeypatch.delenv(ENV_BACKEND)
+    q.requires_grad_(False)
+    assert _runs(warm, lambda: fat.attention(q, k, v, mask="causal"), 1) == ["c"]
+
+
+def test_tensors_that_override_torch_functions_and_modes_take_the_python_path(warm):
+    q, k, v = _qkv()
+    for _ in range(3):
+        fat.attention(q, k, v)
+
+    class Seen(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Seen():
+        assert _runs(warm, lambda: fat.attention(q, k, v), 1) == ["python"]
+
+    class Sub(torch.Tensor):
+        pass
+
+    assert _runs(warm, lambda: fat.attention(q.as_subclass(Sub), k, v), 1) == ["python"]
+    assert _runs(warm, lambda: fat.attention(q, k, v), 1) == ["c"]
+
+
+def test_a_closures_new_number_is_bound_again_and_an_equal_one_stays_in_c(warm):
+    q, k, v = _qkv()
+    cap = 20.0
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return cap * sm.tanh(score / cap)
+
+    outputs = []
+    call = lambda: outputs.append(fat.attention(q, k, v, score_mod=softcap))  # noqa: E731
+    assert _runs(warm, call) == ["python", "python", "c"]
+    cap = 30.0
+    assert _runs(warm, call) == ["python", "python", "c"]
+    assert not torch.equal(outputs[0], outputs[-1])  # the new cap reached the operator: other scalars
+    cap = float("30")  # a new object of the same value: the same read
+    assert _runs(warm, call, 1) == ["c"]
+    assert torch.equal(outputs[-1], outputs[-2])
+
+
+def test_a_captured_tensor_changed_in_place_leaves_c(warm):
+    q, k, v = _qkv()
+    slopes = torch.rand(2)
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    outputs = []
+    call = lambda: outputs.append(fat.attention(q, k, v, score_mod=alibi))  # noqa: E731
+    assert _runs(warm, call) == ["python", "python", "c"]
+    slopes.mul_(2)  # in place: its version
+    assert _runs(warm, call) == ["python", "python", "c"]
+    assert not torch.equal(outputs[2], outputs[-1])  # the aux tensor made anew from the new values
+
+
+def test_a_closure_over_a_dict_stays_in_python_and_sees_its_changes(warm):
+    q, k, v = _qkv()
+    table = {"slopes": torch.rand(2)}
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + table["slopes"][h] * (kv_idx - q_idx)
+
+    outputs = []
+    call = lambda: outputs.append(fat.attention(q, k, v, score_mod=alibi))  # noqa: E731
+    assert _runs(warm, call) == ["python"] * 3  # its items are looked inside: Python's check
+    table["slopes"] = torch.rand(2) + 1
+    call()
+    assert not torch.equal(outputs[2], outputs[-1])
+
+
+def test_global_reads_are_guarded(warm):
+    q, k, v = _qkv()
+    assert _runs(warm, lambda: fat.attention(q, k, v, score_mod=_global_softcap)) == ["python", "python", "c"]
+    global _CAP
+    before = _CAP
+    try:
+        _CAP = 7.0
+        assert _runs(warm, lambda: fat.attention(q, k, v, score_mod=_global_softcap), 1) == ["python"]
+    finally:
+        _CAP = before
+
+
+_CAP = 20.0
+
+
+def _global_softcap(score, b, h, q_idx, kv_idx):
+    return _CAP * sm.tanh(score / _CAP)
+
+
+def test_builtins_made_once_run_in_c_and_made_each_call_stay_bounded(warm):
+    q, k, v = _qkv()
+    once = sm.softcap(20.0)
+    assert _runs(warm, lambda: fat.attention(q, k, v, score_mod=once)) == ["python", "python", "c"]
+    before = warm_entries.size()
+    assert _runs(warm, lambda: fat.attention(q, k, v, score_mod=sm.softcap(20.0)), 3)[1:] == ["python", "python"]
+    assert warm_entries.size() == before  # found by their code in Python: nothing handed to C
+
+    def closure(cap):
+        return lambda score, b, h, q_idx, kv_idx: cap * sm.tanh(score / cap)
+
+    assert _runs(warm, lambda: fat.attention(q, k, v, score_mod=closure(20.0)), 3) == ["python"] * 3
+    assert warm_entries.size() == before
+
+
+def test_a_closure_over_an_object_stays_in_python(warm):
+    q, k, v = _qkv()
+
+    class Layer:
+        cap = 20.0
+
+    layer = Layer()
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return layer.cap * sm.tanh(score / layer.cap)
+
+    outputs = []
+    assert _runs(warm, lambda: outputs.append(fat.attention(q, k, v, score_mod=softcap))) == ["python"] * 3
+    layer.cap = 5.0
+    fat.attention(q, k, v, score_mod=softcap)
+    assert not torch.equal(outputs[0], fat.attention(q, k, v, score_mod=softcap))
+
+
+def test_clearing_the_caches_behind_drops_the_entries(warm):
+    q, k, v = _qkv()
+    for _ in range(3):
+        fat.attention(q, k, v)
+    assert warm_entries.size() == 1
+    clear_decisions()
+    assert warm_entries.size() == 0
+    for _ in range(3):
+        fat.attention(q, k, v, score_mod=_global_softcap)
+    assert warm_entries.size() == 1
+    clear_all()
+    assert warm_entries.size() == 0
+
+
+def test_the_entries_stay_within_their_bound(warm):
+    q, k, v = _qkv()
+    for index in range(600):
+        for _ in range(2):
+            fat.attention(q, k, v, scale=0.1 + index / 1000)
+        assert warm_entries.size() <= 512
+
+
+def test_gradients_through_a_c_answered_call(warm):
+    q, k, v = _qkv(requires_grad=True)
+    grads = []
+    for _ in range(3):
+        out = fat.attention(q, k, v, score_mod=_global_softcap)
+        grads.append(torch.autograd.grad(out.float().sum(), (q, k, v)))
+    assert out.grad_fn.name() == "FusedAttentionBackward"
+    assert all(torch.equal(a, b) for g in grads for a, b in zip(g, grads[0]))
+
+
+def test_explain_and_dropout_take_the_python_path(warm):
+    q, k, v = _qkv()
+    for _ in range(3):
+        fat.attention(q, k, v)
+    assert "->" in fat.explain(q, k, v) or fat.explain(q, k, v)
+    assert _runs(warm, lambda: fat.attention(q, k, v, dropout_p=0.1), 3) == ["python"] * 3
