@@ -296,3 +296,34 @@ def test_explain_and_dropout_take_the_python_path(warm):
         fat.attention(q, k, v)
     assert "->" in fat.explain(q, k, v) or fat.explain(q, k, v)
     assert _runs(warm, lambda: fat.attention(q, k, v, dropout_p=0.1), 3) == ["python"] * 3
+
+
+def test_bias_and_sink_calls_are_answered_in_c_keyed_by_their_shapes(warm):
+    q, k, v = _qkv()
+    bias = torch.randn(1, 2, 16, 16, dtype=torch.bfloat16)
+    sink = torch.randn(2, dtype=torch.bfloat16)
+    assert _runs(warm, lambda: fat.attention(q, k, v, bias=bias)) == ["python", "python", "c"]
+    assert _runs(warm, lambda: fat.attention(q, k, v, bias=torch.randn(1, 2, 16, 16, dtype=torch.bfloat16)),
+                 1) == ["c"]  # another bias of the same shape: an operand, read at each call
+    assert _runs(warm, lambda: fat.attention(q, k, v, bias=bias[:, :1]), 2) == ["python", "python"]
+    bias.requires_grad_(True)
+    assert _runs(warm, lambda: fat.attention(q, k, v, bias=bias), 1) == ["python"]
+    assert _runs(warm, lambda: fat.attention(q, k, v, sink=sink, softmax_type="learnable")) == [
+        "python", "python", "c"]
+    assert _runs(warm, lambda: fat.attention(q, k, v, sink=sink.float(), softmax_type="learnable"), 1) == ["python"]
+
+
+def test_a_mask_mod_beside_a_bias_is_guarded_by_what_it_reads(warm):
+    q, k, v = _qkv()
+    bias = torch.randn(1, 2, 16, 16, dtype=torch.bfloat16)
+    window = 4
+
+    def local(b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx <= window) & (q_idx >= kv_idx)
+
+    outputs = []
+    call = lambda: outputs.append(fat.attention(q, k, v, bias=bias, mask_mod=local))  # noqa: E731
+    paths = _runs(warm, call)
+    window = 8  # the rewrite's window changes: never the old answer
+    paths += _runs(warm, call, 1)
+    assert paths == ["python", "python", "c", "python"]

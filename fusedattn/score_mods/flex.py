@@ -447,7 +447,7 @@ def fixed_reads(fn) -> bool:
 
 
 def _fixed_value(value) -> bool:
-    if type(value) in _PLAIN_VALUES or hasattr(value, "shape"):
+    if type(value) in _PLAIN_VALUES or hasattr(value, "shape") or type(value) is types.BuiltinFunctionType:
         return True
     if type(value) is tuple:
         return all(map(_fixed_value, value))
@@ -500,6 +500,24 @@ def plain_reads(fn, reads: tuple | None) -> bool:
     cells = 0 if fn.__closure__ is None else len(fn.__closure__)
     names = 0 if library_function(fn) else len(fn.__code__.co_names)
     return len(reads) == cells + 1 + names and not any(_expands(x, _DEPTH) for x in reads)
+
+
+def reads_by_identity(fn) -> tuple | None:
+    """(its cells' contents, the names it reads, their globals) for a plain function whose reads can be
+    compared as they lie, each object by identity and each number by value: none is an object looked
+    inside (plain_reads' condition), but for values fixed for good (numbers, arrays by identity, tuples of
+    those and this library's functions of fixed reads). None where one must be looked inside."""
+    if type(fn) is not types.FunctionType or _defaults(fn) is not None:
+        return None
+    try:
+        cells = tuple([c.cell_contents for c in fn.__closure__ or ()])
+    except ValueError:  # an empty cell
+        return None
+    names = () if library_function(fn) else fn.__code__.co_names
+    values = tuple(map(fn.__globals__.get, names))
+    if any(_expands(x, _DEPTH) and not _fixed_value(x) for x in (*cells, *values)):
+        return None
+    return cells, names, values
 
 
 def unchanged_reads(fn, kept: tuple) -> bool:

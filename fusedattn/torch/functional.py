@@ -247,9 +247,15 @@ def attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | 
     if has_mod:
         binding = None if warm else _kept_binding(signature, mods)
         if binding is not None:
-            return _kept_call(binding, signature, q, k, v, sink, bias, options)
+            out = _kept_call(binding, signature, q, k, v, sink, bias, options)
+            if rewrite_key is None and not given:
+                warm_entries.remember(q, k, v, given_options, binding.planned[0], binding.planned[2], binding, mods)
+            return out
     elif planned is not None and planned[2] is not None:
-        return _native_call(planned[2], signature, planned, q, k, v, sink, bias, None, options)
+        out = _native_call(planned[2], signature, planned, q, k, v, sink, bias, None, options)
+        if rewrite_key is None and not given:
+            warm_entries.remember(q, k, v, given_options, planned[0], planned[2])
+        return out
     mod = None
     if has_mod:
         mod = as_score_mod(API, *(get(name) for name in SCORE_MOD_NAMES), framework="torch", device=q.device)

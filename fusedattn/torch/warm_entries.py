@@ -3,19 +3,22 @@
 A repeat call's Python (its signature, the plan cache, a score_mod's binding and their checks) costs
 more host time than the operator it leads to. Once Python has answered a call from those caches, it
 hands the answer (the operator's plan and operands) to the native library under a key made of the
-call itself: q, k, v, every keyword with its type and value (callbacks, ScoreMods and dicts by
-identity), the grad mode and the settings the signature reads. Guards go with it: what the callbacks
-read (cells and globals: objects by identity, numbers by value), the dicts a ScoreMod or
-score_mod_tensors holds, and the tensors a mod holds (version, requires_grad). The next call with that
-key whose guards hold runs the operator from C; anything else misses and takes the Python path.
+call itself: q, k, v (and a bias or sink: shapes, strides, dtypes, devices, requires_grad), every
+other keyword with its type and value (callbacks, ScoreMods and dicts by identity), the grad mode and
+the settings the signature reads. Guards go with it: what the callbacks read (cells and globals:
+objects by identity, numbers by value; this library's functions of fixed reads by identity too), the
+dicts a ScoreMod or score_mod_tensors holds, and the tensors a mod holds (version, requires_grad).
+The next call with that key whose guards hold runs the operator from C; anything else misses and
+takes the Python path.
 
 Only answers the Python path keeps can be handed over, and only those whose reads the guards can
 check: a plain call, or a score_mod call whose binding was made by the very objects given (not by a
 closure made anew at each call, which Python finds by its code), whose callbacks read plainly (no
-objects looked inside: a closure over `self` stays in Python) and whose term does not learn. Calls
-with tensor keywords (bias, sink, offsets), dropout, a mask_mod, packed layouts, returned LSE or
-max_logit, and rows without keys keep the Python path. The entries are dropped whenever the caches
-behind them are (plans, bindings, decisions: cache.clear_all too).
+object looked inside: a closure over `self` stays in Python) and whose term does not learn. Calls
+with other tensor keywords (ALiBi slopes, sequence offsets), dropout, a mask_mod rewritten into
+documents or kept by mask_rewrites, packed layouts, returned LSE or max_logit, and rows without keys
+keep the Python path. The entries are dropped whenever the caches behind them are (plans, bindings,
+decisions; cache.clear_all too).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from fusedattn.arguments import ENV_THD_BUCKET
 from fusedattn.backends.cudnn.native import torch_plans
 from fusedattn.cache import registry
 from fusedattn.score_mods.core import ScoreMod
-from fusedattn.score_mods.flex import fixed_reads, flat_reads, library_function, plain_reads
+from fusedattn.score_mods.flex import reads_by_identity
 from fusedattn.selection import ENV_BACKEND
 from fusedattn.torch import score_mod_bindings
 
@@ -36,6 +39,9 @@ __all__ = ["configure", "remember", "clear", "size"]
 SETTINGS = (ENV_BACKEND, ENV_THD_BUCKET)  # the environment settings a call's signature reads
 IDENTITY_TYPES = (types.FunctionType, ScoreMod, dict)  # keyword values a key names by identity
 _is = operator.is_
+# Bindings whose reads C cannot check (by id, held): a call of theirs does not try again. Bounded.
+_UNGUARDED: dict = {}
+_UNGUARDED_CAPACITY = 256
 
 
 def configure(module) -> None:
@@ -51,35 +57,37 @@ def remember(q, k, v, keywords: dict, cfg, plan, binding=None, given: tuple = ()
     if (remember_in_c is None or type(plan) is not int or v is None or cfg.dropout_p > 0.0 or cfg.return_lse
             or cfg.return_max_logit or cfg.has_sequence_lengths):
         return
-    aux, scalars, empty_rows, watched = [], [], False, ()
-    functions: list = []
-    dicts: list = []
+    aux, scalars, empty_rows, watched, read = [], [], False, (), tuple(keywords.values())
     if binding is not None:
         if binding.term is not None or len(given) != len(binding.given) or not all(map(_is, binding.given, given)):
             return  # a learning term (summed anew each call), or bound by other objects (found by their code)
+        if _UNGUARDED.get(id(binding)) is binding:
+            return
         aux, scalars, empty_rows, watched = binding.aux, binding.scalars, binding.empty_rows, binding.watched
-        for value in (*keywords.values(), *binding.given):
-            if not _guard(value, functions, dicts):
-                return
+        read += binding.given
+    functions: list = []
+    dicts: list = []
+    for value in read:
+        if not _guard(value, functions, dicts):
+            if binding is not None:
+                if len(_UNGUARDED) >= _UNGUARDED_CAPACITY:
+                    _UNGUARDED.clear()
+                _UNGUARDED[id(binding)] = binding  # (held: its id stays its own) not tried again
+            return
     remember_in_c(q, k, v, keywords, plan, aux, scalars, empty_rows, tuple(functions), tuple(dicts),
                   tuple((x, version, learns) for x, version, learns in watched))
 
 
 def _guard(value, functions: list, dicts: list) -> bool:
     """Adds the guards of one keyword's value: False where its reads cannot be checked in C."""
-    if value is None or type(value) in (int, float, bool, str, tuple):
-        return True
+    if value is None or type(value) in (int, float, bool, str, tuple) or hasattr(value, "shape"):
+        return True  # (a bias or sink: an operand of the call, keyed by its shape and kind)
     if type(value) is types.FunctionType:
-        if not (fixed_reads(value) or plain_reads(value, flat_reads(value))):
+        reads = reads_by_identity(value)
+        if reads is None:
             return False  # it reads objects looked inside (a closure over `self`): Python checks those
-        try:
-            cells = tuple(c.cell_contents for c in value.__closure__ or ())
-        except ValueError:  # an empty cell
-            return False
-        names = () if library_function(value) else value.__code__.co_names
-        scope = value.__globals__
-        functions.append((value, cells, names, tuple(map(scope.get, names))))
-        return value.__defaults__ is None and value.__kwdefaults__ is None
+        functions.append((value, *reads))
+        return True
     if type(value) is ScoreMod:  # one of this library's callbacks only: what can change is its dicts
         if not score_mod_bindings.fixed_but_dicts(value):
             return False

@@ -1178,12 +1178,15 @@ PyObject *python_warm_call(PyObject *, PyObject *const *args, Py_ssize_t nargs) 
     auto &kept = fusedattn_warm::entries();
     if (nargs != 4 || kept.by_key.empty()) Py_RETURN_NONE;
     std::shared_ptr<fusedattn_warm::Entry> entry;
+    optional<Tensor> bias, sink;
     try {
         fusedattn_warm::KeyWriter writer(kept.identity_types);
         if (!writer.call(args[0], args[1], args[2], args[3], kept.settings)) Py_RETURN_NONE;
         auto found = kept.by_key.find(writer.key);
         if (found == kept.by_key.end() || !found->second->holds()) Py_RETURN_NONE;
         entry = found->second;
+        if (writer.bias != nullptr) bias = THPVariable_Unpack(writer.bias);
+        if (writer.sink != nullptr) sink = THPVariable_Unpack(writer.sink);
     } catch (...) {  // nothing can be read as a key: the Python path explains
         PyErr_Clear();
         Py_RETURN_NONE;
@@ -1193,8 +1196,8 @@ PyObject *python_warm_call(PyObject *, PyObject *const *args, Py_ssize_t nargs) 
         std::vector<Tensor> outputs;
         {
             WithoutGil released;
-            outputs = op.call(entry->plan, q, k, v, c10::nullopt, c10::nullopt, c10::nullopt, c10::nullopt,
-                              entry->aux, entry->scalars, entry->empty_rows, {});
+            outputs = op.call(entry->plan, q, k, v, sink, c10::nullopt, c10::nullopt, bias, entry->aux,
+                              entry->scalars, entry->empty_rows, {});
         }
         return THPVariable_Wrap(std::move(outputs[0]));
     } catch (const c10::Error &error) {

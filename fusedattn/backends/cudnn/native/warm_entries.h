@@ -3,7 +3,8 @@
 // After Python has answered a call from its plan cache (and, for a score_mod, its kept binding), it
 // hands the answer here under a key made of the call itself: q, k, v (shapes, strides, dtypes,
 // devices, requires_grad), every keyword with its type and value (callbacks and other objects by
-// identity, the entry holding them), the grad mode and fusedattn's environment settings. The answer
+// identity, the entry holding them; bias and sink tensors as q, k, v are), the grad mode and fusedattn's
+// environment settings. The answer
 // is the operator's plan and operands, with guards: what the callbacks read (their cells and globals,
 // objects by identity, numbers by exact value), dicts they read item by item, and the tensors they
 // hold (version, requires_grad). A later call with the same key whose guards hold goes straight to
@@ -219,6 +220,9 @@ class KeyWriter {
         return true;
     }
 
+    // The operands given as keywords (by their shapes, strides, dtypes, devices and requires_grad, like q, k, v).
+    PyObject *bias = nullptr, *sink = nullptr;
+
     // q, k, v, the keywords (a dict), the grad mode and the settings' values (names: a tuple of str).
     bool call(PyObject *q, PyObject *k, PyObject *v, PyObject *keywords, PyObject *settings) {
         if (at::impl::torch_function_mode_enabled() || !tensor(q) || !tensor(k) || !tensor(v)) return false;
@@ -226,7 +230,14 @@ class KeyWriter {
         Py_ssize_t position = 0;
         PyObject *name = nullptr, *given = nullptr;
         while (PyDict_Next(keywords, &position, &name, &given)) {
-            if (!value(name) || !value(given)) return false;
+            if (!value(name)) return false;
+            PyObject **operand = operand_named(name);
+            if (operand != nullptr && given != Py_None) {
+                if (!tensor(given)) return false;
+                *operand = given;
+            } else if (!value(given)) {
+                return false;
+            }
         }
         tag(at::GradMode::is_enabled() ? 'G' : 'g');
         for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(settings); ++i) {
@@ -248,6 +259,11 @@ class KeyWriter {
     }
 
    private:
+    PyObject **operand_named(PyObject *name) {
+        if (PyUnicode_CompareWithASCIIString(name, "bias") == 0) return &bias;
+        if (PyUnicode_CompareWithASCIIString(name, "sink") == 0) return &sink;
+        return nullptr;
+    }
     bool tag(char c) {
         key.push_back(c);
         return true;
