@@ -327,3 +327,22 @@ def test_a_mask_mod_beside_a_bias_is_guarded_by_what_it_reads(warm):
     window = 8  # the rewrite's window changes: never the old answer
     paths += _runs(warm, call, 1)
     assert paths == ["python", "python", "c", "python"]
+
+
+def test_a_mask_mod_whose_rewrite_is_kept_runs_in_c_while_it_reads_the_same(warm):
+    q, k, v = _qkv()
+    window = 4
+
+    def local(b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx <= window) & (q_idx >= kv_idx)
+
+    def with_softcap():
+        return fat.attention(q, k, v, mask_mod=local, score_mod=_global_softcap)
+
+    assert _runs(warm, lambda: fat.attention(q, k, v, mask_mod=local)) == ["python", "python", "c"]
+    assert _runs(warm, with_softcap) == ["python", "python", "c"]
+    window = 8
+    assert _runs(warm, lambda: fat.attention(q, k, v, mask_mod=local))[0] == "python"
+    assert _runs(warm, with_softcap)[0] == "python"
+    causal = sm.causal()
+    assert _runs(warm, lambda: fat.attention(q, k, v, score_mod=causal)) == ["python", "python", "c"]

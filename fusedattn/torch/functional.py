@@ -185,15 +185,12 @@ def attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | 
             binding = _kept_binding(signature, mods)
             if binding is not None:
                 out = _kept_call(binding, signature, q, k, v, None, None, options)
-                if rewrite_key is None:
-                    warm_entries.remember(q, k, v, given_options, binding.planned[0], binding.planned[2], binding,
-                                          mods)
+                warm_entries.remember(q, k, v, given_options, binding.planned[0], binding.planned[2], binding, mods)
                 return out
         signature, planned = _recalled(signature)
         if planned is not None and planned[2] is not None and not has_mod:
             out = _native_call(planned[2], signature, planned, q, k, v, None, None, None, options)
-            if rewrite_key is None:
-                warm_entries.remember(q, k, v, given_options, planned[0], planned[2])
+            warm_entries.remember(q, k, v, given_options, planned[0], planned[2])
             return out
     if not _KEYWORDS.issuperset(options):
         check_keywords(API, options, "torch")

@@ -15,8 +15,8 @@ Only answers the Python path keeps can be handed over, and only those whose read
 check: a plain call, or a score_mod call whose binding was made by the very objects given (not by a
 closure made anew at each call, which Python finds by its code), whose callbacks read plainly (no
 object looked inside: a closure over `self` stays in Python) and whose term does not learn. Calls
-with other tensor keywords (ALiBi slopes, sequence offsets), dropout, a mask_mod rewritten into
-documents or kept by mask_rewrites, packed layouts, returned LSE or max_logit, and rows without keys
+with other tensor keywords (ALiBi slopes, sequence offsets), dropout, a mask_mod run as documents
+(THD), packed layouts, returned LSE or max_logit, and rows without keys
 keep the Python path. The entries are dropped whenever the caches behind them are (plans, bindings,
 decisions; cache.clear_all too).
 """
@@ -30,7 +30,7 @@ from fusedattn.arguments import ENV_THD_BUCKET
 from fusedattn.backends.cudnn.native import torch_plans
 from fusedattn.cache import registry
 from fusedattn.score_mods.core import ScoreMod
-from fusedattn.score_mods.flex import reads_by_identity
+from fusedattn.score_mods.flex import PartialMask, reads_by_identity
 from fusedattn.selection import ENV_BACKEND
 from fusedattn.torch import score_mod_bindings
 
@@ -95,6 +95,8 @@ def _guard(value, functions: list, dicts: list) -> bool:
     if type(value) is dict:
         dicts.append((value, tuple(value), tuple(value.values())))
         return True
+    if type(value) is PartialMask:  # a kept rewrite's: what it reads is its mask_mod's
+        return _guard(value.mask_mod, functions, dicts)
     return type(value) is types.MappingProxyType  # a built-in's own copy, read-only: fixed
 
 
@@ -104,7 +106,7 @@ def clear() -> None:
         torch_plans.warm_clear()
 
 
-for _behind in ("selection.calls", "torch.score_mod.bindings"):  # the plan cache and the bindings
+for _behind in ("selection.calls", "torch.score_mod.bindings", "torch.mask_mod.rewrites"):  # the caches behind
     registry[_behind].when_cleared(clear)
 
 
