@@ -346,3 +346,15 @@ def test_a_mask_mod_whose_rewrite_is_kept_runs_in_c_while_it_reads_the_same(warm
     assert _runs(warm, with_softcap)[0] == "python"
     causal = sm.causal()
     assert _runs(warm, lambda: fat.attention(q, k, v, score_mod=causal)) == ["python", "python", "c"]
+
+
+@pytest.mark.parametrize("mod", ["softcap", "alibi"])
+def test_builtins_with_gradients_run_in_c(warm, mod):
+    q, k, v = _qkv(requires_grad=True)
+    made = sm.softcap(20.0) if mod == "softcap" else sm.alibi(torch.rand(2))
+
+    def step():
+        out = fat.attention(q, k, v, score_mod=made)
+        torch.autograd.grad(out.float().sum(), (q, k, v))
+
+    assert _runs(warm, step, 4) == ["python", "python", "c", "c"]
