@@ -212,7 +212,7 @@ def attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | 
         if documents is not None and rewrite_key is not None:
             mask_rewrites.remember(rewrite_key, before_rewrite, options, None, documents)
     if documents is not None:  # rewritten now or kept: the options are this call's own dict
-        result = _document_call(q, k, v, options, documents, rewrite_key)
+        result = _document_call(q, k, v, options, documents, rewrite_key, given_options)
         if result is not None:
             return result
         options["mask_mod"] = documents.fallback  # ids not sorted: the mask runs in the graph
@@ -327,9 +327,10 @@ describe_arguments(attention, "torch")
 _DOCUMENT_CALLS: LRUCache = register("torch.documents.thd_calls", LRUCache(64))
 
 
-def _document_call(q, k, v, options: dict, documents, rewrite_key=None):
+def _document_call(q, k, v, options: dict, documents, rewrite_key=None, given_options: dict | None = None):
     """The call as THD, one sequence per document (fusedattn.torch.documents); None when the ids are
-    not sorted along each row. rewrite_key: the dense call's signature where its rewrite is kept."""
+    not sorted along each row. rewrite_key: the dense call's signature where its rewrite is kept;
+    given_options: the call's own keywords, under which a warm call hands its answer to C."""
     found = documents_thd.boundaries(documents.ids, documents.batch, documents.seqlen)
     if found is None:
         return None
@@ -347,7 +348,11 @@ def _document_call(q, k, v, options: dict, documents, rewrite_key=None):
             signature, planned = kept[1], None if binding is None else binding.planned
         if planned is not None and planned[2] is not None:
             if layout == "bshd":  # the operator reads the rows as tokens and answers in this layout
-                return _native_call(planned[2], signature, planned, q, k, v, None, None, binding, thd)
+                out = _native_call(planned[2], signature, planned, q, k, v, None, None, binding, thd)
+                if given_options is not None:
+                    warm_entries.remember(q, k, v, given_options, planned[0], planned[2], binding, mods, documents,
+                                          _offsets(planned[0], thd.get))
+                return out
             tokens = [dense_to_tokens(x, layout) for x in (q, k, v)]
             return dense_result(_native_call(planned[2], signature, planned, *tokens, None, None, binding, thd),
                                 layout, documents.batch)

@@ -12,13 +12,13 @@ The next call with that key whose guards hold runs the operator from C; anything
 takes the Python path.
 
 Only answers the Python path keeps can be handed over, and only those whose reads the guards can
-check: a plain call, or a score_mod call whose binding was made by the very objects given (not by a
-closure made anew at each call, which Python finds by its code), whose callbacks read plainly (no
-object looked inside: a closure over `self` stays in Python) and whose term does not learn. Calls
-with other tensor keywords (ALiBi slopes, sequence offsets), dropout, a mask_mod run as documents
-(THD), packed layouts, returned LSE or max_logit, and rows without keys
-keep the Python path. The entries are dropped whenever the caches behind them are (plans, bindings,
-decisions; cache.clear_all too).
+check: a plain call, a mask_mod whose rewrite is kept, a document mask_mod run as THD (BSHD; its ids
+guarded by their version), or a score_mod call whose binding was made by the very objects given (not
+by a closure made anew at each call, which Python finds by its code), whose callbacks read plainly
+(no object looked inside: a closure over `self` stays in Python) and whose term does not learn.
+Calls with other tensor keywords (ALiBi slopes, sequence offsets), dropout, packed layouts, returned
+LSE or max_logit, and rows without keys keep the Python path. The entries are dropped whenever the
+caches behind them are (plans, bindings, rewrites, decisions; cache.clear_all too).
 """
 
 from __future__ import annotations
@@ -49,13 +49,15 @@ def configure(module) -> None:
     module.warm_configure(SETTINGS, IDENTITY_TYPES)
 
 
-def remember(q, k, v, keywords: dict, cfg, plan, binding=None, given: tuple = ()) -> None:
+def remember(q, k, v, keywords: dict, cfg, plan, binding=None, given: tuple = (), documents=None,
+             offsets: list | None = None) -> None:
     """Hands a warm call's answer to C where it can check the answer's reads. keywords: the call's own
     (before a flex built-in became its functions); binding: the score_mod binding the call used, and
-    given: the score_mod keywords' values it was looked up with (SCORE_MOD_NAMES' order)."""
+    given: the score_mod keywords' values it was looked up with (SCORE_MOD_NAMES' order). documents: a
+    document mask run as THD (its ids are guarded by their version) with the THD plan's offsets."""
     remember_in_c = torch_plans.warm_remember
     if (remember_in_c is None or type(plan) is not int or v is None or cfg.dropout_p > 0.0 or cfg.return_lse
-            or cfg.return_max_logit or cfg.has_sequence_lengths):
+            or cfg.return_max_logit or cfg.has_sequence_lengths != (documents is not None)):
         return
     aux, scalars, empty_rows, watched, read = [], [], False, (), tuple(keywords.values())
     if binding is not None:
@@ -74,8 +76,11 @@ def remember(q, k, v, keywords: dict, cfg, plan, binding=None, given: tuple = ()
                     _UNGUARDED.clear()
                 _UNGUARDED[id(binding)] = binding  # (held: its id stays its own) not tried again
             return
-    remember_in_c(q, k, v, keywords, plan, aux, scalars, empty_rows, tuple(functions), tuple(dicts),
-                  tuple((x, version, learns) for x, version, learns in watched))
+    tensors = [(x, version, learns) for x, version, learns in watched]
+    if documents is not None:  # the offsets were read from these ids as they are now
+        tensors.append((documents.ids, documents.ids._version, documents.ids.requires_grad))
+    remember_in_c(q, k, v, keywords, plan, aux, scalars, empty_rows, tuple(functions), tuple(dicts), tuple(tensors),
+                  offsets or [])
 
 
 def _guard(value, functions: list, dicts: list) -> bool:

@@ -839,9 +839,10 @@ def test_max_logit_calls_run_on_the_operator_and_match_float64(mask):
 
 
 def test_calls_answered_in_c_give_the_python_paths_bits_and_follow_changes(monkeypatch):
-    """Warm entries (torch/warm_entries.py): from the third call on, a plain call and score_mod calls are
-    answered in C, with the bits of the Python path (forward and gradients); a new captured number and an
-    in-place change of a captured tensor still reach the kernel."""
+    """Warm entries (torch/warm_entries.py): from the third call on, a plain call, score_mod calls, a kept
+    mask_mod rewrite, a document mask run as THD and a bias call are answered in C, with the bits of the
+    Python path (forward and gradients); a new captured number and an in-place change of a captured
+    tensor (slopes, document ids) still reach the kernel."""
     from fusedattn.torch import functional, warm_entries
 
     assert torch_plans.warm_call is not None, "the library was built without its Python entry"
@@ -869,13 +870,24 @@ def test_calls_answered_in_c_give_the_python_paths_bits_and_follow_changes(monke
             patch.setattr(torch_plans, "warm_call", None)
             return step(**options)
 
+    def local(b, h, q_idx, kv_idx):  # a window mask_mod: rewritten into cuDNN's window, kept
+        return (q_idx - kv_idx < 64) & (q_idx >= kv_idx)
+
+    ids = torch.repeat_interleave(torch.arange(4, device="cuda"), 64)  # four documents of 64 tokens
+
+    def document(b, h, q_idx, kv_idx):  # run as THD, its offsets read once per version of ids
+        return ids[q_idx] == ids[kv_idx]
+
+    bias = torch.randn(1, 8, 256, 256, device="cuda", dtype=torch.bfloat16)
     before = CAP
     try:
-        for options in ({}, {"score_mod": alibi}, {"score_mod": builtin}):
+        for options in ({}, {"score_mod": alibi}, {"score_mod": builtin}, {"mask_mod": local},
+                        {"mask_mod": document}, {"mask_mod": document, "score_mod": builtin}, {"bias": bias}):
             for change in (None, "cap", "slopes"):
                 CAP = 5.0 if change == "cap" else CAP
                 if change == "slopes":
                     slopes.mul_(2)
+                    ids[96:128] = 2  # other documents, sorted still
                 want = python_path(**options)
                 for _ in range(3):
                     got = step(**options)

@@ -1197,7 +1197,7 @@ PyObject *python_warm_call(PyObject *, PyObject *const *args, Py_ssize_t nargs) 
         {
             WithoutGil released;
             outputs = op.call(entry->plan, q, k, v, sink, c10::nullopt, c10::nullopt, bias, entry->aux,
-                              entry->scalars, entry->empty_rows, {});
+                              entry->scalars, entry->empty_rows, entry->offsets);
         }
         return THPVariable_Wrap(std::move(outputs[0]));
     } catch (const c10::Error &error) {
@@ -1239,12 +1239,12 @@ PyObject *python_warm_configure(PyObject *, PyObject *const *args, Py_ssize_t na
     Py_RETURN_NONE;
 }
 
-// warm_remember(q, k, v, keywords, plan, aux, scalars, empty_rows, functions, dicts, tensors): keeps the answer
-// the Python path gave this call (the operator's plan and operands) under the call's key, with its guards:
-// functions ((fn, cells' contents, names, their globals), ...), dicts ((dict, keys, values), ...) and tensors
-// ((tensor, version, requires_grad), ...). Whether kept (a call with no key is not).
+// warm_remember(q, k, v, keywords, plan, aux, scalars, empty_rows, functions, dicts, tensors, offsets): keeps
+// the answer the Python path gave this call (the operator's plan and operands) under the call's key, with its
+// guards: functions ((fn, cells' contents, names, their globals), ...), dicts ((dict, keys, values), ...) and
+// tensors ((tensor, version, requires_grad), ...). Whether kept (a call with no key is not).
 PyObject *python_warm_remember(PyObject *, PyObject *const *args, Py_ssize_t nargs) try {
-    if (nargs != 11) throw BadArgument{"fusedattn warm_remember: expected 11 arguments"};
+    if (nargs != 12) throw BadArgument{"fusedattn warm_remember: expected 12 arguments"};
     auto &kept = fusedattn_warm::entries();
     if (kept.settings == nullptr) throw BadArgument{"fusedattn warm_remember: warm_configure first"};
     fusedattn_warm::KeyWriter writer(kept.identity_types);
@@ -1257,6 +1257,10 @@ PyObject *python_warm_remember(PyObject *, PyObject *const *args, Py_ssize_t nar
         entry->aux.push_back(THPVariable_Unpack(item.get()));
     }
     for (auto &item : held_items(args[6])) entry->scalars.push_back(PyFloat_AsDouble(item.get()));
+    for (auto &item : held_items(args[11])) {
+        if (!THPVariable_Check(item.get())) throw BadArgument{"warm_remember: offsets: expected tensors"};
+        entry->offsets.push_back(THPVariable_Unpack(item.get()));
+    }
     if (PyErr_Occurred()) return nullptr;
     entry->empty_rows = args[7] == Py_True;
     for (PyObject *object : writer.identities) entry->identities.emplace_back(object);
@@ -1339,8 +1343,8 @@ PyMethodDef entry_methods[] = {
     {"warm_call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&python_warm_call)), METH_FASTCALL,
      "warm_call(q, k, v, keywords) -> the output of a call its warm entry answers, or None"},
     {"warm_remember", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&python_warm_remember)),
-     METH_FASTCALL, "warm_remember(q, k, v, keywords, plan, aux, scalars, empty_rows, functions, dicts, tensors) -> "
-     "whether the call's answer is kept"},
+     METH_FASTCALL, "warm_remember(q, k, v, keywords, plan, aux, scalars, empty_rows, functions, dicts, tensors, "
+     "offsets) -> whether the call's answer is kept"},
     {"warm_configure", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&python_warm_configure)),
      METH_FASTCALL, "warm_configure(settings, identity_types): what a key reads from the environment, and by identity"},
     {"warm_clear", &python_warm_clear, METH_NOARGS, "warm_clear(): drop every warm entry"},

@@ -128,6 +128,7 @@ struct Entry {
     std::vector<at::Tensor> aux;
     std::vector<double> scalars;
     bool empty_rows = false;
+    std::vector<at::Tensor> offsets;  // a THD plan's sequence offsets (a document mask's, kept per ids' version)
     std::vector<Held> identities;  // the key's objects by identity: alive, so their addresses name them
     std::vector<FunctionGuard> functions;
     std::vector<DictGuard> dicts;
