@@ -274,10 +274,11 @@ def test_clearing_the_caches_behind_drops_the_entries(warm):
 
 def test_the_entries_stay_within_their_bound(warm):
     q, k, v = _qkv()
-    for index in range(600):
+    for index in range(warm_entries.CAPACITY + 40):
         for _ in range(2):
             fat.attention(q, k, v, scale=0.1 + index / 1000)
-        assert warm_entries.size() <= 512
+        assert warm_entries.size() <= warm_entries.CAPACITY
+    assert warm_entries.size() >= 1
 
 
 def test_gradients_through_a_c_answered_call(warm):
@@ -358,3 +359,31 @@ def test_builtins_with_gradients_run_in_c(warm, mod):
         torch.autograd.grad(out.float().sum(), (q, k, v))
 
     assert _runs(warm, step, 4) == ["python", "python", "c", "c"]
+
+
+_SCALE = 0.5  # read by the graph callbacks below
+
+
+def _scaled_forward(graph, score, tensors):
+    return graph.mul(a=score, b=tensors["scale"])
+
+
+def _scaled_bprop(graph, dscore, tensors):
+    return graph.mul(a=dscore, b=tensors["scale"])
+
+
+def test_a_score_mod_of_graph_callbacks_runs_in_c_while_it_reads_the_same(warm):
+    """The expert path (cuDNN graph callbacks, a hand-written derivative): its callbacks' reads and its
+    dicts are guarded; a changed dict entry is bound again."""
+    from fusedattn.score_mods import ScoreMod
+
+    q, k, v = _qkv()
+    tensors = {"scale": 0.5}
+    mod = ScoreMod(_scaled_forward, _scaled_bprop, tensors, masks=False, name="scaled",
+                   eager=lambda ops, score, b, h, q_idx, kv_idx, values: score * values["scale"])
+    outputs = []
+    call = lambda: outputs.append(fat.attention(q, k, v, score_mod=mod))  # noqa: E731
+    assert _runs(warm, call) == ["python", "python", "c"]
+    tensors["scale"] = 0.25
+    assert _runs(warm, call)[0] == "python"
+    assert not torch.equal(outputs[0], outputs[-1])  # the new number reached the operator

@@ -38,6 +38,9 @@ __all__ = ["configure", "remember", "clear", "size"]
 
 SETTINGS = (ENV_BACKEND, ENV_THD_BUCKET)  # the environment settings a call's signature reads
 IDENTITY_TYPES = (types.FunctionType, ScoreMod, dict)  # keyword values a key names by identity
+# Entries kept (all dropped when one more comes): a model has a few dozen distinct calls. An entry holds
+# its score_mod's aux tensors, as the bindings do (score_mod_bindings.CAPACITY): bounded alike.
+CAPACITY = 2 * score_mod_bindings.CAPACITY
 _is = operator.is_
 # Bindings whose reads C cannot check (by id, held): a call of theirs does not try again. Bounded.
 _UNGUARDED: dict = {}
@@ -46,7 +49,7 @@ _UNGUARDED_CAPACITY = 256
 
 def configure(module) -> None:
     """Tells the library's warm entries what a key reads (on loading it)."""
-    module.warm_configure(SETTINGS, IDENTITY_TYPES)
+    module.warm_configure(SETTINGS, IDENTITY_TYPES, CAPACITY)
 
 
 def remember(q, k, v, keywords: dict, cfg, plan, binding=None, given: tuple = (), documents=None,
@@ -93,9 +96,13 @@ def _guard(value, functions: list, dicts: list) -> bool:
             return False  # it reads objects looked inside (a closure over `self`): Python checks those
         functions.append((value, *reads))
         return True
-    if type(value) is ScoreMod:  # one of this library's callbacks only: what can change is its dicts
+    if type(value) is ScoreMod:  # its fields are frozen: what can change is its dicts and what callbacks read
         if not score_mod_bindings.fixed_but_dicts(value):
-            return False
+            callbacks = (value.forward, value.bprop, value.prepare)  # (what the bindings compare)
+            if value.parts or not all(fn is None or type(fn) is types.FunctionType for fn in callbacks):
+                return False  # a composition, or a callable object: Python checks those
+            if not all(_guard(fn, functions, dicts) for fn in callbacks):
+                return False
         return all(_guard(part, functions, dicts) for part in (value.tensors, value.bprop_tensors, *value.flex))
     if type(value) is dict:
         dicts.append((value, tuple(value), tuple(value.values())))

@@ -1222,15 +1222,19 @@ std::vector<fusedattn_warm::Held> held_items(PyObject *items) {
     return held;
 }
 
-// warm_configure(settings, identity_types): the environment settings a key reads (a tuple of str) and the
-// keyword types it names by identity (a tuple of types); drops every entry.
+// warm_configure(settings, identity_types, capacity): the environment settings a key reads (a tuple of str),
+// the keyword types it names by identity (a tuple of types) and how many entries are kept; drops every entry.
 PyObject *python_warm_configure(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2 || !PyTuple_CheckExact(args[0]) || !PyTuple_CheckExact(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "warm_configure(settings, identity_types): expected two tuples");
+    if (nargs != 3 || !PyTuple_CheckExact(args[0]) || !PyTuple_CheckExact(args[1]) || !PyLong_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "warm_configure(settings, identity_types, capacity): expected two tuples "
+                                         "and an int");
         return nullptr;
     }
+    size_t capacity = PyLong_AsSize_t(args[2]);
+    if (PyErr_Occurred()) return nullptr;
     auto &kept = fusedattn_warm::entries();
     kept.by_key.clear();
+    kept.capacity = capacity;
     for (PyObject **field : {&kept.settings, &kept.identity_types}) Py_XDECREF(*field);
     kept.settings = args[0];
     kept.identity_types = args[1];
@@ -1285,7 +1289,7 @@ PyObject *python_warm_remember(PyObject *, PyObject *const *args, Py_ssize_t nar
                                   parts[2].get() == Py_True});
     }
     if (PyErr_Occurred()) return nullptr;
-    if (kept.by_key.size() >= fusedattn_warm::kCapacity) kept.by_key.clear();
+    if (kept.by_key.size() >= kept.capacity) kept.by_key.clear();
     kept.by_key[writer.key] = std::move(entry);
     Py_RETURN_TRUE;
 } catch (...) {
@@ -1346,7 +1350,8 @@ PyMethodDef entry_methods[] = {
      METH_FASTCALL, "warm_remember(q, k, v, keywords, plan, aux, scalars, empty_rows, functions, dicts, tensors, "
      "offsets) -> whether the call's answer is kept"},
     {"warm_configure", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&python_warm_configure)),
-     METH_FASTCALL, "warm_configure(settings, identity_types): what a key reads from the environment, and by identity"},
+     METH_FASTCALL, "warm_configure(settings, identity_types, capacity): what a key reads from the environment "
+     "and by identity; how many entries are kept"},
     {"warm_clear", &python_warm_clear, METH_NOARGS, "warm_clear(): drop every warm entry"},
     {"warm_size", &python_warm_size, METH_NOARGS, "warm_size() -> the number of warm entries"},
     {nullptr, nullptr, 0, nullptr}};

@@ -173,7 +173,7 @@ class KeyWriter {
         return true;
     }
 
-    bool value(PyObject *given) {
+    bool value(PyObject *given, int depth = 0) {
         if (given == Py_None) return tag('N');
         if (given == Py_True) return tag('T');
         if (given == Py_False) return tag('F');
@@ -204,10 +204,11 @@ class KeyWriter {
             return true;
         }
         if (PyTuple_CheckExact(given)) {
+            if (depth > 4) return false;  // (a window is one level deep)
             tag('t');
             word(PyTuple_GET_SIZE(given));
             for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(given); ++i) {
-                if (!value(PyTuple_GET_ITEM(given, i))) return false;
+                if (!value(PyTuple_GET_ITEM(given, i), depth + 1)) return false;
             }
             return true;
         }
@@ -272,10 +273,10 @@ class KeyWriter {
     void word(int64_t w) { key.append(reinterpret_cast<const char *>(&w), sizeof w); }
 };
 
-// The entries, at most kCapacity (all dropped when one more comes: a model has a few dozen calls).
-constexpr size_t kCapacity = 512;
+// The entries, at most `capacity` (all dropped when one more comes: a model has a few dozen calls).
 struct Entries {
     std::unordered_map<std::string, std::shared_ptr<Entry>> by_key;
+    size_t capacity = 0;                 // from Python (warm_configure)
     PyObject *settings = nullptr;        // the environment settings a key reads (a tuple of str), from Python
     PyObject *identity_types = nullptr;  // the keyword types a key names by identity (a tuple of types)
 };
