@@ -387,3 +387,13 @@ def test_a_score_mod_of_graph_callbacks_runs_in_c_while_it_reads_the_same(warm):
     tensors["scale"] = 0.25
     assert _runs(warm, call)[0] == "python"
     assert not torch.equal(outputs[0], outputs[-1])  # the new number reached the operator
+
+
+def test_a_library_without_warm_entries_of_this_version_keeps_the_operator():
+    """A prebuilt library of another version: no warm entries, and no error (the operator still runs)."""
+    class Older:
+        def warm_configure(self, settings, identity_types):  # an earlier signature
+            return None
+
+    assert warm_entries.configure(Older()) is False
+    assert warm_entries.configure(object()) is False

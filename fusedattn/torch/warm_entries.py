@@ -47,9 +47,15 @@ _UNGUARDED: dict = {}
 _UNGUARDED_CAPACITY = 256
 
 
-def configure(module) -> None:
-    """Tells the library's warm entries what a key reads (on loading it)."""
-    module.warm_configure(SETTINGS, IDENTITY_TYPES, CAPACITY)
+def configure(module) -> bool:
+    """Tells the library's warm entries what a key reads (on loading it); False where the library has no
+    warm entries of this version (a prebuilt one named by FUSEDATTN_NATIVE_LIB_TORCH): calls keep the
+    Python path, the operator still runs them."""
+    try:
+        module.warm_configure(SETTINGS, IDENTITY_TYPES, CAPACITY)
+    except (AttributeError, TypeError):
+        return False
+    return True
 
 
 def remember(q, k, v, keywords: dict, cfg, plan, binding=None, given: tuple = (), documents=None,

@@ -100,10 +100,10 @@ def _load() -> ctypes.CDLL:
     if module is not None:
         from fusedattn.torch import warm_entries
 
-        warm_entries.configure(module)
         entry, tensor_key = module.attention, module.tensor_key
-        warm_call, warm_remember, warm_clear, warm_size = (module.warm_call, module.warm_remember,
-                                                           module.warm_clear, module.warm_size)
+        if warm_entries.configure(module):
+            warm_call, warm_remember, warm_clear, warm_size = (module.warm_call, module.warm_remember,
+                                                               module.warm_clear, module.warm_size)
     return operator
 
 
