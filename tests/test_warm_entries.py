@@ -32,7 +32,8 @@ def _stamp(plan, aux, scalars) -> float:
 
 
 def _forward(plan, q, k, v, sink, seed, offset, bias, aux, scalars, empty_rows, offsets):
-    out = torch.full((*q.shape[:-1], v.shape[-1]), _stamp(plan, aux, scalars), dtype=torch.float64)  # (exact)
+    stamp = _stamp(plan, aux, scalars) + (0 if seed is None else int(seed) * 1e-12)  # (the seed too, exactly)
+    out = torch.full((*q.shape[:-1], v.shape[-1]), stamp, dtype=torch.float64)
     return [out, torch.zeros(q.shape[0], q.shape[2], q.shape[1])]
 
 
@@ -291,12 +292,32 @@ def test_gradients_through_a_c_answered_call(warm):
     assert all(torch.equal(a, b) for g in grads for a, b in zip(g, grads[0]))
 
 
-def test_explain_and_dropout_take_the_python_path(warm):
+def test_explain_and_a_given_dropout_seed_take_the_python_path(warm):
     q, k, v = _qkv()
     for _ in range(3):
         fat.attention(q, k, v)
-    assert "->" in fat.explain(q, k, v) or fat.explain(q, k, v)
-    assert _runs(warm, lambda: fat.attention(q, k, v, dropout_p=0.1), 3) == ["python"] * 3
+    assert "cudnn" in fat.explain(q, k, v) or "reference" in fat.explain(q, k, v)
+    assert _runs(warm, lambda: fat.attention(q, k, v, dropout_p=0.1, dropout_seed=3), 3) == ["python"] * 3
+
+
+def test_dropout_draws_its_seed_in_c_as_the_python_path_does(warm, monkeypatch):
+    """A seed drawn per call from torch's default generator: the same seeds, in the same order, and the same
+    generator state after, whether C or Python answers."""
+    q, k, v = _qkv()
+
+    def outputs(in_c: bool) -> tuple:
+        if not in_c:
+            monkeypatch.setattr(torch_plans, "warm_call", None)
+        torch.manual_seed(11)
+        got = [fat.attention(q, k, v, dropout_p=0.1) for _ in range(5)]
+        return got, torch.randint(0, 2**31 - 1, ())
+
+    before = len(warm)
+    c_path, c_after = outputs(True)
+    assert len(warm) - before < 5  # answered in C from the third call
+    python_path, python_after = outputs(False)
+    assert all(torch.equal(a, b) for a, b in zip(c_path, python_path)) and torch.equal(c_after, python_after)
+    assert len({float(x.flatten()[0]) for x in c_path}) == 5  # a new seed each call
 
 
 def test_bias_and_sink_calls_are_answered_in_c_keyed_by_their_shapes(warm):
@@ -397,3 +418,12 @@ def test_a_library_without_warm_entries_of_this_version_keeps_the_operator():
 
     assert warm_entries.configure(Older()) is False
     assert warm_entries.configure(object()) is False
+
+
+def test_a_returned_lse_comes_back_from_c_as_an_attention_result(warm):
+    q, k, v = _qkv()
+    results = []
+    assert _runs(warm, lambda: results.append(fat.attention(q, k, v, return_lse=True))) == ["python", "python", "c"]
+    assert all(type(r) is type(results[0]) and r.max_logit is None for r in results)
+    assert all(torch.equal(r.out, results[0].out) and torch.equal(r.lse, results[0].lse) for r in results)
+    assert results[-1].lse.shape == (1, 2, 16)

@@ -154,7 +154,7 @@ def attention(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | 
     if warm_call is not None and not compiling and not _explaining.get():  # a repeat call answered in C
         out = warm_call(q, k, v, options)
         if out is not None:
-            return out
+            return out if type(out) is not tuple else AttentionResult(*out)
     given_options = options
     mod = options.get("score_mod")
     if type(mod) is ScoreMod and mod.flex and not compiling:

@@ -16,8 +16,10 @@ check: a plain call, a mask_mod whose rewrite is kept, a document mask_mod run a
 guarded by their version), or a score_mod call whose binding was made by the very objects given (not
 by a closure made anew at each call, which Python finds by its code), whose callbacks read plainly
 (no object looked inside: a closure over `self` stays in Python) and whose term does not learn.
-Calls with other tensor keywords (ALiBi slopes, sequence offsets), dropout, packed layouts, returned
-LSE or max_logit, and rows without keys keep the Python path. The entries are dropped whenever the
+Calls with other tensor keywords (ALiBi slopes, sequence offsets), a dropout seed or offset given,
+packed layouts and rows without keys keep the Python path (dropout with neither draws its seed in C
+from torch's default generator, as the Python path does). A returned LSE or max_logit comes back as a tuple that Python
+makes the AttentionResult. The entries are dropped whenever the
 caches behind them are (plans, bindings, rewrites, decisions; cache.clear_all too).
 """
 
@@ -29,6 +31,7 @@ import types
 from fusedattn.arguments import ENV_THD_BUCKET
 from fusedattn.backends.cudnn.native import torch_plans
 from fusedattn.cache import registry
+from fusedattn.options import DROPOUT_NAMES
 from fusedattn.score_mods.core import ScoreMod
 from fusedattn.score_mods.flex import PartialMask, reads_by_identity
 from fusedattn.selection import ENV_BACKEND
@@ -42,6 +45,7 @@ IDENTITY_TYPES = (types.FunctionType, ScoreMod, dict)  # keyword values a key na
 # its score_mod's aux tensors, as the bindings do (score_mod_bindings.CAPACITY): bounded alike.
 CAPACITY = 2 * score_mod_bindings.CAPACITY
 _is = operator.is_
+_DROPOUT_STATE = frozenset(DROPOUT_NAMES)  # a call giving a seed or offset keeps the Python path
 # Bindings whose reads C cannot check (by id, held): a call of theirs does not try again. Bounded.
 _UNGUARDED: dict = {}
 _UNGUARDED_CAPACITY = 256
@@ -65,9 +69,11 @@ def remember(q, k, v, keywords: dict, cfg, plan, binding=None, given: tuple = ()
     given: the score_mod keywords' values it was looked up with (SCORE_MOD_NAMES' order). documents: a
     document mask run as THD (its ids are guarded by their version) with the THD plan's offsets."""
     remember_in_c = torch_plans.warm_remember
-    if (remember_in_c is None or type(plan) is not int or v is None or cfg.dropout_p > 0.0 or cfg.return_lse
-            or cfg.return_max_logit or cfg.has_sequence_lengths != (documents is not None)):
-        return
+    dropout = cfg.dropout_p > 0.0
+    if (remember_in_c is None or type(plan) is not int or v is None
+            or cfg.has_sequence_lengths != (documents is not None)
+            or (dropout and not _DROPOUT_STATE.isdisjoint(keywords))):
+        return  # (a seed or offset given: Python reads them each call)
     aux, scalars, empty_rows, watched, read = [], [], False, (), tuple(keywords.values())
     if binding is not None:
         if binding.term is not None or len(given) != len(binding.given) or not all(map(_is, binding.given, given)):
@@ -89,7 +95,7 @@ def remember(q, k, v, keywords: dict, cfg, plan, binding=None, given: tuple = ()
     if documents is not None:  # the offsets were read from these ids as they are now
         tensors.append((documents.ids, documents.ids._version, documents.ids.requires_grad))
     remember_in_c(q, k, v, keywords, plan, aux, scalars, empty_rows, tuple(functions), tuple(dicts), tuple(tensors),
-                  offsets or [])
+                  offsets or [], (cfg.return_lse, cfg.return_max_logit, dropout))
 
 
 def _guard(value, functions: list, dicts: list) -> bool:

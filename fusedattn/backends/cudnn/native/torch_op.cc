@@ -1169,8 +1169,8 @@ PyObject *python_attention(PyObject *, PyObject *const *args, Py_ssize_t nargs) 
     }
 }
 
-// warm_call(q, k, v, keywords): the output of a repeat call its warm entry answers (warm_entries.h), or None
-// (a miss: the Python path runs the call).
+// warm_call(q, k, v, keywords): the output of a repeat call its warm entry answers (warm_entries.h), or
+// (out, lse or None, max_logit or None) where the call returns those; None: a miss (the Python path runs it).
 PyObject *python_warm_call(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("fusedattn_native::attention", "")
@@ -1196,10 +1196,28 @@ PyObject *python_warm_call(PyObject *, PyObject *const *args, Py_ssize_t nargs) 
         std::vector<Tensor> outputs;
         {
             WithoutGil released;
-            outputs = op.call(entry->plan, q, k, v, sink, c10::nullopt, c10::nullopt, bias, entry->aux,
-                              entry->scalars, entry->empty_rows, entry->offsets);
+            optional<Tensor> seed, offset;
+            if (entry->dropout) {  // functional._dropout_state's draw: torch.randint(0, 2**31 - 1, ()), offset 0
+                int64_t drawn = at::randint(0, 2147483647, {}, at::TensorOptions().dtype(at::kLong)).item<int64_t>();
+                seed = at::full({}, drawn, q.options().dtype(at::kLong));
+                offset = at::full({}, 0, q.options().dtype(at::kLong));
+            }
+            outputs = op.call(entry->plan, q, k, v, sink, seed, offset, bias, entry->aux, entry->scalars,
+                              entry->empty_rows, entry->offsets);
         }
-        return THPVariable_Wrap(std::move(outputs[0]));
+        if (!entry->lse && !entry->max_logit) return THPVariable_Wrap(std::move(outputs[0]));
+        PyObject *result = PyTuple_New(3);  // (out, lse or None, max_logit or None): AttentionResult's fields
+        if (result == nullptr) return nullptr;
+        for (size_t i = 0; i < 3; ++i) {
+            bool wanted = i == 0 || (i == 1 && entry->lse) || (i == 2 && entry->max_logit && outputs.size() > 2);
+            PyObject *item = wanted ? THPVariable_Wrap(std::move(outputs[i])) : Py_NewRef(Py_None);
+            if (item == nullptr) {
+                Py_DECREF(result);
+                return nullptr;
+            }
+            PyTuple_SET_ITEM(result, static_cast<Py_ssize_t>(i), item);
+        }
+        return result;
     } catch (const c10::Error &error) {
         if (std::strstr(error.what_without_backtrace(), kNotRegistered) != nullptr) {  // the registry dropped it
             kept.by_key.clear();
@@ -1243,12 +1261,14 @@ PyObject *python_warm_configure(PyObject *, PyObject *const *args, Py_ssize_t na
     Py_RETURN_NONE;
 }
 
-// warm_remember(q, k, v, keywords, plan, aux, scalars, empty_rows, functions, dicts, tensors, offsets): keeps
-// the answer the Python path gave this call (the operator's plan and operands) under the call's key, with its
-// guards: functions ((fn, cells' contents, names, their globals), ...), dicts ((dict, keys, values), ...) and
-// tensors ((tensor, version, requires_grad), ...). Whether kept (a call with no key is not).
+// warm_remember(q, k, v, keywords, plan, aux, scalars, empty_rows, functions, dicts, tensors, offsets, returns):
+// keeps the answer the Python path gave this call (the operator's plan and operands) under the call's key, with
+// its guards: functions ((fn, cells' contents, names, their globals), ...), dicts ((dict, keys, values), ...) and
+// tensors ((tensor, version, requires_grad), ...). returns: (lse, max_logit, dropout): whether each of the first
+// two is returned beside the output, and whether each call draws a dropout seed. Whether kept (a call with no key
+// is not).
 PyObject *python_warm_remember(PyObject *, PyObject *const *args, Py_ssize_t nargs) try {
-    if (nargs != 12) throw BadArgument{"fusedattn warm_remember: expected 12 arguments"};
+    if (nargs != 13) throw BadArgument{"fusedattn warm_remember: expected 13 arguments"};
     auto &kept = fusedattn_warm::entries();
     if (kept.settings == nullptr) throw BadArgument{"fusedattn warm_remember: warm_configure first"};
     fusedattn_warm::KeyWriter writer(kept.identity_types);
@@ -1267,6 +1287,11 @@ PyObject *python_warm_remember(PyObject *, PyObject *const *args, Py_ssize_t nar
     }
     if (PyErr_Occurred()) return nullptr;
     entry->empty_rows = args[7] == Py_True;
+    auto returns = held_items(args[12]);
+    if (returns.size() != 3) throw BadArgument{"warm_remember: returns: expected (lse, max_logit, dropout)"};
+    entry->lse = returns[0].get() == Py_True;
+    entry->max_logit = returns[1].get() == Py_True;
+    entry->dropout = returns[2].get() == Py_True;
     for (PyObject *object : writer.identities) entry->identities.emplace_back(object);
     for (auto &item : held_items(args[8])) {
         auto parts = held_items(item.get());
@@ -1348,7 +1373,7 @@ PyMethodDef entry_methods[] = {
      "warm_call(q, k, v, keywords) -> the output of a call its warm entry answers, or None"},
     {"warm_remember", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&python_warm_remember)),
      METH_FASTCALL, "warm_remember(q, k, v, keywords, plan, aux, scalars, empty_rows, functions, dicts, tensors, "
-     "offsets) -> whether the call's answer is kept"},
+     "offsets, returns) -> whether the call's answer is kept"},
     {"warm_configure", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&python_warm_configure)),
      METH_FASTCALL, "warm_configure(settings, identity_types, capacity): what a key reads from the environment "
      "and by identity; how many entries are kept"},

@@ -128,6 +128,8 @@ struct Entry {
     std::vector<at::Tensor> aux;
     std::vector<double> scalars;
     bool empty_rows = false;
+    bool lse = false, max_logit = false;  // returned beside the output (an AttentionResult, made by Python)
+    bool dropout = false;  // a seed drawn per call from torch's default generator, as Python's path draws it
     std::vector<at::Tensor> offsets;  // a THD plan's sequence offsets (a document mask's, kept per ids' version)
     std::vector<Held> identities;  // the key's objects by identity: alive, so their addresses name them
     std::vector<FunctionGuard> functions;
