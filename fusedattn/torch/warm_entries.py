@@ -18,9 +18,9 @@ by a closure made anew at each call, which Python finds by its code), whose call
 (no object looked inside: a closure over `self` stays in Python) and whose term does not learn.
 Calls with other tensor keywords (ALiBi slopes, sequence offsets), a dropout seed or offset given,
 packed layouts and rows without keys keep the Python path (dropout with neither draws its seed in C
-from torch's default generator, as the Python path does). A returned LSE or max_logit comes back as a tuple that Python
-makes the AttentionResult. The entries are dropped whenever the
-caches behind them are (plans, bindings, rewrites, decisions; cache.clear_all too).
+from torch's default generator, as the Python path does). A returned LSE or max_logit comes back as
+a tuple that Python makes the AttentionResult. The entries are dropped whenever the caches behind
+them are (plans, bindings, rewrites, decisions; cache.clear_all too).
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def remember(q, k, v, keywords: dict, cfg, plan, binding=None, given: tuple = ()
                     _UNGUARDED.clear()
                 _UNGUARDED[id(binding)] = binding  # (held: its id stays its own) not tried again
             return
-    tensors = [(x, version, learns) for x, version, learns in watched]
+    tensors = list(watched)
     if documents is not None:  # the offsets were read from these ids as they are now
         tensors.append((documents.ids, documents.ids._version, documents.ids.requires_grad))
     remember_in_c(q, k, v, keywords, plan, aux, scalars, empty_rows, tuple(functions), tuple(dicts), tuple(tensors),

@@ -1337,29 +1337,19 @@ PyObject *python_warm_size(PyObject *, PyObject *) {
 // tensor with concrete sizes (nested, sparse or symbolic ones: the full path explains them).
 // The plan-cache signature of a repeat call (fusedattn/torch/functional.py) reads it in one call.
 PyObject *python_tensor_key(PyObject *, PyObject *const *args, Py_ssize_t nargs) try {
-    std::vector<int64_t> words;
-    words.reserve(static_cast<size_t>(nargs) * 16);
+    std::string words;
+    words.reserve(static_cast<size_t>(nargs) * 16 * sizeof(int64_t));
     for (Py_ssize_t i = 0; i < nargs; ++i) {
         if (args[i] == Py_None) {
-            words.push_back(-1);
+            int64_t missing = -1;
+            words.append(reinterpret_cast<const char *>(&missing), sizeof missing);
             continue;
         }
-        if (!THPVariable_Check(args[i])) Py_RETURN_NONE;
-        const Tensor &x = THPVariable_Unpack(args[i]);
-        if (x.layout() != c10::kStrided || x.is_nested() ||
-            x.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {
+        if (!THPVariable_Check(args[i]) || !fusedattn_warm::append_tensor_words(THPVariable_Unpack(args[i]), words)) {
             Py_RETURN_NONE;
         }
-        words.push_back(x.dim());
-        words.insert(words.end(), x.sizes().begin(), x.sizes().end());
-        words.insert(words.end(), x.strides().begin(), x.strides().end());
-        words.push_back(static_cast<int64_t>(x.scalar_type()));
-        words.push_back(static_cast<int64_t>(x.device().type()));
-        words.push_back(x.device().index());
-        words.push_back(x.requires_grad());
     }
-    return PyBytes_FromStringAndSize(reinterpret_cast<const char *>(words.data()),
-                                     static_cast<Py_ssize_t>(words.size() * sizeof(int64_t)));
+    return PyBytes_FromStringAndSize(words.data(), static_cast<Py_ssize_t>(words.size()));
 } catch (...) {  // a tensor that cannot say its sizes or strides: no key, as for any other odd argument
     Py_RETURN_NONE;
 }

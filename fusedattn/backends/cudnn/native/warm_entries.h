@@ -122,6 +122,24 @@ struct TensorGuard {
     bool holds() const { return tensor._version() == version && tensor.requires_grad() == requires_grad; }
 };
 
+// Appends the words naming a tensor's shape, strides, dtype, device and requires_grad to `out` (as int64
+// bytes); false where it is no dense strided tensor with concrete sizes. Both keys read it: tensor_key
+// (the plan-cache signature's tensor part) and a warm entry's.
+inline bool append_tensor_words(const at::Tensor &x, std::string &out) {
+    if (x.layout() != c10::kStrided || x.is_nested() || x.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {
+        return false;
+    }
+    auto word = [&out](int64_t w) { out.append(reinterpret_cast<const char *>(&w), sizeof w); };
+    word(x.dim());
+    for (int64_t size : x.sizes()) word(size);
+    for (int64_t stride : x.strides()) word(stride);
+    word(static_cast<int64_t>(x.scalar_type()));
+    word(static_cast<int64_t>(x.device().type()));
+    word(x.device().index());
+    word(x.requires_grad());
+    return true;
+}
+
 // What a hit runs, and what must still hold for it to be right.
 struct Entry {
     int64_t plan = -1;
@@ -160,19 +178,7 @@ class KeyWriter {
     PyObject *identity_types;  // a tuple of the types whose objects a key names by identity
 
     bool tensor(PyObject *given) {
-        if (!THPVariable_CheckExact(given)) return false;
-        const at::Tensor &x = THPVariable_Unpack(given);
-        if (x.layout() != c10::kStrided || x.is_nested() || x.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {
-            return false;
-        }
-        word(x.dim());
-        for (int64_t size : x.sizes()) word(size);
-        for (int64_t stride : x.strides()) word(stride);
-        word(static_cast<int64_t>(x.scalar_type()));
-        word(static_cast<int64_t>(x.device().type()));
-        word(x.device().index());
-        word(x.requires_grad());
-        return true;
+        return THPVariable_CheckExact(given) && append_tensor_words(THPVariable_Unpack(given), key);
     }
 
     bool value(PyObject *given, int depth = 0) {
