@@ -334,6 +334,8 @@ def _document_call(q, k, v, options: dict, documents, rewrite_key=None, given_op
     found = documents_thd.boundaries(documents.ids, documents.batch, documents.seqlen)
     if found is None:
         return None
+    if torch_plans.tiling_offsets is not None and found[0].is_cuda:  # no row for the fix-up kernels
+        torch_plans.tiling_offsets(found[0])
     if rewrite_key is None:
         return call_as_thd(attention, q, k, v, options, *found, documents.batch)
     layout = options.get("layout") or "bshd"

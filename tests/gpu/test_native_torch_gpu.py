@@ -573,6 +573,71 @@ def test_a_document_mask_with_a_softcap_runs_as_thd_and_matches_float64():
         assert_close_to_exact(f"grad {i}", a, b, c)
 
 
+def _our_kernel_launches(step) -> int:
+    """Kernel launches of one step made with the driver's cuLaunchKernel: the operator's Triton kernels
+    (the sequence table and the fix-ups); cuDNN's graphs launch otherwise."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    return sum(event.name == "cuLaunchKernel" for event in prof.events())
+
+
+@pytest.mark.parametrize("with_softcap", [False, True], ids=["documents", "documents+softcap"])
+def test_document_offsets_skip_the_fix_ups_that_user_offsets_keep(with_softcap):
+    """A document mask's offsets cover every token, so its calls launch the sequence table's kernel and
+    no fix-up (with a softcap, the forward's, which writes the backward's stats), warm and cold; out and
+    every gradient still match the float64 reference. A user's THD call given the same offsets as its own
+    tensor keeps every fix-up: nothing tells the operator that they cover every token."""
+    from gpu_checks import assert_close_to_exact, run
+
+    gen = torch.Generator(device="cuda").manual_seed(63)
+    ids = torch.sort(torch.randint(0, 4, (2, 96), generator=gen, device="cuda"), dim=1).values
+    tensors = _inputs(b=2, s=96, seed=64)
+
+    def same(b, h, q_idx, kv_idx):
+        return ids[b, q_idx] == ids[b, kv_idx]
+
+    def selected(score, b, h, q_idx, kv_idx):
+        kept = _softcap(score, b, h, q_idx, kv_idx) if with_softcap else score
+        return torch.where(same(b, h, q_idx, kv_idx), kept, -float("inf"))
+
+    options = dict(mask_mod=same, deterministic=True, **({"score_mod": _softcap} if with_softcap else {}))
+    leaves = [t.detach().clone().requires_grad_() for t in tensors]
+    grad = torch.randn(leaves[0].shape, generator=gen, device="cuda", dtype=leaves[0].dtype)
+
+    def step():
+        torch.autograd.grad(fat.attention(*leaves, backend="cudnn", **options), leaves, grad)
+
+    step()
+    step()  # warm: answered in C
+    assert _our_kernel_launches(step) == (2 if with_softcap else 1)
+    run("cudnn", tensors, options)
+    got, got_grads = run("cudnn", tensors, options)  # the second: its answer kept, the operator's own out
+    assert _ran_native(got.out)
+    same_dtype, same_grads = run("reference", tensors, {"score_mod": selected})
+    exact, exact_grads = run("reference", [t.double() for t in tensors], {"score_mod": selected})
+    assert_close_to_exact("out", got.out, same_dtype.out, exact.out)
+    for i, (a, b, c) in enumerate(zip(got_grads, same_grads, exact_grads)):
+        assert_close_to_exact(f"grad {i}", a, b, c)
+
+    starts = torch.ones(ids.numel(), dtype=torch.bool, device="cuda")
+    starts[1:] = ids.reshape(-1)[1:] != ids.reshape(-1)[:-1]
+    given = torch.cat([starts.nonzero().flatten(), torch.tensor([ids.numel()], device="cuda")]).int()
+    longest = int(given.diff().max())
+    tokens = [x.detach().reshape(-1, *x.shape[2:]).clone().requires_grad_() for x in tensors]
+    user = dict(layout="thd", cu_seqlens_q=given, cu_seqlens_kv=given, max_seqlen_q=longest, max_seqlen_kv=longest,
+                **({"score_mod": _softcap} if with_softcap else {}))
+
+    def user_step():
+        torch.autograd.grad(fat.attention(*tokens, backend="cudnn", **user), tokens, grad.reshape(-1, *grad.shape[2:]))
+
+    user_step()
+    user_step()
+    assert _our_kernel_launches(user_step) == 4
+
+
 def _check_sequence_call(name: str, native: bool):
     from gpu_checks import assert_close_to_exact, run
 

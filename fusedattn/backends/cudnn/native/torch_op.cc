@@ -18,8 +18,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <limits>
 #include <mutex>
+#include <unordered_map>
 
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
@@ -74,9 +76,9 @@ constexpr double kMaskedBelow = -1.0e8;
 // averaged over the calls that reach each step, on stderr at exit. Off, a step costs one branch.
 enum Step {
     kWhole, kForwardCall, kSave,  // the autograd kernel: all of it, its forward op, its node and saving
-    kFwdPlan, kFwdGuard, kFwdInputs, kFwdOutputs, kFwdWorkspace, kFwdStream, kFwdExecute,
+    kFwdPlan, kFwdGuard, kFwdInputs, kFwdTable, kFwdOutputs, kFwdWorkspace, kFwdStream, kFwdExecute, kFwdAfter,
     kSaved, kBackwardCall, kGradients,  // AttentionBackward::apply
-    kBwdPlan, kBwdRefuse, kBwdGuard, kBwdInputs, kBwdOutputs, kBwdWorkspace, kBwdStream, kBwdExecute,
+    kBwdPlan, kBwdRefuse, kBwdGuard, kBwdInputs, kBwdOutputs, kBwdWorkspace, kBwdStream, kBwdExecute, kBwdAfter,
     kSteps
 };
 
@@ -108,12 +110,14 @@ struct StepTimes {
         if (!profiling || sum_calls() == 0) return;
         const char *const names[] = {
             "attention: whole kernel", "attention: forward op", "attention: node, history, saving",
-            "forward: find_plan", "forward: device guard", "forward: conform q,k,v, sink", "forward: outputs",
-            "forward: workspace", "forward: stream", "forward: core execute",
+            "forward: find_plan", "forward: device guard", "forward: conform q,k,v, sink", "forward: sequence table",
+            "forward: outputs", "forward: workspace", "forward: stream", "forward: core execute",
+            "forward: after execute (LSE, fix-ups)",
             "backward: saved variables", "backward: backward op", "backward: gradients out",
             "backward op: find_plan", "backward op: refuse lse grad", "backward op: device guard",
             "backward op: conform q,k,v,dO, sink", "backward op: outputs", "backward op: workspace",
-            "backward op: stream", "backward op: core execute"};
+            "backward op: stream", "backward op: core execute",
+            "backward op: after execute (fix-ups, dBias)"};
         static_assert(sizeof(names) / sizeof(names[0]) == kSteps, "a name for each step");
         auto line = [](const char *name, double us, int64_t calls) {  // steps no call reached: none
             if (calls == 0) return;
@@ -125,9 +129,9 @@ struct StepTimes {
         // guard's restore, the workspace's release).
         line("= attention: the rest", average_us(kWhole) - average_us(kForwardCall) - average_us(kSave),
              calls[kWhole].load());
-        line("= forward op: the rest (dispatch)", average_us(kForwardCall) - sum_us(kFwdPlan, kFwdExecute),
+        line("= forward op: the rest (dispatch)", average_us(kForwardCall) - sum_us(kFwdPlan, kFwdAfter),
              calls[kForwardCall].load());
-        line("= backward op: the rest (dispatch)", average_us(kBackwardCall) - sum_us(kBwdPlan, kBwdExecute),
+        line("= backward op: the rest (dispatch)", average_us(kBackwardCall) - sum_us(kBwdPlan, kBwdAfter),
              calls[kBackwardCall].load());
     }
 };
@@ -322,6 +326,56 @@ void launch_kernel(const SequencePlan &plan, SequenceKernel which, const Tensor 
     TORCH_CHECK(kernel != nullptr, "fusedattn: this plan's sequence kernels were not registered");
     std::string error = kernel->launch(like.device().index(), current_stream(like.device()), blocks, words);
     TORCH_CHECK(error.empty(), "fusedattn: ", error);
+}
+
+// Tensors known by identity, held weakly (a weak reference keeps the object's address from being reused,
+// so an address names one tensor while it is held), at most `capacity` of them: the first added go first.
+class WeakTensorSet {
+   public:
+    using Weak = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+    explicit WeakTensorSet(size_t capacity) : capacity_(capacity) {}
+
+    void add(const Tensor &x) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        const c10::TensorImpl *impl = x.unsafeGetTensorImpl();
+        if (held_.count(impl) != 0) return;
+        if (order_.size() >= capacity_) {
+            held_.erase(order_.front());
+            order_.pop_front();
+        }
+        held_.emplace(impl, Weak(x.getIntrusivePtr()));
+        order_.push_back(impl);
+    }
+
+    bool contains(const Tensor &x) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        auto found = held_.find(x.unsafeGetTensorImpl());
+        return found != held_.end() && !found->second.expired();
+    }
+
+   private:
+    size_t capacity_;
+    std::mutex mutex_;
+    std::unordered_map<const c10::TensorImpl *, Weak> held_;
+    std::deque<const c10::TensorImpl *> order_;
+};
+
+// Offsets this library made for a document mask (torch/documents.py): every sequence non-empty, together
+// covering every token. A THD call given one of them as both cu_seqlens (no padded offsets) leaves no row
+// for the fix-up kernels (none outside a sequence, none whose other side is empty, none broken), so its
+// forward and backward skip them (about 4 us of host time each); its tables are kept here for the backward.
+WeakTensorSet &tiling_offsets() {
+    static WeakTensorSet offsets(64);
+    return offsets;
+}
+WeakTensorSet &tiling_tables() {  // one per forward whose backward may come: the layers of a step, and more
+    static WeakTensorSet tables(1024);
+    return tables;
+}
+
+bool tiles_every_token(const SequencePlan &plan, at::TensorList offsets, int64_t tokens_q, int64_t tokens_kv) {
+    return plan.ragged && !plan.padded_offsets && tokens_q == tokens_kv && offsets.size() == 2 &&
+           offsets[0].is_same(offsets[1]) && tiling_offsets().contains(offsets[0]);
 }
 
 // cu_seqlens as the table kernel reads them: int32 on q's device (a copy only where they are not).
@@ -581,13 +635,17 @@ std::vector<Tensor> forward_cuda(int64_t plan_id, const Tensor &q, const Tensor 
     const SequencePlan *sequences = plan->sequences.get();
     bool ragged = plan->ragged();
     PassInputs inputs(*plan, q, k, v, sink, bias, aux, scalars);
+    timer.mark(kFwdInputs);
     Tensor table;
+    bool tiled = false;  // no row to fix (tiles_every_token)
     if (sequences != nullptr) {
         table = sequence_table(*sequences, offsets, ragged ? q.size(0) : 0, ragged ? k.size(0) : 0, q);
+        tiled = tiles_every_token(*sequences, offsets, q.size(0), k.size(0));
+        if (tiled && plan->backward >= 0) tiling_tables().add(table);
     } else {
         TORCH_CHECK(offsets.empty(), "fusedattn: this plan takes no sequence offsets");
     }
-    timer.mark(kFwdInputs);
+    timer.mark(kFwdTable);
     auto outputs = forward_outputs(*plan, q);
     // A padded graph writes stats the backward reads; fix_rows writes the LSE returned from them.
     Tensor stats = sequences != nullptr && !ragged && plan->stats ? new_dense(plan->lse_sizes, at::kFloat, q)
@@ -635,12 +693,15 @@ std::vector<Tensor> forward_cuda(int64_t plan_id, const Tensor &q, const Tensor 
         } else if (!ragged && plan->backward >= 0) {
             backward_stats = stats;
         }
-        fix_rows(*sequences, kFixForward, table, ragged ? outputs[0] : bshd(*plan, outputs[0]), Tensor(), lse,
-                 lse_stats, plan->sink_kind == kLearnableSink ? inputs.sinks : Tensor(), sequences->seqlen_q,
-                 bstats.defined() ? (ragged ? bstats : bstats.permute({0, 2, 1})) : Tensor());
+        if (!tiled || bstats.defined()) {  // tiled, it would only write a score_mod backward's stats
+            fix_rows(*sequences, kFixForward, table, ragged ? outputs[0] : bshd(*plan, outputs[0]), Tensor(), lse,
+                     lse_stats, plan->sink_kind == kLearnableSink ? inputs.sinks : Tensor(), sequences->seqlen_q,
+                     bstats.defined() ? (ragged ? bstats : bstats.permute({0, 2, 1})) : Tensor());
+        }
     }
     if (plan->separate_stats(empty_rows)) outputs.push_back(backward_stats);
     if (sequences != nullptr && plan->backward >= 0) outputs.push_back(table);
+    timer.mark(kFwdAfter);
     return outputs;
 }
 
@@ -770,7 +831,8 @@ std::vector<Tensor> backward_cuda(int64_t plan_id, const Tensor &grad_out, const
     if (sequences != nullptr) bind_table(sequences->backward_rows, *sequences, *table, &own[kBwdSequences]);
     auto slots = with_operands(own, inputs.operands);
     launch(*plan, 1, q.device(), slots.data(), slots.size(), timer);
-    if (sequences != nullptr) {  // the rows cuDNN leaves: outside every sequence, or with an empty other side
+    if (sequences != nullptr && !tiling_tables().contains(*table)) {
+        // the rows cuDNN leaves: outside every sequence, or with an empty other side
         auto view = [&](const Tensor &grad) { return ragged ? grad : bshd(*plan, grad); };
         fix_rows(*sequences, kFixBackwardQ, *table, view(grads[0]), Tensor(), Tensor(), Tensor(), Tensor(),
                  sequences->seqlen_q);
@@ -782,6 +844,7 @@ std::vector<Tensor> backward_cuda(int64_t plan_id, const Tensor &grad_out, const
         grads[dbias] = bias_gradient(*plan, grads[dbias], *bias);
         if (sequences != nullptr) grads[dbias] = poisoned(*sequences, *table, grads[dbias]);
     }
+    timer.mark(kBwdAfter);
     return grads;
 }
 
@@ -1328,6 +1391,17 @@ PyObject *python_warm_clear(PyObject *, PyObject *) {
     Py_RETURN_NONE;
 }
 
+// tiling_offsets(cu_seqlens): this library made them, every sequence non-empty, together covering every
+// token (tiles_every_token); the caller never changes them.
+PyObject *python_tiling_offsets(PyObject *, PyObject *offsets) {
+    if (!THPVariable_Check(offsets)) {
+        PyErr_SetString(PyExc_TypeError, "tiling_offsets: expected a tensor");
+        return nullptr;
+    }
+    tiling_offsets().add(THPVariable_Unpack(offsets));
+    Py_RETURN_NONE;
+}
+
 PyObject *python_warm_size(PyObject *, PyObject *) {
     return PyLong_FromSize_t(fusedattn_warm::entries().by_key.size());
 }
@@ -1369,6 +1443,8 @@ PyMethodDef entry_methods[] = {
      "and by identity; how many entries are kept"},
     {"warm_clear", &python_warm_clear, METH_NOARGS, "warm_clear(): drop every warm entry"},
     {"warm_size", &python_warm_size, METH_NOARGS, "warm_size() -> the number of warm entries"},
+    {"tiling_offsets", &python_tiling_offsets, METH_O,
+     "tiling_offsets(cu_seqlens): offsets made here whose sequences are non-empty and cover every token"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef entry_module = {PyModuleDef_HEAD_INIT, "libfusedattn_torch", nullptr, -1, entry_methods};

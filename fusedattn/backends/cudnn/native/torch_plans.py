@@ -51,6 +51,9 @@ tensor_key = None
 # The same module's warm entries (native/warm_entries.h, torch/warm_entries.py): warm_call(q, k, v, keywords)
 # answers a repeat call in C or gives None; warm_remember keeps an answer; None where there is no entry.
 warm_call = warm_remember = warm_clear = warm_size = None
+# tiling_offsets(cu_seqlens): offsets this library made (a document mask's), every sequence non-empty and
+# together covering every token; THD calls given them skip the fix-up kernels. None without the module.
+tiling_offsets = None
 
 _lock = threading.Lock()
 _state: dict = {}  # "library" (the operator, ctypes) or "reason" (str), once decided
@@ -95,12 +98,13 @@ def _load() -> ctypes.CDLL:
     if operator.fusedattn_torch_init(str(core.path()).encode()) != 0:
         raise RuntimeError(operator.fusedattn_torch_last_error().decode())
     operator.fusedattn_torch_bounds(PLAN_CAPACITY)
-    global entry, tensor_key, warm_call, warm_remember, warm_clear, warm_size
+    global entry, tensor_key, warm_call, warm_remember, warm_clear, warm_size, tiling_offsets
     module = python_module(path)
     if module is not None:
         from fusedattn.torch import warm_entries
 
         entry, tensor_key = module.attention, module.tensor_key
+        tiling_offsets = getattr(module, "tiling_offsets", None)  # None in a library built before it
         if warm_entries.configure(module):
             warm_call, warm_remember, warm_clear, warm_size = (module.warm_call, module.warm_remember,
                                                                module.warm_clear, module.warm_size)
