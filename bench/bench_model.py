@@ -297,8 +297,9 @@ def warm_up(contestant: Contestant, steps: int) -> None:
 
 
 def time_window(contestant: Contestant, steps: int, device: torch.device) -> float:
-    """ms per step over `steps` back-to-back steps (one synchronize before, events around them)."""
-    with contestant.context():
+    """ms per step over `steps` back-to-back steps (one synchronize before, events around them), on one core
+    on a GPU (common.one_core: a step bound by the host then reads the same from window to window)."""
+    with contestant.context(), common.one_core(device):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

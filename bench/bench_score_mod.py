@@ -51,7 +51,8 @@ keys hold the same against the unmodified call, ~0 on causal_flex and causal row
 
 Host time (torch rows at S <= 1024): ours' and cudnn_plain's host_us, the host's enqueue time per call with
 the GPU held by a spin kernel (common.interleaved_host_us: median of --host-rounds interleaved rounds of 60
-calls), and params.host_extra_us = ours - cudnn_plain, what the modification adds to the host's work.
+calls, every thread on one core: common.one_core), and params.host_extra_us = ours - cudnn_plain, what the
+modification adds to the host's work.
 
 Timing, sizing of big rows and error entries as in bench_cudnn. The JSON (bench/results/score_mod.json by
 default) is rewritten after every row.

@@ -179,15 +179,43 @@ def spin_cycles_per_us() -> float:
     return cycles / (start.elapsed_time(end) * 1e3)
 
 
+@contextlib.contextmanager
+def one_core(device: torch.device):
+    """On a GPU, every thread of this process on one of its cores (the highest it may use) for the block,
+    then back. Host loops timed so vary by a few percent; free to move between the cores of a shared
+    machine, the same forward+backward loop read from 128 to 197 us a call within one process (H200 host,
+    2026-11-29; 60 to 65 us pinned). Processes started before the block (compile workers) keep their
+    cores. On the CPU nothing changes: there the threads compute, and one core would serialize them."""
+    if device.type != "cuda" or not hasattr(os, "sched_getaffinity"):
+        yield
+        return
+    core = {max(os.sched_getaffinity(0))}
+    before = {}
+    for name in os.listdir("/proc/self/task"):
+        try:
+            before[int(name)] = os.sched_getaffinity(int(name))
+            os.sched_setaffinity(int(name), core)
+        except OSError:  # a thread that ended meanwhile
+            pass
+    try:
+        yield
+    finally:
+        for thread, cores in before.items():
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(thread, cores)
+
+
 def plain_then_held(call: Callable[[], object], calls: int, device: torch.device, cycles_per_us: float | None
                     ) -> tuple[tuple[float, float], tuple[float, float, bool] | None]:
     """(host us, wait us) of a plain loop of `calls` calls, then (host us, GPU us, whether it held) of a held
-    loop whose spin outlasts twice the plain loop's enqueue time (None without a GPU: cycles_per_us None)."""
-    host, wait = plain_loop(call, calls, device)
-    if cycles_per_us is None:
-        return (host, wait), None
-    hold = int(cycles_per_us * (2 * host * calls + HOLD_MARGIN_US))
-    return (host, wait), held_loop(call, calls, hold)
+    loop whose spin outlasts twice the plain loop's enqueue time (None without a GPU: cycles_per_us None);
+    both on one core on a GPU (one_core)."""
+    with one_core(device):
+        host, wait = plain_loop(call, calls, device)
+        if cycles_per_us is None:
+            return (host, wait), None
+        hold = int(cycles_per_us * (2 * host * calls + HOLD_MARGIN_US))
+        return (host, wait), held_loop(call, calls, hold)
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
