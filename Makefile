@@ -37,12 +37,15 @@ $(NOTORCH_VENV)/.installed: pyproject.toml Makefile .ci/check_no_torch.py
 demo: $(VENV)/.installed
 	$(PY) examples/demo.py
 
+# The CPU suites in TEST_WORKERS processes (pytest-xdist): on the 2-core CI machine the torch suite takes
+# about 22 minutes so, 33 in one process.
+TEST_WORKERS ?= 2
 test: $(VENV)/.installed $(NOTORCH_VENV)/.installed
 	$(PY) -m ruff check fusedattn tests examples bench
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) tests
 	$(PY) -m pip install --dry-run --ignore-installed -qq --report $(VENV)/jax-cudnn-report.json -e ".[jax,cudnn]"
 	$(PY) .ci/check_no_torch.py $(VENV)/jax-cudnn-report.json 'a fresh pip install -e ".[jax,cudnn]"'
-	$(NOTORCH_PY) -m pytest -q $(NOTORCH_TESTS)
+	$(NOTORCH_PY) -m pytest -q -n $(TEST_WORKERS) $(NOTORCH_TESTS)
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check fusedattn tests examples bench
