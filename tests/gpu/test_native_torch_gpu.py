@@ -543,22 +543,29 @@ def test_scored_sequence_calls_on_the_python_path_match_float64(name, monkeypatc
     _check_sequence_call(name, native=False)
 
 
+def _document_call(seed: int, s: int, documents: int, with_softcap: bool):
+    """(q, k, v of B=2, sorted random document ids, the document mask_mod over them, the reference's
+    score_mod: the mask, with a softcap where asked, written as one select)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    ids = torch.sort(torch.randint(0, documents, (2, s), generator=gen, device="cuda"), dim=1).values
+
+    def same(b, h, q_idx, kv_idx):
+        return ids[b, q_idx] == ids[b, kv_idx]
+
+    def selected(score, b, h, q_idx, kv_idx):
+        kept = _softcap(score, b, h, q_idx, kv_idx) if with_softcap else score
+        return torch.where(same(b, h, q_idx, kv_idx), kept, -float("inf"))
+
+    return _inputs(b=2, s=s, seed=seed + 1), ids, same, selected
+
+
 def test_a_document_mask_with_a_softcap_runs_as_thd_and_matches_float64():
     """A document mask_mod beside a softcap runs as THD with the score_mod (the operator's penalties):
     out, LSE and every gradient against the float64 reference of the pair written as one select; a repeat
     call (the operator reading the BSHD rows as tokens, the kept binding) repeats the first's bits."""
     from gpu_checks import assert_close_to_exact, run
 
-    gen = torch.Generator(device="cuda").manual_seed(61)
-    ids = torch.sort(torch.randint(0, 5, (2, 77), generator=gen, device="cuda"), dim=1).values
-    tensors = _inputs(b=2, s=77, seed=62)
-
-    def same(b, h, q_idx, kv_idx):
-        return ids[b, q_idx] == ids[b, kv_idx]
-
-    def selected(score, b, h, q_idx, kv_idx):
-        return torch.where(same(b, h, q_idx, kv_idx), _softcap(score, b, h, q_idx, kv_idx), -float("inf"))
-
+    tensors, _, same, selected = _document_call(seed=61, s=77, documents=5, with_softcap=True)
     options = dict(mask_mod=same, score_mod=_softcap, deterministic=True)
     assert "layout=thd" in fat.explain(*tensors, **options)
     got, got_grads = run("cudnn", tensors, options)
@@ -592,17 +599,8 @@ def test_document_offsets_skip_the_fix_ups_that_user_offsets_keep(with_softcap):
     tensor keeps every fix-up: nothing tells the operator that they cover every token."""
     from gpu_checks import assert_close_to_exact, run
 
-    gen = torch.Generator(device="cuda").manual_seed(63)
-    ids = torch.sort(torch.randint(0, 4, (2, 96), generator=gen, device="cuda"), dim=1).values
-    tensors = _inputs(b=2, s=96, seed=64)
-
-    def same(b, h, q_idx, kv_idx):
-        return ids[b, q_idx] == ids[b, kv_idx]
-
-    def selected(score, b, h, q_idx, kv_idx):
-        kept = _softcap(score, b, h, q_idx, kv_idx) if with_softcap else score
-        return torch.where(same(b, h, q_idx, kv_idx), kept, -float("inf"))
-
+    tensors, ids, same, selected = _document_call(seed=63, s=96, documents=4, with_softcap=with_softcap)
+    gen = torch.Generator(device="cuda").manual_seed(65)
     options = dict(mask_mod=same, deterministic=True, **({"score_mod": _softcap} if with_softcap else {}))
     leaves = [t.detach().clone().requires_grad_() for t in tensors]
     grad = torch.randn(leaves[0].shape, generator=gen, device="cuda", dtype=leaves[0].dtype)
