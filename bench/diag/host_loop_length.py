@@ -58,12 +58,11 @@ def main() -> None:
         torch.cuda.synchronize()
         row = []
         for loop in LOOPS:
-            hosts, gpus = [], []
+            hosts = []
             for _ in range(ROUNDS):
-                host, gpu, held = held_loop(step, loop, int(cycles * (loop * 600 + 3000)))
+                host, _, held = held_loop(step, loop, int(cycles * (loop * 600 + 3000)))
                 if held:
                     hosts.append(host)
-                    gpus.append(gpu)
             row.append(f"{loop}: {statistics.median(hosts):6.1f}" if hosts else f"{loop}: none held")
         print(f"{name:>18} host us/step by loop length  " + "  ".join(row)
               + f"   launches {launches_per_step(step)}", flush=True)

@@ -9,11 +9,14 @@ document mask_mod (4 documents, run as THD) instead, and prints the host's time 
 
 import statistics
 import sys
-import time
+from pathlib import Path
 
 import torch
 
 import fusedattn.torch as fat
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/
+from common import plain_loop  # noqa: E402
 
 q, k, v = (torch.randn(1, 128, 8, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
 grad = torch.randn_like(q)
@@ -34,11 +37,5 @@ def step():
 for _ in range(2000):
     step()
 torch.cuda.synchronize()
-loops = []
-for _ in range(21):
-    began = time.perf_counter()
-    for _ in range(50):
-        step()
-    loops.append((time.perf_counter() - began) / 50 * 1e6)
-    torch.cuda.synchronize()
+loops = [plain_loop(step, 50, torch.device("cuda"))[0] for _ in range(21)]
 print(f"{sys.argv[1:] or ['plain']}: host {statistics.median(loops):.1f} us per forward+backward step", flush=True)

@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
+from pathlib import Path
 
 import torch
 
 import fusedattn.torch as fat
 from fusedattn import score_mods as sm
 from fusedattn.torch import functional
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/
+from common import plain_loop  # noqa: E402
 
 
 def stub_operator() -> None:
@@ -60,12 +63,7 @@ def main() -> None:
             fn = calls[name]
             for _ in range(200):
                 fn()
-            loops = []
-            for _ in range(7):
-                start = time.perf_counter()
-                for _ in range(500):
-                    fn()
-                loops.append((time.perf_counter() - start) / 500 * 1e6)
+            loops = [plain_loop(fn, 500, torch.device("cpu"))[0] for _ in range(7)]
             print(f"{name:>24}: {statistics.median(loops):6.1f} us/call", flush=True)
 
 
