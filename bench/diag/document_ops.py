@@ -1,6 +1,6 @@
 """The CPU-side ops (torch profiler) of 20 document mask_mod forward+backward calls against the same THD call
-made directly (B4 H16 S1024 D128 bf16, 4 documents a row): what a document call spends on the host that the
-THD call does not (bench/results/document-host-dense-thd.txt).
+made directly and a plain dense call (B4 H16 S1024 D128 bf16, 4 documents a row): what a document call spends
+on the host that the others do not (bench/results/document-host-dense-thd.txt).
 
     python bench/diag/document_ops.py
 """
@@ -40,7 +40,10 @@ def main() -> None:
         torch.autograd.grad(fat.attention(*tokens, **thd), tokens, dout.reshape(B * S, H, D))
 
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    for name, call in (("document mask_mod", document), ("THD direct", direct)):
+    def plain():
+        torch.autograd.grad(fat.attention(q, k, v), (q, k, v), dout)
+
+    for name, call in (("document mask_mod", document), ("THD direct", direct), ("plain", plain)):
         for _ in range(30):
             call()
         torch.cuda.synchronize()

@@ -378,6 +378,71 @@ bool tiles_every_token(const SequencePlan &plan, at::TensorList offsets, int64_t
            offsets[0].is_same(offsets[1]) && tiling_offsets().contains(offsets[0]);
 }
 
+// The sequence tables of tiling offsets, kept for the next call of the same layout (about 5 us of host
+// time a call: an allocation and the table kernel's launch). Such offsets are made once per document
+// layout and never written, so their table is the same at every call. Keyed by the offsets (held weakly),
+// the plan's sequences (held, so the address names one plan), the token count, the device and the stream
+// the table was written on (read in that stream's order only). Only the eager operator keeps them, and not
+// while its stream is captured: a graph would go on reading a table this cache may drop; and torch.compile's
+// forward op returns the table as an output, which must be its own.
+class KeptTables {
+   public:
+    struct Key {
+        const c10::TensorImpl *offsets;
+        const SequencePlan *sequences;
+        int64_t tokens, device;
+        void *stream;
+        bool operator==(const Key &o) const {
+            return offsets == o.offsets && sequences == o.sequences && tokens == o.tokens && device == o.device &&
+                   stream == o.stream;
+        }
+    };
+
+    Tensor find(const Key &key) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        for (const Kept &kept : kept_) {
+            if (kept.key == key) return kept.offsets.expired() ? Tensor() : kept.table;
+        }
+        return Tensor();
+    }
+
+    void add(const Key &key, const Tensor &offsets, std::shared_ptr<SequencePlan> sequences, const Tensor &table) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        for (auto it = kept_.begin(); it != kept_.end(); ++it) {
+            if (it->key == key) {  // (its offsets were dropped and the address came back: held weakly no more)
+                kept_.erase(it);
+                break;
+            }
+        }
+        if (kept_.size() >= kCapacity) kept_.pop_front();
+        kept_.push_back({key, Weak(offsets.getIntrusivePtr()), std::move(sequences), table});
+    }
+
+   private:
+    using Weak = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+    struct Kept {
+        Key key;
+        Weak offsets;
+        std::shared_ptr<SequencePlan> sequences;
+        Tensor table;
+    };
+    static constexpr size_t kCapacity = 32;  // a model's document layouts at a time: one per batch
+    std::mutex mutex_;
+    std::deque<Kept> kept_;
+};
+
+KeptTables &kept_tables() {
+    static KeptTables tables;
+    return tables;
+}
+
+// Set by the eager operator around its forward op: that forward may hand out a kept table (KeptTables).
+thread_local bool eager_forward = false;
+struct EagerForward {
+    EagerForward() { eager_forward = true; }
+    ~EagerForward() { eager_forward = false; }
+};
+
 // cu_seqlens as the table kernel reads them: int32 on q's device (a copy only where they are not).
 Tensor as_offsets(const Tensor &x, const Tensor &like, int64_t batch, const char *name) {
     TORCH_CHECK(x.dim() == 1 && x.size(0) == batch + 1, "fusedattn: ", name, ": expected ", batch + 1,
@@ -639,9 +704,17 @@ std::vector<Tensor> forward_cuda(int64_t plan_id, const Tensor &q, const Tensor 
     Tensor table;
     bool tiled = false;  // no row to fix (tiles_every_token)
     if (sequences != nullptr) {
-        table = sequence_table(*sequences, offsets, ragged ? q.size(0) : 0, ragged ? k.size(0) : 0, q);
         tiled = tiles_every_token(*sequences, offsets, q.size(0), k.size(0));
-        if (tiled && plan->backward >= 0) tiling_tables().add(table);
+        void *stream = tiled && eager_forward ? current_stream(q.device()) : nullptr;
+        bool keep = tiled && eager_forward && !fusedattn_native::TritonKernel::capturing(stream);
+        KeptTables::Key key{keep ? offsets[0].unsafeGetTensorImpl() : nullptr, sequences, q.size(0),
+                            q.device().index(), stream};
+        if (keep) table = kept_tables().find(key);
+        if (!table.defined()) {
+            table = sequence_table(*sequences, offsets, ragged ? q.size(0) : 0, ragged ? k.size(0) : 0, q);
+            if (keep) kept_tables().add(key, offsets[0], plan->sequences, table);
+        }
+        if (tiled && plan->backward >= 0) tiling_tables().add(table);  // (a kept one stays among the newest)
     } else {
         TORCH_CHECK(offsets.empty(), "fusedattn: this plan takes no sequence offsets");
     }
@@ -945,7 +1018,8 @@ struct AttentionBackward : public torch::autograd::Node {
         timer.mark(kSaved);
         Tensor inputs[3] = {q.unpack(self), k.unpack(self), v.unpack(self)};
         Tensor stat = stats.unpack(self);
-        if (dense) {
+        if (dense) {  // as the forward makes them: views the backward op reads, not autograd's
+            at::AutoDispatchBelowADInplaceOrView below;
             for (auto &x : inputs) x = as_tokens(x);
             outs = as_tokens(outs);
             grad_out = as_tokens(grad_out);
@@ -1007,6 +1081,7 @@ std::vector<Tensor> attention_autograd(int64_t plan, const Tensor &q, const Tens
     bool dense = dense_tokens(*owner, q);
     {
         at::AutoDispatchBelowADInplaceOrView below;  // (views made here are not autograd's)
+        EagerForward eager;  // (its table is kept internally, never an output of this op)
         Timer timer;
         if (dense) {
             TORCH_CHECK(k.dim() == 4 && v.dim() == 4 && k.size(0) == q.size(0) && v.size(0) == q.size(0),

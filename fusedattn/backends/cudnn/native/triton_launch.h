@@ -31,6 +31,13 @@ class TritonKernel {
         for (auto &context : contexts_) context.store(nullptr, std::memory_order_relaxed);
     }
 
+    // Whether `stream` (a CUstream) is being captured into a CUDA graph; true where the driver cannot say.
+    static bool capturing(void *stream) {
+        Driver &cu = driver();
+        int status = 0;  // CU_STREAM_CAPTURE_STATUS_NONE
+        return !cu.error.empty() || cu.is_capturing(stream, &status) != 0 || status != 0;
+    }
+
     // Launches `blocks` programs on `stream` (a CUstream) of `device`; "" on success, else why not.
     std::string launch(int device, void *stream, int64_t blocks, std::vector<uint64_t> &words) {
         if (blocks <= 0) return "";
@@ -77,6 +84,7 @@ class TritonKernel {
         Result (*launch)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void *,
                          void **, void **) = nullptr;
         Result (*error_string)(Result, const char **) = nullptr;
+        Result (*is_capturing)(void *, int *) = nullptr;
         std::string error;
 
         Driver() {
@@ -99,6 +107,7 @@ class TritonKernel {
             find(function_attribute, "cuFuncSetAttribute");
             find(launch, "cuLaunchKernel");
             find(error_string, "cuGetErrorString");
+            find(is_capturing, "cuStreamIsCapturing");
         }
 
         std::string describe(Result status) const {
