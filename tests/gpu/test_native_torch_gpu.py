@@ -709,6 +709,40 @@ def test_a_kept_document_table_follows_new_ids_new_streams_and_capture():
         assert torch.equal(a, b)
 
 
+def test_document_calls_on_strided_views_match_float64():
+    """A document call reads q, k, v's rows as tokens: q a slice of longer rows (not evenly strided: copied)
+    and k, v head slices of one packed tensor (read where they lie) give out and every gradient of the
+    float64 reference, warm and cold."""
+    from gpu_checks import assert_close_to_exact
+
+    gen = torch.Generator(device="cuda").manual_seed(71)
+    ids = torch.sort(torch.randint(0, 4, (2, 72), generator=gen, device="cuda"), dim=1).values
+    same = _same_document(ids)
+    longer = torch.randn(2, 90, 8, 64, generator=gen, device="cuda").bfloat16().requires_grad_()
+    packed = torch.randn(2, 72, 4, 64, generator=gen, device="cuda").bfloat16().requires_grad_()
+    grad = torch.randn(2, 72, 8, 64, generator=gen, device="cuda")
+
+    def views():
+        return longer[:, :72], packed[:, :, :2], packed[:, :, 2:]
+
+    def selected(score, b, h, q_idx, kv_idx):
+        return torch.where(same(b, h, q_idx, kv_idx), score, -float("inf"))
+
+    for _ in range(3):
+        out = fat.attention(*views(), backend="cudnn", mask_mod=same, deterministic=True)
+        got = (out, *torch.autograd.grad(out, (longer, packed), grad))
+    assert _ran_native(got[0])
+    results = {}
+    for dtype in (torch.bfloat16, torch.float64):
+        leaves = [x.detach().to(dtype).requires_grad_() for x in (longer, packed)]
+        q, k, v = leaves[0][:, :72], leaves[1][:, :, :2], leaves[1][:, :, 2:]
+        out = fat.attention(q, k, v, backend="reference", score_mod=selected)
+        results[dtype] = (out, *torch.autograd.grad(out, leaves, grad.to(dtype)))
+    for name, a, b, c in zip(("out", "grad longer", "grad packed"), got, results[torch.bfloat16],
+                             results[torch.float64]):
+        assert_close_to_exact(name, a, b, c)
+
+
 def _check_sequence_call(name: str, native: bool):
     from gpu_checks import assert_close_to_exact, run
 

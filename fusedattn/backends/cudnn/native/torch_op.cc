@@ -969,7 +969,12 @@ optional<Tensor> as_optional(const Tensor &x) { return x.defined() ? optional<Te
 // gradients in the inputs' shapes, with no view of theirs in autograd's graph. These give each side's form.
 bool dense_tokens(const TorchPlan &plan, const Tensor &q) { return plan.ragged() && q.dim() == 4; }
 
-Tensor as_tokens(const Tensor &x) { return x.reshape({-1, x.size(2), x.size(3)}); }
+Tensor as_tokens(const Tensor &x) {  // a view where the rows are evenly strided (one op, not reshape's checks)
+    if (x.size(0) == 1 || x.stride(0) == x.size(1) * x.stride(1)) {
+        return x.as_strided({x.size(0) * x.size(1), x.size(2), x.size(3)}, {x.stride(1), x.stride(2), x.stride(3)});
+    }
+    return x.reshape({-1, x.size(2), x.size(3)});
+}
 
 // A (B, H, S) LSE as the THD LSE (T, H); an empty one (a plan without stats) as it is.
 Tensor lse_as_tokens(const Tensor &lse) {
@@ -1031,8 +1036,11 @@ struct AttentionBackward : public torch::autograd::Node {
                                     as_optional(table.unpack(self)));
         timer.mark(kBackwardCall);
         variable_list gradients(5);
-        for (int role = 0; role < 3; ++role) {
-            gradients[role] = dense ? result[role].view(input_sizes[role]) : std::move(result[role]);
+        {
+            at::AutoDispatchBelowADInplaceOrView below;  // (the dense gradients: plain views, their bases dropped)
+            for (int role = 0; role < 3; ++role) {
+                gradients[role] = dense ? result[role].view(input_sizes[role]) : std::move(result[role]);
+            }
         }
         size_t next = 3;
         if (sinks.defined() && result.size() > next) {  // learnable sinks: an off-by-one sink is no input
