@@ -208,6 +208,29 @@ def test_a_built_in_made_anew_at_each_call_reuses_its_binding(operator):
     torch.testing.assert_close(operator[5][1][0].reshape(-1), slopes)
 
 
+def test_an_equal_built_in_seen_twice_gets_its_own_binding_and_one_made_each_call_never_does(operator):
+    """A second layer's equal built-in first uses the first layer's binding, then (seen again: it lives on)
+    a binding of its own with the same operands; built-ins made anew at each call add no binding."""
+    from fusedattn.cache import registry
+    from fusedattn.torch import score_mod_bindings
+
+    q = torch.randn(1, 16, 2, 8)
+    first, second = sm.softcap(20.0), sm.softcap(20.0)
+    _call(q, score_mod=first)
+    _call(q, score_mod=first)
+    kept = len(registry["torch.score_mod.bindings"].keys())
+    _call(q, score_mod=second)
+    assert len(registry["torch.score_mod.bindings"].keys()) == kept
+    _call(q, score_mod=second)
+    _call(q, score_mod=second)
+    assert len(registry["torch.score_mod.bindings"].keys()) == kept + 1
+    assert operator[4][2] is operator[0][2] and operator[3][2] is operator[0][2]  # the same operands
+    for _ in range(20):
+        _call(q, score_mod=sm.softcap(20.0))
+    assert len(registry["torch.score_mod.bindings"].keys()) == kept + 1
+    assert len(score_mod_bindings._SEEN_ONCE) <= 20
+
+
 def test_a_composition_made_anew_at_each_call_reuses_its_binding(operator):
     """compose(...) written in a model's forward: a new composition of new mods each call, the same mod."""
     q = torch.randn(1, 16, 2, 8)

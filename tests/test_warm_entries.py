@@ -241,6 +241,24 @@ def test_builtins_made_once_run_in_c_and_made_each_call_stay_bounded(warm):
     assert warm_entries.size() == before
 
 
+def test_equal_builtins_made_once_in_each_layer_all_run_in_c(warm):
+    """Layers that each make an equal built-in (or closure) once: the second layer's finds the first's
+    binding by what it reads, and once seen again gets its own, so its calls are answered in C too."""
+    q, k, v = _qkv()
+    slopes = torch.rand(2)
+
+    def closure(cap):
+        return lambda score, b, h, q_idx, kv_idx: cap * sm.tanh(score / cap)
+
+    for make in (lambda: sm.softcap(20.0), lambda: sm.alibi(slopes), lambda: closure(7.0)):
+        layers = [make() for _ in range(3)]
+        paths = [_runs(warm, lambda mod=mod: fat.attention(q, k, v, score_mod=mod), 4) for mod in layers]
+        assert paths[0] == ["python", "python", "c", "c"]
+        assert paths[1] == paths[2] == ["python", "python", "c", "c"], paths
+        outputs = [fat.attention(q, k, v, score_mod=mod) for mod in layers]
+        assert all(torch.equal(out, outputs[0]) for out in outputs)
+
+
 def test_a_closure_over_an_object_stays_in_python(warm):
     q, k, v = _qkv()
 

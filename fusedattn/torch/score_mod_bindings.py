@@ -14,7 +14,9 @@ each call, as a model's forward writes it, finds its binding; closures of one co
 from __future__ import annotations
 
 import inspect
+import operator
 import types
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -212,12 +214,44 @@ def recall(signature, given: tuple) -> Binding | None:
         kept = None if reads is None else _BINDINGS.peek(_key(signature, reads))
         if kept is None:
             return None
+        if not all(map(operator.is_, kept.given, given)):
+            kept = _adopted(signature, given, kept)
     for x, version, learned in kept.watched:  # changed in place, or made to learn (or not) since
         if x._version != version or x.requires_grad is not learned:
             return None
     if kept.term is not None and not kept.term.learns():  # frozen since: its term binds as a score_mod
         return None
     return kept
+
+
+# Callbacks that found a binding other objects made (equal ones: a built-in made in each layer, or anew at
+# each call), by the call's identity key: those seen a second time live on, and get a binding of their own,
+# which a warm entry can name (warm_entries); those made anew at each call never come twice. Held weakly
+# where they can be (a dict cannot), bounded: the first seen go first.
+_SEEN_ONCE: dict = {}
+_SEEN_CAPACITY = 512
+_BINDINGS.when_cleared(_SEEN_ONCE.clear)
+
+
+def _adopted(signature, given: tuple, kept: Binding) -> Binding:
+    key = (signature, *map(id, given))
+    seen = _SEEN_ONCE.pop(key, None)
+    if seen is not None and all(held() is value for held, value in zip(seen, given)):
+        own = kept._replace(given=given, checks=tuple(_check(value) for value in given if value is not None))
+        _BINDINGS.put(key, own)  # (it keeps `given` alive)
+        return own
+    if len(_SEEN_ONCE) >= _SEEN_CAPACITY:
+        del _SEEN_ONCE[next(iter(_SEEN_ONCE))]
+    _SEEN_ONCE[key] = tuple(map(_held, given))
+    return kept
+
+
+def _held(value):
+    """A callable giving value back while it lives: a weak reference where value takes one."""
+    try:
+        return weakref.ref(value)
+    except TypeError:
+        return lambda: value
 
 
 def may_empty_rows(cfg, bound: BoundScoreMod) -> bool:
