@@ -226,7 +226,7 @@ def _global_softcap(score, b, h, q_idx, kv_idx):
     return _CAP * sm.tanh(score / _CAP)
 
 
-def test_builtins_made_once_run_in_c_and_made_each_call_stay_bounded(warm):
+def test_builtins_made_once_and_closures_made_each_call_run_in_c_and_builtins_made_each_call_stay_bounded(warm):
     q, k, v = _qkv()
     once = sm.softcap(20.0)
     assert _runs(warm, lambda: fat.attention(q, k, v, score_mod=once)) == ["python", "python", "c"]
@@ -237,26 +237,81 @@ def test_builtins_made_once_run_in_c_and_made_each_call_stay_bounded(warm):
     def closure(cap):
         return lambda score, b, h, q_idx, kv_idx: cap * sm.tanh(score / cap)
 
-    assert _runs(warm, lambda: fat.attention(q, k, v, score_mod=closure(20.0)), 3) == ["python"] * 3
-    assert warm_entries.size() == before
+    # a closure made anew at each call keys by its code and what it closes over: answered in C
+    assert _runs(warm, lambda: fat.attention(q, k, v, score_mod=closure(20.0)), 4) == ["python", "python", "c", "c"]
+    assert warm_entries.size() == before + 1
+    outputs = [fat.attention(q, k, v, score_mod=closure(cap)) for cap in (20.0, 9.0, 20.0)]
+    assert torch.equal(outputs[0], outputs[2]) and not torch.equal(outputs[0], outputs[1])
+    assert torch.equal(outputs[1], fat.attention(q, k, v, score_mod=lambda s, b, h, qi, ki: 9.0 * sm.tanh(s / 9.0)))
+
+    def with_default(score, b, h, q_idx, kv_idx, cap=20.0):  # defaults are not keyed: no entry
+        return cap * sm.tanh(score / cap)
+
+    assert _runs(warm, lambda: fat.attention(q, k, v, score_mod=with_default), 3) == ["python"] * 3
 
 
 def test_equal_builtins_made_once_in_each_layer_all_run_in_c(warm):
-    """Layers that each make an equal built-in (or closure) once: the second layer's finds the first's
-    binding by what it reads, and once seen again gets its own, so its calls are answered in C too."""
+    """Layers that each make an equal built-in once: the second layer's finds the first's binding by what
+    it reads, and once seen again gets its own, so its calls are answered in C too; an equal closure finds
+    the first layer's warm entry at once."""
     q, k, v = _qkv()
     slopes = torch.rand(2)
 
     def closure(cap):
         return lambda score, b, h, q_idx, kv_idx: cap * sm.tanh(score / cap)
 
-    for make in (lambda: sm.softcap(20.0), lambda: sm.alibi(slopes), lambda: closure(7.0)):
+    for make, later in ((lambda: sm.softcap(20.0), ["python", "python", "c", "c"]),
+                        (lambda: sm.alibi(slopes), ["python", "python", "c", "c"]),
+                        (lambda: closure(7.0), ["c"] * 4)):  # (a closure keys by what it is made of)
         layers = [make() for _ in range(3)]
         paths = [_runs(warm, lambda mod=mod: fat.attention(q, k, v, score_mod=mod), 4) for mod in layers]
         assert paths[0] == ["python", "python", "c", "c"]
-        assert paths[1] == paths[2] == ["python", "python", "c", "c"], paths
+        assert paths[1] == paths[2] == later, paths
         outputs = [fat.attention(q, k, v, score_mod=mod) for mod in layers]
         assert all(torch.equal(out, outputs[0]) for out in outputs)
+
+
+def test_closures_made_anew_at_each_call_follow_what_they_read(warm):
+    """Closures made anew at each call share an entry only while what they are made of and what they read
+    is the same: a captured tensor changed in place, a new tensor, a global read, another globals dict
+    and a number of another value each give the Python path's answer for the call as it is now."""
+    import types
+
+    q, k, v = _qkv()
+    slopes = torch.rand(2)
+
+    def alibi_over(values):
+        return lambda score, b, h, q_idx, kv_idx: score + values[h] * (kv_idx - q_idx) / _CAP
+
+    def python_answer(fn):  # the Python path's (the warm entries off)
+        saved = torch_plans.warm_call
+        torch_plans.warm_call = None
+        try:
+            return fat.attention(q, k, v, score_mod=fn)
+        finally:
+            torch_plans.warm_call = saved
+
+    call = lambda: fat.attention(q, k, v, score_mod=alibi_over(slopes))  # noqa: E731
+    assert _runs(warm, call, 4)[2:] == ["c", "c"]
+    first = call()
+    slopes.mul_(2)  # in place: the entry's tensor guard
+    assert _runs(warm, call, 1) == ["python"]
+    assert torch.equal(call(), python_answer(alibi_over(slopes))) and not torch.equal(call(), first)
+    other = torch.rand(2)
+    assert _runs(warm, lambda: fat.attention(q, k, v, score_mod=alibi_over(other)), 1) == ["python"]
+    global _CAP
+    before = _CAP
+    try:
+        _CAP = 3.0  # a global the code reads
+        assert _runs(warm, call, 1) == ["python"]
+        assert torch.equal(call(), python_answer(alibi_over(slopes)))
+    finally:
+        _CAP = before
+    made = alibi_over(slopes)
+    elsewhere = types.FunctionType(made.__code__, {**made.__globals__, "_CAP": 5.0}, None, None, made.__closure__)
+    assert _runs(warm, lambda: fat.attention(q, k, v, score_mod=elsewhere), 1) == ["python"]
+    assert torch.equal(fat.attention(q, k, v, score_mod=elsewhere), python_answer(elsewhere))
+    assert not torch.equal(python_answer(elsewhere), call())
 
 
 def test_a_closure_over_an_object_stays_in_python(warm):

@@ -4,8 +4,9 @@ A repeat call's Python (its signature, the plan cache, a score_mod's binding and
 more host time than the operator it leads to. Once Python has answered a call from those caches, it
 hands the answer (the operator's plan and operands) to the native library under a key made of the
 call itself: q, k, v (and a bias or sink: shapes, strides, dtypes, devices, requires_grad), every
-other keyword with its type and value (callbacks, ScoreMods and dicts by identity), the grad mode and
-the settings the signature reads. Guards go with it: what the callbacks read (cells and globals:
+other keyword with its type and value (a callback by its code, globals and closure contents, so a
+closure made anew at each call over the same objects keys alike; ScoreMods and dicts by identity), the
+grad mode and the settings the signature reads. Guards go with it: what the callbacks read (cells and globals:
 objects by identity, numbers by value; this library's functions of fixed reads by identity too), the
 dicts a ScoreMod or score_mod_tensors holds, and the tensors a mod holds (version, requires_grad).
 The next call with that key whose guards hold runs the operator from C; anything else misses and
@@ -13,8 +14,9 @@ takes the Python path.
 
 Only answers the Python path keeps can be handed over, and only those whose reads the guards can
 check: a plain call, a mask_mod whose rewrite is kept, a document mask_mod run as THD (BSHD; its ids
-guarded by their version), or a score_mod call whose binding was made by the very objects given (not
-by a closure made anew at each call, which Python finds by its code), whose callbacks read plainly
+guarded by their version), or a score_mod call whose binding was made by the very objects given or
+by callbacks keyed alike (not by another ScoreMod: one made anew at each call keys anew), whose callbacks
+read plainly
 (no object looked inside: a closure over `self` stays in Python) and whose term does not learn.
 Calls with other tensor keywords (ALiBi slopes, sequence offsets), a dropout seed or offset given,
 packed layouts and rows without keys keep the Python path (dropout with neither draws its seed in C
@@ -25,7 +27,6 @@ them are (plans, bindings, rewrites, decisions; cache.clear_all too).
 
 from __future__ import annotations
 
-import operator
 import types
 
 from fusedattn.arguments import ENV_THD_BUCKET
@@ -40,11 +41,10 @@ from fusedattn.torch import score_mod_bindings
 __all__ = ["configure", "remember", "clear", "size"]
 
 SETTINGS = (ENV_BACKEND, ENV_THD_BUCKET)  # the environment settings a call's signature reads
-IDENTITY_TYPES = (types.FunctionType, ScoreMod, dict)  # keyword values a key names by identity
+IDENTITY_TYPES = (ScoreMod, dict)  # keyword values a key names by identity (a function: by what it is made of)
 # Entries kept (all dropped when one more comes): a model has a few dozen distinct calls. An entry holds
 # its score_mod's aux tensors, as the bindings do (score_mod_bindings.CAPACITY): bounded alike.
 CAPACITY = 2 * score_mod_bindings.CAPACITY
-_is = operator.is_
 _DROPOUT_STATE = frozenset(DROPOUT_NAMES)  # a call giving a seed or offset keeps the Python path
 # Bindings whose reads C cannot check (by id, held): a call of theirs does not try again. Bounded.
 _UNGUARDED: dict = {}
@@ -76,8 +76,9 @@ def remember(q, k, v, keywords: dict, cfg, plan, binding=None, given: tuple = ()
         return  # (a seed or offset given: Python reads them each call)
     aux, scalars, empty_rows, watched, read = [], [], False, (), tuple(keywords.values())
     if binding is not None:
-        if binding.term is not None or len(given) != len(binding.given) or not all(map(_is, binding.given, given)):
-            return  # a learning term (summed anew each call), or bound by other objects (found by their code)
+        if binding.term is not None or len(given) != len(binding.given) or not all(
+                _keyed_alike(bound_by, value, read) for bound_by, value in zip(binding.given, given)):
+            return  # a learning term (summed anew each call), or bound by another ScoreMod (found by its code)
         if _UNGUARDED.get(id(binding)) is binding:
             return
         aux, scalars, empty_rows, watched = binding.aux, binding.scalars, binding.empty_rows, binding.watched
@@ -96,6 +97,17 @@ def remember(q, k, v, keywords: dict, cfg, plan, binding=None, given: tuple = ()
         tensors.append((documents.ids, documents.ids._version, documents.ids.requires_grad))
     remember_in_c(q, k, v, keywords, plan, aux, scalars, empty_rows, tuple(functions), tuple(dicts), tuple(tensors),
                   offsets or [], (cfg.return_lse, cfg.return_max_logit, dropout))
+
+
+def _keyed_alike(bound_by, given, keywords: tuple) -> bool:
+    """Whether a binding made with `bound_by` answers a call given `given` under the same key: the same
+    object, or two functions with `given` a keyword's value itself (keyed by its code, globals and closure
+    contents, which the binding's reads matched when it was found; a built-in's functions are not: its
+    ScoreMod is keyed by identity, and one made anew at each call must not add an entry each call)."""
+    if bound_by is given:
+        return True
+    return (type(bound_by) is types.FunctionType and type(given) is types.FunctionType
+            and any(given is value for value in keywords))
 
 
 def _guard(value, functions: list, dicts: list) -> bool:

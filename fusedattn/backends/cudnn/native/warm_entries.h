@@ -2,9 +2,9 @@
 //
 // After Python has answered a call from its plan cache (and, for a score_mod, its kept binding), it
 // hands the answer here under a key made of the call itself: q, k, v (shapes, strides, dtypes,
-// devices, requires_grad), every keyword with its type and value (callbacks and other objects by
-// identity, the entry holding them; bias and sink tensors as q, k, v are), the grad mode and fusedattn's
-// environment settings. The answer
+// devices, requires_grad), every keyword with its type and value (a callback by its code, globals and
+// closure contents; other objects by identity, the entry holding them; bias and sink tensors as q, k, v
+// are), the grad mode and fusedattn's environment settings. The answer
 // is the operator's plan and operands, with guards: what the callbacks read (their cells and globals,
 // objects by identity, numbers by exact value), dicts they read item by item, and the tensors they
 // hold (version, requires_grad). A later call with the same key whose guards hold goes straight to
@@ -220,13 +220,12 @@ class KeyWriter {
             }
             return true;
         }
+        if (Py_TYPE(given) == &PyFunction_Type) return function(given);
         if (identity_types == nullptr || PySequence_Contains(identity_types, reinterpret_cast<PyObject *>(Py_TYPE(given))) != 1) {
             PyErr_Clear();
             return false;  // tensors, and objects an equal one may replace at each call: the Python path
         }
-        tag('o');
-        word(reinterpret_cast<intptr_t>(given));
-        identities.push_back(given);
+        object(given);
         return true;
     }
 
@@ -269,6 +268,35 @@ class KeyWriter {
     }
 
    private:
+    // A plain function by what decides what it computes: its code, its globals and its cells' contents
+    // (numbers by value, anything else by identity, as a guard compares them), so a closure made anew at
+    // each call over the same objects, as a model's forward writes it, finds the entry of the one before.
+    // (What the code reads of its globals the entry's guards check.) One with defaults has no key.
+    bool function(PyObject *fn) {
+        if (PyFunction_GET_DEFAULTS(fn) != nullptr || PyFunction_GET_KW_DEFAULTS(fn) != nullptr) return false;
+        tag('c');
+        object(PyFunction_GET_CODE(fn));
+        object(PyFunction_GET_GLOBALS(fn));
+        PyObject *closure = PyFunction_GET_CLOSURE(fn);
+        Py_ssize_t count = closure == nullptr ? 0 : PyTuple_GET_SIZE(closure);
+        word(count);
+        for (Py_ssize_t i = 0; i < count; ++i) {
+            PyObject *content = PyCell_GET(PyTuple_GET_ITEM(closure, i));
+            if (content == nullptr) {
+                tag('e');
+            } else if (PyFloat_CheckExact(content) || PyLong_CheckExact(content)) {
+                if (!value(content)) return false;
+            } else {
+                object(content);
+            }
+        }
+        return true;
+    }
+    void object(PyObject *given) {  // by identity: the entry holds it, so its address names it
+        tag('o');
+        word(reinterpret_cast<intptr_t>(given));
+        identities.push_back(given);
+    }
     PyObject **operand_named(PyObject *name) {
         if (PyUnicode_CompareWithASCIIString(name, "bias") == 0) return &bias;
         if (PyUnicode_CompareWithASCIIString(name, "sink") == 0) return &sink;
