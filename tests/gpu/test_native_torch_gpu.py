@@ -585,6 +585,19 @@ def test_a_document_mask_with_a_softcap_runs_as_thd_and_matches_float64():
         assert_close_to_exact(f"grad {i}", a, b, c)
 
 
+def _check_native_against_selected(tensors, selected, got, got_grads):
+    """A native call's out and every gradient against the reference of `selected` (the mask as a select),
+    in the inputs' dtype and in float64."""
+    from gpu_checks import assert_close_to_exact, run
+
+    assert _ran_native(got.out)
+    same_dtype, same_grads = run("reference", tensors, {"score_mod": selected})
+    exact, exact_grads = run("reference", [t.double() for t in tensors], {"score_mod": selected})
+    assert_close_to_exact("out", got.out, same_dtype.out, exact.out)
+    for i, (a, b, c) in enumerate(zip(got_grads, same_grads, exact_grads)):
+        assert_close_to_exact(f"grad {i}", a, b, c)
+
+
 def _our_kernel_launches(step) -> int:
     """Kernel launches of one step made with the driver's cuLaunchKernel: the operator's Triton kernels
     (the sequence table and the fix-ups); cuDNN's graphs launch otherwise."""
@@ -603,7 +616,7 @@ def test_document_offsets_skip_the_fix_ups_that_user_offsets_keep(with_softcap):
     first call made (no table kernel); out and every gradient still match the float64 reference. A user's
     THD call given the same offsets as its own tensor keeps the table kernel and every fix-up: nothing
     tells the operator that they cover every token."""
-    from gpu_checks import assert_close_to_exact, run
+    from gpu_checks import run
 
     tensors, ids, same, selected = _document_call(seed=63, s=96, documents=4, with_softcap=with_softcap)
     gen = torch.Generator(device="cuda").manual_seed(65)
@@ -618,13 +631,7 @@ def test_document_offsets_skip_the_fix_ups_that_user_offsets_keep(with_softcap):
     step()  # warm: answered in C
     assert _our_kernel_launches(step) == (1 if with_softcap else 0)
     run("cudnn", tensors, options)
-    got, got_grads = run("cudnn", tensors, options)  # the second: its answer kept, the operator's own out
-    assert _ran_native(got.out)
-    same_dtype, same_grads = run("reference", tensors, {"score_mod": selected})
-    exact, exact_grads = run("reference", [t.double() for t in tensors], {"score_mod": selected})
-    assert_close_to_exact("out", got.out, same_dtype.out, exact.out)
-    for i, (a, b, c) in enumerate(zip(got_grads, same_grads, exact_grads)):
-        assert_close_to_exact(f"grad {i}", a, b, c)
+    _check_native_against_selected(tensors, selected, *run("cudnn", tensors, options))  # (the second: kept)
 
     starts = torch.ones(ids.numel(), dtype=torch.bool, device="cuda")
     starts[1:] = ids.reshape(-1)[1:] != ids.reshape(-1)[:-1]
@@ -647,18 +654,13 @@ def test_a_kept_document_table_follows_new_ids_new_streams_and_capture():
     wrote it, outside capture: ids changed in place (a new layout), a side stream (its own table, made
     once) and a CUDA graph captured after warm calls (its own table, which the replays read) all give out
     and gradients that match the float64 reference of their own layout."""
-    from gpu_checks import assert_close_to_exact, run
+    from gpu_checks import run
 
     tensors, ids, same, selected = _document_call(seed=67, s=80, documents=3, with_softcap=False)
     options = dict(mask_mod=same, deterministic=True)
 
     def check(got, got_grads):
-        assert _ran_native(got.out)
-        same_dtype, same_grads = run("reference", tensors, {"score_mod": selected})
-        exact, exact_grads = run("reference", [t.double() for t in tensors], {"score_mod": selected})
-        assert_close_to_exact("out", got.out, same_dtype.out, exact.out)
-        for i, (a, b, c) in enumerate(zip(got_grads, same_grads, exact_grads)):
-            assert_close_to_exact(f"grad {i}", a, b, c)
+        _check_native_against_selected(tensors, selected, got, got_grads)
 
     for _ in range(3):
         got = run("cudnn", tensors, options)
