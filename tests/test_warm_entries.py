@@ -271,6 +271,57 @@ def test_equal_builtins_made_once_in_each_layer_all_run_in_c(warm):
         assert all(torch.equal(out, outputs[0]) for out in outputs)
 
 
+def _python_answer(q, k, v, **options):
+    """The Python path's answer to the call (the warm entries off)."""
+    saved = torch_plans.warm_call
+    torch_plans.warm_call = None
+    try:
+        return fat.attention(q, k, v, **options)
+    finally:
+        torch_plans.warm_call = saved
+
+
+def test_generated_call_sequences_answer_as_the_python_path(warm):
+    """Random sequences of calls with closures made once and made anew, over numbers and tensors that
+    change in place, and a global they read that is rebound: every answer, from C or from Python, is the
+    Python path's for the call as it is then."""
+    import random
+
+    global _CAP
+    rng = random.Random(46)
+    q, k, v = _qkv()
+    tensors = [torch.rand(2), torch.rand(2)]
+    kept: dict = {}
+
+    def make(kind, cap, values):
+        if kind == 0:
+            return lambda score, b, h, q_idx, kv_idx: cap * sm.tanh(score / cap)
+        if kind == 1:
+            return lambda score, b, h, q_idx, kv_idx: score + values[h] * (kv_idx - q_idx)
+        return lambda score, b, h, q_idx, kv_idx: score + values[h] / _CAP
+
+    before, paths = _CAP, set()
+    try:
+        for step in range(150):
+            draw = rng.random()
+            if draw < 0.08:
+                tensors[rng.randrange(2)].add_(1.0)
+            elif draw < 0.12:
+                _CAP = rng.choice([20.0, 7.0])
+            kind, cap, which = rng.randrange(3), rng.choice([20.0, 9.0]), rng.randrange(2)
+            if rng.random() < 0.5:
+                fn = kept.setdefault((kind, cap, which), make(kind, cap, tensors[which]))
+            else:
+                fn = make(kind, cap, tensors[which])
+            calls = len(warm)
+            got = fat.attention(q, k, v, score_mod=fn)
+            paths.add("python" if len(warm) > calls else "c")
+            assert torch.equal(got, _python_answer(q, k, v, score_mod=fn)), step
+    finally:
+        _CAP = before
+    assert paths == {"c", "python"}  # both routes answered
+
+
 def test_closures_made_anew_at_each_call_follow_what_they_read(warm):
     """Closures made anew at each call share an entry only while what they are made of and what they read
     is the same: a captured tensor changed in place, a new tensor, a global read, another globals dict
@@ -283,13 +334,8 @@ def test_closures_made_anew_at_each_call_follow_what_they_read(warm):
     def alibi_over(values):
         return lambda score, b, h, q_idx, kv_idx: score + values[h] * (kv_idx - q_idx) / _CAP
 
-    def python_answer(fn):  # the Python path's (the warm entries off)
-        saved = torch_plans.warm_call
-        torch_plans.warm_call = None
-        try:
-            return fat.attention(q, k, v, score_mod=fn)
-        finally:
-            torch_plans.warm_call = saved
+    def python_answer(fn):
+        return _python_answer(q, k, v, score_mod=fn)
 
     call = lambda: fat.attention(q, k, v, score_mod=alibi_over(slopes))  # noqa: E731
     assert _runs(warm, call, 4)[2:] == ["c", "c"]
