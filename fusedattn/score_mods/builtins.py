@@ -15,7 +15,7 @@ import sys
 import types
 
 from fusedattn.options import SCORE_MOD_NAMES
-from fusedattn.score_mods.core import ScoreMod
+from fusedattn.score_mods.core import MADE_OF, ScoreMod
 from fusedattn.score_mods.portable import abs, clip, tanh, where  # noqa: A004 (portable abs)
 
 __all__ = ["softcap", "clamp", "causal", "sliding_window", "alibi", "relative_position_bias", "additive_bias",
@@ -50,8 +50,10 @@ def _defined(name: str, score_mod=None, mask_mod=None, tensors: dict | None = No
     too: what a call's binding watches). Traced, lowered and differentiated as a user's callbacks are,
     in torch and JAX alike; a mask part runs as the backends' own masks where it is one. The mapping is
     read-only: the functions read their own numbers, so a new value is a new built-in."""
-    return ScoreMod(None, tensors=types.MappingProxyType(dict(tensors or {})), name=name, masks=mask_mod is not None,
-                    flex=(score_mod, mask_mod))
+    mod = ScoreMod(None, tensors=types.MappingProxyType(dict(tensors or {})), name=name, masks=mask_mod is not None,
+                   flex=(score_mod, mask_mod))
+    object.__setattr__(mod, MADE_OF, (name, mask_mod is not None, score_mod, mask_mod))  # (the functions say it all)
+    return mod
 
 
 # ----------------------------------------------------------------------------- softcap, clamp

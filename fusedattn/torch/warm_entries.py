@@ -33,7 +33,7 @@ from fusedattn.arguments import ENV_THD_BUCKET
 from fusedattn.backends.cudnn.native import torch_plans
 from fusedattn.cache import registry
 from fusedattn.options import DROPOUT_NAMES
-from fusedattn.score_mods.core import ScoreMod
+from fusedattn.score_mods.core import MADE_OF, ScoreMod
 from fusedattn.score_mods.flex import PartialMask, reads_by_identity
 from fusedattn.selection import ENV_BACKEND
 from fusedattn.torch import score_mod_bindings
@@ -56,7 +56,7 @@ def configure(module) -> bool:
     warm entries of this version (a prebuilt one named by FUSEDATTN_NATIVE_LIB_TORCH): calls keep the
     Python path, the operator still runs them."""
     try:
-        module.warm_configure(SETTINGS, IDENTITY_TYPES, CAPACITY)
+        module.warm_configure(SETTINGS, IDENTITY_TYPES, CAPACITY, MADE_OF)
     except (AttributeError, TypeError):
         return False
     return True
@@ -101,13 +101,15 @@ def remember(q, k, v, keywords: dict, cfg, plan, binding=None, given: tuple = ()
 
 def _keyed_alike(bound_by, given, keywords: tuple) -> bool:
     """Whether a binding made with `bound_by` answers a call given `given` under the same key: the same
-    object, or two functions with `given` a keyword's value itself (keyed by its code, globals and closure
-    contents, which the binding's reads matched when it was found; a built-in's functions are not: its
-    ScoreMod is keyed by identity, and one made anew at each call must not add an entry each call)."""
+    object, or two functions (their reads matched when the binding was found) where `given` is a keyword's
+    value or a function of a built-in given (a ScoreMod that names what it is made of: MADE_OF), which the
+    key reads by code, globals and closure contents. Any other ScoreMod is keyed by identity: one made anew
+    at each call must not add an entry each call."""
     if bound_by is given:
         return True
     return (type(bound_by) is types.FunctionType and type(given) is types.FunctionType
-            and any(given is value for value in keywords))
+            and any(given is value or (type(value) is ScoreMod and MADE_OF in value.__dict__
+                                       and any(given is part for part in value.flex)) for value in keywords))
 
 
 def _guard(value, functions: list, dicts: list) -> bool:

@@ -1326,7 +1326,7 @@ PyObject *python_warm_call(PyObject *, PyObject *const *args, Py_ssize_t nargs) 
     std::shared_ptr<fusedattn_warm::Entry> entry;
     optional<Tensor> bias, sink;
     try {
-        fusedattn_warm::KeyWriter writer(kept.identity_types);
+        fusedattn_warm::KeyWriter writer(kept.identity_types, kept.parts_attribute);
         if (!writer.call(args[0], args[1], args[2], args[3], kept.settings)) Py_RETURN_NONE;
         auto found = kept.by_key.find(writer.key);
         if (found == kept.by_key.end() || !found->second->holds()) Py_RETURN_NONE;
@@ -1386,12 +1386,15 @@ std::vector<fusedattn_warm::Held> held_items(PyObject *items) {
     return held;
 }
 
-// warm_configure(settings, identity_types, capacity): the environment settings a key reads (a tuple of str),
-// the keyword types it names by identity (a tuple of types) and how many entries are kept; drops every entry.
+// warm_configure(settings, identity_types, capacity, parts_attribute): the environment settings a key reads (a
+// tuple of str), the keyword types it names by identity (a tuple of types), how many entries are kept, and the
+// instance attribute through which an object of those types may name what it is made of instead (a tuple the
+// key reads by value); drops every entry.
 PyObject *python_warm_configure(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3 || !PyTuple_CheckExact(args[0]) || !PyTuple_CheckExact(args[1]) || !PyLong_Check(args[2])) {
-        PyErr_SetString(PyExc_TypeError, "warm_configure(settings, identity_types, capacity): expected two tuples "
-                                         "and an int");
+    if (nargs != 4 || !PyTuple_CheckExact(args[0]) || !PyTuple_CheckExact(args[1]) || !PyLong_Check(args[2]) ||
+        !PyUnicode_CheckExact(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "warm_configure(settings, identity_types, capacity, parts_attribute): "
+                                         "expected two tuples, an int and a str");
         return nullptr;
     }
     size_t capacity = PyLong_AsSize_t(args[2]);
@@ -1399,11 +1402,11 @@ PyObject *python_warm_configure(PyObject *, PyObject *const *args, Py_ssize_t na
     auto &kept = fusedattn_warm::entries();
     kept.by_key.clear();
     kept.capacity = capacity;
-    for (PyObject **field : {&kept.settings, &kept.identity_types}) Py_XDECREF(*field);
+    for (PyObject **field : {&kept.settings, &kept.identity_types, &kept.parts_attribute}) Py_XDECREF(*field);
     kept.settings = args[0];
     kept.identity_types = args[1];
-    Py_INCREF(kept.settings);
-    Py_INCREF(kept.identity_types);
+    kept.parts_attribute = args[3];
+    for (PyObject *field : {kept.settings, kept.identity_types, kept.parts_attribute}) Py_INCREF(field);
     Py_RETURN_NONE;
 }
 
@@ -1417,7 +1420,7 @@ PyObject *python_warm_remember(PyObject *, PyObject *const *args, Py_ssize_t nar
     if (nargs != 13) throw BadArgument{"fusedattn warm_remember: expected 13 arguments"};
     auto &kept = fusedattn_warm::entries();
     if (kept.settings == nullptr) throw BadArgument{"fusedattn warm_remember: warm_configure first"};
-    fusedattn_warm::KeyWriter writer(kept.identity_types);
+    fusedattn_warm::KeyWriter writer(kept.identity_types, kept.parts_attribute);
     if (!writer.call(args[0], args[1], args[2], args[3], kept.settings)) Py_RETURN_FALSE;
     auto entry = std::make_shared<fusedattn_warm::Entry>();
     entry->plan = PyLong_AsLongLong(args[4]);

@@ -172,10 +172,11 @@ struct Entry {
 // overriding torch functions or a mode that does, an int past int64). identities: objects keyed by address.
 class KeyWriter {
    public:
-    explicit KeyWriter(PyObject *types) : identity_types(types) {}
+    KeyWriter(PyObject *types, PyObject *parts) : identity_types(types), parts_attribute(parts) {}
     std::string key;
     std::vector<PyObject *> identities;
     PyObject *identity_types;  // a tuple of the types whose objects a key names by identity
+    PyObject *parts_attribute;  // (a str) where such an object holds what it is made of, a tuple keyed by value
 
     bool tensor(PyObject *given) {
         return THPVariable_CheckExact(given) && append_tensor_words(THPVariable_Unpack(given), key);
@@ -225,6 +226,11 @@ class KeyWriter {
             PyErr_Clear();
             return false;  // tensors, and objects an equal one may replace at each call: the Python path
         }
+        PyObject *parts = made_of(given);
+        if (parts != nullptr) {  // (a built-in score_mod: equal ones made anew at each call key alike)
+            tag('m');
+            return value(parts, depth + 1);
+        }
         object(given);
         return true;
     }
@@ -268,6 +274,17 @@ class KeyWriter {
     }
 
    private:
+    // The tuple an object of an identity type names itself by (in its instance dict under parts_attribute), or
+    // nullptr (borrowed).
+    PyObject *made_of(PyObject *given) {
+        if (parts_attribute == nullptr) return nullptr;
+        PyObject **slot = _PyObject_GetDictPtr(given);
+        if (slot == nullptr || *slot == nullptr) return nullptr;
+        PyObject *parts = PyDict_GetItemWithError(*slot, parts_attribute);
+        if (parts == nullptr) PyErr_Clear();
+        return parts != nullptr && PyTuple_CheckExact(parts) ? parts : nullptr;
+    }
+
     // A plain function by what decides what it computes: its code, its globals and its cells' contents
     // (numbers by value, anything else by identity, as a guard compares them), so a closure made anew at
     // each call over the same objects, as a model's forward writes it, finds the entry of the one before.
@@ -315,6 +332,7 @@ struct Entries {
     size_t capacity = 0;                 // from Python (warm_configure)
     PyObject *settings = nullptr;        // the environment settings a key reads (a tuple of str), from Python
     PyObject *identity_types = nullptr;  // the keyword types a key names by identity (a tuple of types)
+    PyObject *parts_attribute = nullptr;  // where such an object may name what it is made of instead (a str)
 };
 inline Entries &entries() {
     static auto *kept = new Entries();  // never destroyed: its objects may outlive the interpreter's end
