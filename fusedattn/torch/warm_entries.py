@@ -5,8 +5,9 @@ more host time than the operator it leads to. Once Python has answered a call fr
 hands the answer (the operator's plan and operands) to the native library under a key made of the
 call itself: q, k, v (and a bias or sink: shapes, strides, dtypes, devices, requires_grad), every
 other keyword with its type and value (a callback by its code, globals and closure contents, so a
-closure made anew at each call over the same objects keys alike; ScoreMods and dicts by identity), the
-grad mode and the settings the signature reads. Guards go with it: what the callbacks read (cells and globals:
+closure made anew at each call over the same objects keys alike; a built-in ScoreMod by what it is made
+of, MADE_OF, likewise; other ScoreMods and dicts by identity), the grad mode and the settings the
+signature reads. Guards go with it: what the callbacks read (cells and globals:
 objects by identity, numbers by value; this library's functions of fixed reads by identity too), the
 dicts a ScoreMod or score_mod_tensors holds, and the tensors a mod holds (version, requires_grad).
 The next call with that key whose guards hold runs the operator from C; anything else misses and
@@ -15,9 +16,9 @@ takes the Python path.
 Only answers the Python path keeps can be handed over, and only those whose reads the guards can
 check: a plain call, a mask_mod whose rewrite is kept, a document mask_mod run as THD (BSHD; its ids
 guarded by their version), or a score_mod call whose binding was made by the very objects given or
-by callbacks keyed alike (not by another ScoreMod: one made anew at each call keys anew), whose callbacks
-read plainly
-(no object looked inside: a closure over `self` stays in Python) and whose term does not learn.
+by callbacks keyed alike (not by another identity-keyed ScoreMod: one made anew at each call keys anew),
+whose callbacks read plainly (no object looked inside: a closure over `self` stays in Python) and whose
+term does not learn.
 Calls with other tensor keywords (ALiBi slopes, sequence offsets), a dropout seed or offset given,
 packed layouts and rows without keys keep the Python path (dropout with neither draws its seed in C
 from torch's default generator, as the Python path does). A returned LSE or max_logit comes back as

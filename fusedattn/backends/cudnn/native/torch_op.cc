@@ -714,7 +714,9 @@ std::vector<Tensor> forward_cuda(int64_t plan_id, const Tensor &q, const Tensor 
             table = sequence_table(*sequences, offsets, ragged ? q.size(0) : 0, ragged ? k.size(0) : 0, q);
             if (keep) kept_tables().add(key, offsets[0], plan->sequences, table);
         }
-        if (tiled && plan->backward >= 0) tiling_tables().add(table);  // (a kept one stays among the newest)
+        // (add keeps a table where it first came: a kept one past 1024 newer tables gets the backward's
+        // fix-ups again, which cost time only)
+        if (tiled && plan->backward >= 0) tiling_tables().add(table);
     } else {
         TORCH_CHECK(offsets.empty(), "fusedattn: this plan takes no sequence offsets");
     }
