@@ -624,11 +624,24 @@ def test_thd_plans_take_dense_rows_as_tokens_and_give_dense_outputs(operator):
     v = torch.empty(3, 24, 4, 32, dtype=torch.bfloat16, device="meta", requires_grad=True)
     out, lse = torch.ops.fusedattn_native.attention(plan, q, k, v, None, None, None, None, [], [], False,
                                                     _offsets(2))
-    assert out.shape == (3, 24, 4, 32) and lse.shape == (3, 4, 24) and lse.stride() == (96, 1, 4)
+    assert out.shape == (3, 24, 4, 32) and out.is_contiguous() and not out._is_view()
+    assert lse.shape == (3, 4, 24) and lse.stride() == (96, 1, 4)
     assert out.grad_fn.name() == "FusedAttentionBackward" and lse.grad_fn is out.grad_fn
     assert [edge[0].name() for edge in out.grad_fn.next_functions[:3]] == ["torch::autograd::AccumulateGrad"] * 3
     (out.sum() + lse.sum() * 0).backward()
-    assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+    for x in (q, k, v):
+        assert x.grad.shape == x.shape and x.grad.is_contiguous()
+    # Rows that are not evenly strided (a slice of longer ones) are copied into tokens; one batch row is read
+    # where it lies.
+    for rows in (torch.empty(3, 30, 4, 64, dtype=torch.bfloat16, device="meta")[:, 3:27],
+                 torch.empty(1, 24, 8, 64, dtype=torch.bfloat16, device="meta")[:, :, ::2]):
+        kv = (rows.new_empty(rows.shape), rows.new_empty(rows.shape[:3] + (32,)))
+        rows.requires_grad_(True)
+        out, lse = torch.ops.fusedattn_native.attention(plan, rows, *kv, None, None, None, None, [], [], False,
+                                                        _offsets(2))
+        assert out.shape == rows.shape[:3] + (32,) and lse.shape == (rows.shape[0], 4, 24)
+        out.sum().backward()
+        assert rows.grad.shape == rows.shape
     with pytest.raises(RuntimeError, match="takes k and v of q's batch"):
         torch.ops.fusedattn_native.attention(plan, q, k.reshape(72, 4, 64), v, None, None, None, None, [], [], False,
                                              _offsets(2))

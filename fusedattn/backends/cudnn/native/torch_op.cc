@@ -285,6 +285,31 @@ Tensor new_dense(c10::IntArrayRef sizes, at::ScalarType dtype, const Tensor &lik
     return new_tensor(sizes, c10::contiguous_strides(sizes), dtype, like);
 }
 
+// x's memory seen with other sizes and strides, made as new_tensor makes tensors: no dispatcher trip and
+// no autograd record, what a view op below autograd gives (a document call makes about 16 such views a
+// step). Plain tensors only: a tensor subclass or wrapper takes the view op.
+Tensor restrided(const Tensor &x, c10::IntArrayRef sizes, c10::IntArrayRef strides) {
+    c10::TensorImpl *impl = x.unsafeGetTensorImpl();
+    if (typeid(*impl) != typeid(c10::TensorImpl) || !impl->has_storage() ||
+        x.key_set().has(c10::DispatchKey::Python)) {
+        at::AutoDispatchBelowADInplaceOrView below;
+        return x.as_strided(sizes, strides);
+    }
+    Tensor view = at::detail::make_tensor<c10::TensorImpl>(c10::TensorImpl::VIEW, c10::Storage(x.storage()),
+                                                           x.key_set(), x.dtype());
+    view.unsafeGetTensorImpl()->set_sizes_and_strides(sizes, strides, x.storage_offset());
+    return view;
+}
+
+// x, dense, seen with other sizes of the same count.
+Tensor dense_as(const Tensor &x, c10::IntArrayRef sizes) {
+    if (!x.is_contiguous()) {
+        at::AutoDispatchBelowADInplaceOrView below;
+        return x.view(sizes);
+    }
+    return restrided(x, sizes, c10::contiguous_strides(sizes));
+}
+
 void *pointer(const optional<Tensor> &x) { return x.has_value() && x->defined() ? x->data_ptr() : nullptr; }
 
 // x itself where cuDNN can read it (dense, its address a multiple of 16 bytes), else a copy that is.
@@ -686,6 +711,32 @@ void clear_rows_in_sequences(const TorchPlan &plan, const Tensor &out, const Ten
     raw.masked_fill_(empty.squeeze(-1), -std::numeric_limits<double>::infinity());
 }
 
+// A padded or THD forward's sequence table: the kept one of tiling offsets where the eager operator may
+// reuse it (KeptTables), else one written now. The table of a training call with tiling offsets is marked
+// for its backward, which then skips the fix-ups (tiling_tables; add keeps a table where it first came, so
+// a kept one past 1024 newer tables gets the fix-ups again, which cost time only).
+Tensor call_table(const TorchPlan &plan, at::TensorList offsets, const Tensor &q, const Tensor &k, bool tiled) {
+    const SequencePlan &sequences = *plan.sequences;
+    auto written = [&] {
+        return sequence_table(sequences, offsets, plan.ragged() ? q.size(0) : 0, plan.ragged() ? k.size(0) : 0, q);
+    };
+    if (!tiled) return written();
+    Tensor table;
+    void *stream = eager_forward ? current_stream(q.device()) : nullptr;
+    if (eager_forward && !fusedattn_native::TritonKernel::capturing(stream)) {
+        KeptTables::Key key{offsets[0].unsafeGetTensorImpl(), &sequences, q.size(0), q.device().index(), stream};
+        table = kept_tables().find(key);
+        if (!table.defined()) {
+            table = written();
+            kept_tables().add(key, offsets[0], plan.sequences, table);
+        }
+    } else {
+        table = written();
+    }
+    if (plan.backward >= 0) tiling_tables().add(table);
+    return table;
+}
+
 // The forward's outputs: out and LSE, then for a plan that trains the stats its backward reads where
 // they are apart (separate_stats), then the sequence table where the plan has one.
 std::vector<Tensor> forward_cuda(int64_t plan_id, const Tensor &q, const Tensor &k, const Tensor &v,
@@ -705,18 +756,7 @@ std::vector<Tensor> forward_cuda(int64_t plan_id, const Tensor &q, const Tensor 
     bool tiled = false;  // no row to fix (tiles_every_token)
     if (sequences != nullptr) {
         tiled = tiles_every_token(*sequences, offsets, q.size(0), k.size(0));
-        void *stream = tiled && eager_forward ? current_stream(q.device()) : nullptr;
-        bool keep = tiled && eager_forward && !fusedattn_native::TritonKernel::capturing(stream);
-        KeptTables::Key key{keep ? offsets[0].unsafeGetTensorImpl() : nullptr, sequences, q.size(0),
-                            q.device().index(), stream};
-        if (keep) table = kept_tables().find(key);
-        if (!table.defined()) {
-            table = sequence_table(*sequences, offsets, ragged ? q.size(0) : 0, ragged ? k.size(0) : 0, q);
-            if (keep) kept_tables().add(key, offsets[0], plan->sequences, table);
-        }
-        // (add keeps a table where it first came: a kept one past 1024 newer tables gets the backward's
-        // fix-ups again, which cost time only)
-        if (tiled && plan->backward >= 0) tiling_tables().add(table);
+        table = call_table(*plan, offsets, q, k, tiled);
     } else {
         TORCH_CHECK(offsets.empty(), "fusedattn: this plan takes no sequence offsets");
     }
@@ -971,23 +1011,31 @@ optional<Tensor> as_optional(const Tensor &x) { return x.defined() ? optional<Te
 // gradients in the inputs' shapes, with no view of theirs in autograd's graph. These give each side's form.
 bool dense_tokens(const TorchPlan &plan, const Tensor &q) { return plan.ragged() && q.dim() == 4; }
 
-Tensor as_tokens(const Tensor &x) {  // a view where the rows are evenly strided (one op, not reshape's checks)
+Tensor as_tokens(const Tensor &x) {  // one view where the rows are evenly strided, else reshape's copy
     if (x.size(0) == 1 || x.stride(0) == x.size(1) * x.stride(1)) {
-        return x.as_strided({x.size(0) * x.size(1), x.size(2), x.size(3)}, {x.stride(1), x.stride(2), x.stride(3)});
+        return restrided(x, {x.size(0) * x.size(1), x.size(2), x.size(3)}, {x.stride(1), x.stride(2), x.stride(3)});
     }
     return x.reshape({-1, x.size(2), x.size(3)});
 }
 
 // A (B, H, S) LSE as the THD LSE (T, H); an empty one (a plan without stats) as it is.
 Tensor lse_as_tokens(const Tensor &lse) {
-    return lse.dim() == 3 ? lse.permute({0, 2, 1}).reshape({-1, lse.size(1)}) : lse;
+    if (lse.dim() != 3) return lse;
+    if (lse.size(0) == 1 || lse.stride(0) == lse.size(2) * lse.stride(2)) {  // as outputs_as_dense made it
+        return restrided(lse, {lse.size(0) * lse.size(2), lse.size(1)}, {lse.stride(2), lse.stride(1)});
+    }
+    return lse.permute({0, 2, 1}).reshape({-1, lse.size(1)});
 }
 
-// The forward's THD out and LSE back in the dense form of q (B, S, ...): views of the same memory.
+// The forward's THD out and LSE (fresh, dense) back in the dense form of q (B, S, ...): views of the same memory.
 void outputs_as_dense(std::vector<Tensor> &outputs, const Tensor &q) {
-    outputs[0] = outputs[0].view({q.size(0), q.size(1), outputs[0].size(1), outputs[0].size(2)});
-    if (outputs[1].dim() == 2) {
-        outputs[1] = outputs[1].view({q.size(0), q.size(1), outputs[1].size(1)}).permute({0, 2, 1});
+    int64_t batch = q.size(0), seqlen = q.size(1);
+    outputs[0] = dense_as(outputs[0], {batch, seqlen, outputs[0].size(1), outputs[0].size(2)});
+    if (outputs[1].dim() == 2) {  // (T, H) as (B, H, S)
+        int64_t heads = outputs[1].size(1);
+        Tensor &lse = outputs[1];
+        lse = lse.is_contiguous() ? restrided(lse, {batch, heads, seqlen}, {seqlen * heads, 1, heads})
+                                  : lse.view({batch, seqlen, heads}).permute({0, 2, 1});
     }
 }
 
@@ -1038,11 +1086,8 @@ struct AttentionBackward : public torch::autograd::Node {
                                     as_optional(table.unpack(self)));
         timer.mark(kBackwardCall);
         variable_list gradients(5);
-        {
-            at::AutoDispatchBelowADInplaceOrView below;  // (the dense gradients: plain views, their bases dropped)
-            for (int role = 0; role < 3; ++role) {
-                gradients[role] = dense ? result[role].view(input_sizes[role]) : std::move(result[role]);
-            }
+        for (int role = 0; role < 3; ++role) {  // (dense: views of the THD gradients, their bases dropped)
+            gradients[role] = dense ? dense_as(result[role], input_sizes[role]) : std::move(result[role]);
         }
         size_t next = 3;
         if (sinks.defined() && result.size() > next) {  // learnable sinks: an off-by-one sink is no input
