@@ -631,6 +631,13 @@ def test_thd_plans_take_dense_rows_as_tokens_and_give_dense_outputs(operator):
     (out.sum() + lse.sum() * 0).backward()
     for x in (q, k, v):
         assert x.grad.shape == x.shape and x.grad.is_contiguous()
+    # out is saved for the backward: changed in place after the forward, autograd says so (its version counts)
+    out, lse = torch.ops.fusedattn_native.attention(plan, q, k, v, None, None, None, None, [], [], False,
+                                                    _offsets(2))
+    with torch.no_grad():
+        out.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
     # Rows that are not evenly strided (a slice of longer ones) are copied into tokens; one batch row is read
     # where it lies.
     for rows in (torch.empty(3, 30, 4, 64, dtype=torch.bfloat16, device="meta")[:, 3:27],
