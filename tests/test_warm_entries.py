@@ -276,6 +276,48 @@ def test_equal_builtins_made_once_in_each_layer_all_run_in_c(warm):
         assert all(torch.equal(out, outputs[0]) for out in outputs)
 
 
+def test_compositions_and_alibi_made_anew_at_each_call_run_in_c(warm):
+    """A built-in made anew at each call with helpers of its own (ALiBi's slope function) and compose() of
+    built-ins key by what they are made of, helpers and parts included: answered in C after the first
+    calls, while what they are made of and read is the same; another part, another number, another
+    tensor or a tensor changed in place each give the Python path's answer."""
+    q, k, v = _qkv()
+    slopes, other = torch.rand(2), torch.rand(2)
+
+    def composed(cap=20.0, table=slopes):
+        return sm.compose(sm.softcap(cap), sm.alibi(table), sm.causal())
+
+    for make in (lambda: sm.alibi(slopes), composed):
+        paths = _runs(warm, lambda make=make: fat.attention(q, k, v, score_mod=make()), 5)
+        assert paths[2:] == ["c"] * 3, paths
+        assert torch.equal(fat.attention(q, k, v, score_mod=make()), _python_answer(q, k, v, score_mod=make()))
+    before = warm_entries.size()
+    for changed in (lambda: composed(cap=9.0), lambda: composed(table=other),
+                    lambda: sm.compose(sm.softcap(20.0), sm.alibi(slopes)),
+                    lambda: sm.compose(sm.alibi(slopes), sm.softcap(20.0), sm.causal())):
+        got = fat.attention(q, k, v, score_mod=changed())
+        assert torch.equal(got, _python_answer(q, k, v, score_mod=changed()))
+    assert warm_entries.size() > before  # each a key of its own
+    slopes.add_(1.0)  # read in place: the entries' guards see the new version
+    got = [fat.attention(q, k, v, score_mod=composed()) for _ in range(3)]
+    assert all(torch.equal(out, _python_answer(q, k, v, score_mod=composed())) for out in got)
+
+
+def test_a_function_whose_cell_holds_itself_gets_a_bounded_key(warm):
+    """A closure over itself (a recursive helper) has a key that stops following it: no endless key, the
+    Python path's answer."""
+    q, k, v = _qkv()
+
+    def make(cap):
+        def chained(score, b, h, q_idx, kv_idx):
+            return cap * sm.tanh(score / cap) if chained is not None else score
+        return chained
+
+    for _ in range(3):
+        fn = make(20.0)
+        assert torch.equal(fat.attention(q, k, v, score_mod=fn), _python_answer(q, k, v, score_mod=fn))
+
+
 def _python_answer(q, k, v, **options):
     """The Python path's answer to the call (the warm entries off)."""
     saved = torch_plans.warm_call
@@ -305,6 +347,8 @@ def test_generated_call_sequences_answer_as_the_python_path(warm):
             return lambda score, b, h, q_idx, kv_idx: score + values[h] * (kv_idx - q_idx)
         if kind == 2:
             return lambda score, b, h, q_idx, kv_idx: score + values[h] / _CAP
+        if kind == 5:
+            return sm.compose(sm.softcap(cap), sm.alibi(values))
         return sm.softcap(cap) if kind == 3 else sm.alibi(values)  # built-ins
 
     before, paths = _CAP, set()
@@ -315,7 +359,7 @@ def test_generated_call_sequences_answer_as_the_python_path(warm):
                 tensors[rng.randrange(2)].add_(1.0)
             elif draw < 0.12:
                 _CAP = rng.choice([20.0, 7.0])
-            kind, cap, which = rng.randrange(5), rng.choice([20.0, 9.0]), rng.randrange(2)
+            kind, cap, which = rng.randrange(6), rng.choice([20.0, 9.0]), rng.randrange(2)
             if rng.random() < 0.5:
                 fn = kept.setdefault((kind, cap, which), make(kind, cap, tensors[which]))
             else:

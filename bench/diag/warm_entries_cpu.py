@@ -1,8 +1,8 @@
 """Host time of repeat calls answered in C against the Python path, on any host (CPU tensors): the native
 library is built here and its ops get CPU kernels that only allocate their outputs, as
 tests/test_warm_entries.py wires them, so what is timed is the call up to the operator and back. Rows:
-a plain call, closures and built-ins made once and made anew at each call, and one closure per layer
-(8 layers of equal closures), B1 S16 H2 D8, no grad, median of 7 loops of 500 calls.
+a plain call, closures and built-ins made once and made anew at each call (a composition too), and one
+closure per layer (8 layers of equal closures), B1 S16 H2 D8, no grad, median of 7 loops of 500 calls.
 
     python bench/diag/warm_entries_cpu.py
 """
@@ -59,7 +59,7 @@ def closure(cap):
 
 
 def rows(q: torch.Tensor) -> dict:
-    once, builtin = closure(20.0), sm.softcap(20.0)
+    once, builtin, slopes = closure(20.0), sm.softcap(20.0), torch.rand(q.shape[2])
     layers = [closure(20.0) for _ in range(8)]
     return {"plain": lambda: fat.attention(q, q, q, mask="causal"),
             "closure made once": lambda: fat.attention(q, q, q, mask="causal", score_mod=once),
@@ -67,7 +67,9 @@ def rows(q: torch.Tensor) -> dict:
             "8 layers' closures (per call)": lambda: [fat.attention(q, q, q, mask="causal", score_mod=fn)
                                                       for fn in layers] and None,
             "built-in made once": lambda: fat.attention(q, q, q, mask="causal", score_mod=builtin),
-            "built-in made each call": lambda: fat.attention(q, q, q, mask="causal", score_mod=sm.softcap(20.0))}
+            "built-in made each call": lambda: fat.attention(q, q, q, mask="causal", score_mod=sm.softcap(20.0)),
+            "compose(softcap, alibi) made each call": lambda: fat.attention(
+                q, q, q, mask="causal", score_mod=sm.compose(sm.softcap(20.0), sm.alibi(slopes)))}
 
 
 def main() -> None:

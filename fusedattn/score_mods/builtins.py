@@ -273,7 +273,11 @@ def compose(*mods: ScoreMod) -> ScoreMod:
     if all(m.flex for m in mods):  # written in flex form: one flex score_mod and one mask_mod
         score_mod = _joined([m.flex[0] for m in mods], _then)
         mask_mod = _joined([m.flex[1] for m in mods], _and)
-        return dataclasses.replace(_defined(name, score_mod, mask_mod, tensors), parts=tuple(mods))
+        composed = dataclasses.replace(_defined(name, score_mod, mask_mod, tensors), parts=tuple(mods))
+        parts = [m.__dict__.get(MADE_OF) for m in mods]
+        if all(part is not None for part in parts):  # built-ins all: made of its parts, in order
+            object.__setattr__(composed, MADE_OF, ("compose", *parts))
+        return composed
     # With a cuDNN-native part: each flex-form part is traced for the call's framework (resolve).
     return ScoreMod(None, tensors=tensors, name=name, parts=tuple(mods),
                     masks=any(m.masks for m in mods) or (None if any(m.masks is None for m in mods) else False))

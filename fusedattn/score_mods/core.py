@@ -33,8 +33,9 @@ __all__ = ["ScoreMod", "eager", "BoundScoreMod", "GraphRecipe", "RuntimeScalar",
 # their LSE (below MASKED_BELOW) and given output 0 and LSE -inf, as the library promises.
 MASKED = -1.0e9
 MASKED_BELOW = -1.0e8
-# Where a built-in ScoreMod keeps what it is made of: (name, masks, score_mod, mask_mod), so equal built-ins
-# made anew at each call key a warm entry alike (torch/warm_entries.py; a copy or pickle leaves it behind).
+# Where a built-in ScoreMod keeps what it is made of: (name, masks, score_mod, mask_mod), or ("compose", what
+# each part is made of) for a composition of built-ins, so equal built-ins made anew at each call key a warm
+# entry alike (torch/warm_entries.py; a copy or pickle leaves it behind).
 MADE_OF = "_warm_made_of"
 # Config key of a mod with no graph form (reference only); see backends/cudnn/spec.py.
 EAGER_ONLY_KEY = ("eager-only score_mod",)

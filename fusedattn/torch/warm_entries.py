@@ -4,9 +4,10 @@ A repeat call's Python (its signature, the plan cache, a score_mod's binding and
 more host time than the operator it leads to. Once Python has answered a call from those caches, it
 hands the answer (the operator's plan and operands) to the native library under a key made of the
 call itself: q, k, v (and a bias or sink: shapes, strides, dtypes, devices, requires_grad), every
-other keyword with its type and value (a callback by its code, globals and closure contents, so a
-closure made anew at each call over the same objects keys alike; a built-in ScoreMod by what it is made
-of, MADE_OF, likewise; other ScoreMods and dicts by identity), the grad mode and the settings the
+other keyword with its type and value (a callback by its code, globals and closure contents, functions
+and tuples there by what they are made of too, so a closure made anew at each call over the same objects
+keys alike; a built-in ScoreMod, or a compose() of built-ins, by what it is made of, MADE_OF, likewise;
+other ScoreMods and dicts by identity), the grad mode and the settings the
 signature reads. Guards go with it: what the callbacks read (cells and globals:
 objects by identity, numbers by value; this library's functions of fixed reads by identity too), the
 dicts a ScoreMod or score_mod_tensors holds, and the tensors a mod holds (version, requires_grad).

@@ -182,6 +182,10 @@ class KeyWriter {
         return THPVariable_CheckExact(given) && append_tensor_words(THPVariable_Unpack(given), key);
     }
 
+    // How deep a key follows tuples and functions' cells into tuples and functions (a window: one level;
+    // compose's chain of built-ins: about six).
+    static constexpr int kNesting = 8;
+
     bool value(PyObject *given, int depth = 0) {
         if (given == Py_None) return tag('N');
         if (given == Py_True) return tag('T');
@@ -213,7 +217,7 @@ class KeyWriter {
             return true;
         }
         if (PyTuple_CheckExact(given)) {
-            if (depth > 4) return false;  // (a window is one level deep)
+            if (depth > kNesting) return false;
             tag('t');
             word(PyTuple_GET_SIZE(given));
             for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(given); ++i) {
@@ -221,7 +225,7 @@ class KeyWriter {
             }
             return true;
         }
-        if (Py_TYPE(given) == &PyFunction_Type) return function(given);
+        if (Py_TYPE(given) == &PyFunction_Type) return function(given, depth);
         if (identity_types == nullptr || PySequence_Contains(identity_types, reinterpret_cast<PyObject *>(Py_TYPE(given))) != 1) {
             PyErr_Clear();
             return false;  // tensors, and objects an equal one may replace at each call: the Python path
@@ -285,11 +289,12 @@ class KeyWriter {
         return parts != nullptr && PyTuple_CheckExact(parts) ? parts : nullptr;
     }
 
-    // A plain function by what decides what it computes: its code, its globals and its cells' contents
-    // (numbers by value, anything else by identity, as a guard compares them), so a closure made anew at
-    // each call over the same objects, as a model's forward writes it, finds the entry of the one before.
-    // (What the code reads of its globals the entry's guards check.) One with defaults has no key.
-    bool function(PyObject *fn) {
+    // A plain function by what decides what it computes: its code, its globals and its cells' contents, so
+    // a closure made anew at each call over the same objects, as a model's forward writes it, finds the
+    // entry of the one before. (What the code reads of its globals the entry's guards check.) One with
+    // defaults has no key.
+    bool function(PyObject *fn, int depth) {
+        if (depth > kNesting) return false;
         if (PyFunction_GET_DEFAULTS(fn) != nullptr || PyFunction_GET_KW_DEFAULTS(fn) != nullptr) return false;
         tag('c');
         object(PyFunction_GET_CODE(fn));
@@ -304,10 +309,24 @@ class KeyWriter {
             } else if (PyFloat_CheckExact(content) || PyLong_CheckExact(content)) {
                 if (!value(content)) return false;
             } else {
-                object(content);
+                cell(content, depth);
             }
         }
         return true;
+    }
+    // A cell's other content: a function by what it is made of, a tuple by its items (numbers, strings,
+    // functions ...), where they have keys; anything else, or past kNesting levels (a function whose
+    // cell holds itself), by identity, as a guard compares it. So a built-in made anew with its
+    // helpers (ALiBi's slope, compose's chain of its parts) keys as the one before; a user's function in a
+    // cell keys alike too, but its reads are no guard's to check, so no entry holds one (warm_entries.py).
+    void cell(PyObject *content, int depth) {
+        size_t length = key.size(), held = identities.size();
+        bool keyed = (Py_TYPE(content) == &PyFunction_Type || PyTuple_CheckExact(content)) &&
+                     value(content, depth + 1);
+        if (keyed) return;
+        key.resize(length);  // (what a failed try wrote)
+        identities.resize(held);
+        object(content);
     }
     void object(PyObject *given) {  // by identity: the entry holds it, so its address names it
         tag('o');
