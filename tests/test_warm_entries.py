@@ -303,6 +303,22 @@ def test_compositions_and_alibi_made_anew_at_each_call_run_in_c(warm):
     assert all(torch.equal(out, _python_answer(q, k, v, score_mod=composed())) for out in got)
 
 
+def test_tuples_in_closures_key_by_their_items_up_to_a_length(warm):
+    """A closure over a short tuple made anew at each call keys by the tuple's items (C after the first
+    calls); over a long one (past 64 items) by the tuple's identity, so each new one takes the Python path."""
+    q, k, v = _qkv()
+
+    def make(length):
+        weights = tuple(float(i % 3) / 4 for i in range(length))  # a new tuple object at each call
+        return lambda score, b, h, q_idx, kv_idx: score * (1.0 + weights[1])
+
+    assert _runs(warm, lambda: fat.attention(q, k, v, score_mod=make(4)), 5)[2:] == ["c"] * 3
+    assert _runs(warm, lambda: fat.attention(q, k, v, score_mod=make(65)), 4) == ["python"] * 4
+    for length in (4, 65):
+        assert torch.equal(fat.attention(q, k, v, score_mod=make(length)),
+                           _python_answer(q, k, v, score_mod=make(length)))
+
+
 def test_a_function_whose_cell_holds_itself_gets_a_bounded_key(warm):
     """A closure over itself (a recursive helper) has a key that stops following it: no endless key, the
     Python path's answer."""

@@ -185,6 +185,7 @@ class KeyWriter {
     // How deep a key follows tuples and functions' cells into tuples and functions (a window: one level;
     // compose's chain of built-ins: about six).
     static constexpr int kNesting = 8;
+    static constexpr Py_ssize_t kTupleItems = 64;  // a longer tuple is keyed by identity in a cell (no key as a keyword)
 
     bool value(PyObject *given, int depth = 0) {
         if (given == Py_None) return tag('N');
@@ -217,7 +218,7 @@ class KeyWriter {
             return true;
         }
         if (PyTuple_CheckExact(given)) {
-            if (depth > kNesting) return false;
+            if (depth > kNesting || PyTuple_GET_SIZE(given) > kTupleItems) return false;  // (a key stays short)
             tag('t');
             word(PyTuple_GET_SIZE(given));
             for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(given); ++i) {
