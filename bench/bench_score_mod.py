@@ -51,8 +51,9 @@ keys hold the same against the unmodified call, ~0 on causal_flex and causal row
 
 Host time (torch rows at S <= 1024): ours' and cudnn_plain's host_us, the host's enqueue time per call with
 the GPU held by a spin kernel (common.interleaved_host_us: median of --host-rounds interleaved rounds of 60
-calls, every thread on one core: common.one_core), and params.host_extra_us = ours - cudnn_plain, what the
-modification adds to the host's work.
+calls, every thread on one core: common.one_core), and params.host_extra_us, what the modification adds to
+the host's work: the median over rounds of ours' minus cudnn_plain's of the same round (common.paired_median;
+a slow spell of the host touches a round's two turns alike, so it cancels, where two medians would keep it).
 
 Timing, sizing of big rows and error entries as in bench_cudnn. The JSON (bench/results/score_mod.json by
 default) is rewritten after every row.
@@ -390,12 +391,14 @@ def _record_diff(params: dict, suffix: str, ours_out: list, theirs: list, mode: 
 def _record_host_time(params: dict, ours_entry: dict, plain_entry: dict, impls: dict, **timing) -> None:
     """host_us on ours' and cudnn_plain's entries (the host's enqueue time per call, the GPU held) and
     params.host_extra_us: what the modification adds to the host's work per call."""
-    host = common.interleaved_host_us(impls, calls=HOST_CALLS, **timing)
+    rounds = common.interleaved_host_us(impls, calls=HOST_CALLS, **timing)
+    host = common.medians(rounds)
     for name, entry in (("ours", ours_entry), ("cudnn_plain", plain_entry)):
         if name in host:
             entry["host_us"] = round(host[name], 2)
-    if len(host) == 2:
-        params["host_extra_us"] = round(host["ours"] - host["cudnn_plain"], 2)
+    extra = common.paired_median(rounds, "ours", "cudnn_plain")
+    if extra is not None:
+        params["host_extra_us"] = round(extra, 2)
 
 
 def native_masks(mask_mod, S: int, device: torch.device, document_ok: bool) -> dict | str:

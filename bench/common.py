@@ -40,7 +40,8 @@ from fusedattn.cli import choice_list  # noqa: E402  (the suites' list options p
 
 __all__ = [
     "FWD", "FWD_BWD", "MODES", "ROOT", "RESULTS", "Impl", "ResultsFile", "LiveTable",
-    "attention_flops", "tflops", "time_ms", "interleaved_host_us", "measure", "error_entry", "max_abs_diff",
+    "attention_flops", "tflops", "time_ms", "interleaved_host_us", "medians", "paired_median", "measure",
+    "error_entry", "max_abs_diff",
     "best_peer_ratio", "workload_matches", "device_name", "versions", "today", "choice_list",
 ]
 
@@ -314,12 +315,12 @@ def measure(impl: Impl, *, mode: str, warmup: int, repeats: int, device: torch.d
 ROUNDS_BELOW_MS = 2.0
 
 
-def _take_turns(impls: dict, rounds: int, measure: Callable) -> dict[str, list[float]]:
+def _take_turns(impls: dict, rounds: int, measure: Callable) -> dict[str, list[float | None]]:
     """Each implementation's samples over `rounds` rounds in which they take turns, in reversed order every
-    other round, so a slow spell of the host touches all of them alike. measure(impl) gives one sample
-    (None: none this round), inside impl's context; an implementation that fails is dropped (it was
-    measured before)."""
-    samples: dict[str, list[float]] = {name: [] for name in impls}
+    other round, so a slow spell of the host touches all of them alike: the i-th of each list is round i's.
+    measure(impl) gives one sample (None: none this round), inside impl's context; an implementation that
+    fails is dropped (it was measured before)."""
+    samples: dict[str, list[float | None]] = {name: [] for name in impls}
     names = list(impls)
     for index in range(rounds):
         for name in names if index % 2 == 0 else names[::-1]:
@@ -332,28 +333,37 @@ def _take_turns(impls: dict, rounds: int, measure: Callable) -> dict[str, list[f
             except Exception:  # noqa: BLE001 - measured once already; keep that entry
                 del samples[name]
                 continue
-            if value is not None:
-                samples[name].append(value)
+            samples[name].append(value)
     return samples
 
 
-def _medians(samples: dict[str, list[float]]) -> dict[str, float]:
-    return {name: statistics.median(values) for name, values in samples.items() if values}
+def medians(samples: dict[str, list[float | None]]) -> dict[str, float]:
+    present = {name: [x for x in values if x is not None] for name, values in samples.items()}
+    return {name: statistics.median(values) for name, values in present.items() if values}
+
+
+def paired_median(samples: dict[str, list[float | None]], first: str, second: str) -> float | None:
+    """The median over rounds of first's sample minus second's of the same round (rounds where both have
+    one): what first adds, with the host's slow spells, which touch a round's turns alike, cancelled."""
+    pairs = [a - b for a, b in zip(samples.get(first, ()), samples.get(second, ()))
+             if a is not None and b is not None]
+    return statistics.median(pairs) if pairs else None
 
 
 def interleaved_ms(impls: dict, *, mode: str, rounds: int, warmup: int, repeats: int, device: torch.device
                    ) -> dict[str, float]:
     """Each implementation's median over `rounds` interleaved rounds (_take_turns) of its median call time
     (time_ms)."""
-    return _medians(_take_turns(impls, rounds, lambda impl: statistics.median(
+    return medians(_take_turns(impls, rounds, lambda impl: statistics.median(
         time_ms(impl.step(mode), warmup=warmup, repeats=repeats, device=device))))
 
 
 def interleaved_host_us(impls: dict, *, mode: str, rounds: int, calls: int, device: torch.device
-                        ) -> dict[str, float]:
-    """Each implementation's host enqueue time per call (us): the median over `rounds` interleaved rounds
-    (_take_turns) of a loop of `calls` back-to-back calls, on a GPU with the GPU held by a spin kernel, so
-    that only the host's work counts (a round whose spin ended early is dropped)."""
+                        ) -> dict[str, list[float | None]]:
+    """Each implementation's host enqueue time per call (us) in each of `rounds` interleaved rounds
+    (_take_turns: medians gives each one's median, paired_median what one adds to another), from a loop of
+    `calls` back-to-back calls, on a GPU with the GPU held by a spin kernel, so that only the host's work
+    counts (a round whose spin ended early gives None)."""
     cycles_per_us = spin_cycles_per_us() if device.type == "cuda" else None
 
     def host_us(impl) -> float | None:
@@ -362,7 +372,7 @@ def interleaved_host_us(impls: dict, *, mode: str, rounds: int, calls: int, devi
             return host
         return held[0] if held[2] else None
 
-    return _medians(_take_turns(impls, rounds, host_us))
+    return _take_turns(impls, rounds, host_us)
 
 
 def max_abs_diff(ours: Sequence[torch.Tensor], reference: Sequence[torch.Tensor]) -> float:

@@ -75,7 +75,7 @@ def main() -> int:
             for _ in range(20):
                 impl.step(mode)()
         torch.cuda.synchronize()  # (an implementation that raises in the timed rounds is left out below)
-        host = common.interleaved_host_us(impls, mode=mode, rounds=11, calls=60, device=device)
+        host = common.medians(common.interleaved_host_us(impls, mode=mode, rounds=11, calls=60, device=device))
         print(f"{mode}: " + "  ".join(f"{name} {us:.1f} us" for name, us in host.items()), flush=True)
     for mode in ("fwd", "training fwd", "fwd+bwd"):
         _profile(f"document mask_mod, {mode}", impls["document mask_mod"].step(mode))

@@ -49,7 +49,7 @@ def main() -> int:
                     impl.step(mode)()
             torch.cuda.synchronize()
             gpu = common.interleaved_ms(impls, mode=mode, rounds=5, warmup=3, repeats=10, device=device)
-            host = common.interleaved_host_us(impls, mode=mode, rounds=7, calls=30, device=device)
+            host = common.medians(common.interleaved_host_us(impls, mode=mode, rounds=7, calls=30, device=device))
             rows = (f"{name} {gpu[name]:.3f} ms / {host.get(name, float('nan')):.0f} us" for name in impls)
             print(f"S={seqlen} {mode}: " + "  ".join(rows), flush=True)
     return 0

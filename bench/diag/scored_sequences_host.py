@@ -58,7 +58,7 @@ def measure() -> dict:
             for _ in range(10):
                 impl.step(mode)()
         torch.cuda.synchronize()
-        host = common.interleaved_host_us(impls, mode=mode, rounds=9, calls=50, device=device)
+        host = common.medians(common.interleaved_host_us(impls, mode=mode, rounds=9, calls=50, device=device))
         gpu = common.interleaved_ms(impls, mode=mode, rounds=5, warmup=3, repeats=20, device=device)
         for name in impls:
             found[f"{name} {mode}"] = {"host_us": round(host.get(name, float("nan")), 1),
