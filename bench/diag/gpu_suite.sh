@@ -1,6 +1,7 @@
 #!/bin/bash
 # One device call: the native libraries (carried prebuilt ones in .native-libs/, else built now and
-# copied to $OUT/native-libs for the next call), then the GPU suite in WORKERS pytest-xdist processes
+# copied to $OUT/native-libs for the next call; BUILD=torch, or a comma list of kinds, builds those from
+# this tree beside carried ones of the other kinds), then the GPU suite in WORKERS pytest-xdist processes
 # (PYTEST_ARGS replaces its paths, SUITE=0 skips it) and any extra command (EXTRA). Carry .whl with
 # pytest-xdist and execnet in it.
 set -u
@@ -13,6 +14,18 @@ if [ -f .native-libs/libfusedattn_core.so ]; then  # carried: those present are 
     kind=${entry%%:*}
     [ -f .native-libs/${entry#*:} ] && export FUSEDATTN_NATIVE_LIB_${kind^^}=$PWD/.native-libs/${entry#*:}
   done
+  if [ -n "${BUILD:-}" ]; then  # built into a cache of their own, so each is found by its exact path
+    fresh=/tmp/fusedattn-build-$$
+    ( time FUSEDATTN_CACHE_DIR=$fresh python3 -m fusedattn build --kinds $BUILD ) > $OUT/build.txt 2>&1
+    tail -4 $OUT/build.txt
+    mkdir -p $OUT/native-libs
+    for entry in "${names[@]}"; do
+      kind=${entry%%:*}
+      [[ ",$BUILD," == *",$kind,"* ]] || continue
+      built=$(find $fresh -name ${entry#*:} | head -1)
+      [ -n "$built" ] && export FUSEDATTN_NATIVE_LIB_${kind^^}=$built && cp $built $OUT/native-libs/
+    done
+  fi
   env | grep FUSEDATTN_NATIVE_LIB
 else
   ( time python3 -m fusedattn build --kinds core,torch,jax ) 2>&1 | tee $OUT/build.txt
