@@ -4,6 +4,7 @@ same graphs the same way (the device is made current through the CUDA driver, cu
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 
@@ -12,7 +13,7 @@ import cudnn
 from fusedattn.backends.cudnn import cuda_driver
 from fusedattn.backends.cudnn.graphs import BuiltGraph, GraphBuildError, build_backward, build_forward
 from fusedattn.backends.cudnn.spec import graph_key, sdpa_spec
-from fusedattn.cache import LRUCache, register
+from fusedattn.cache import LRUCache, clear_all, register
 from fusedattn.config import AttentionConfig
 
 __all__ = ["graph_cache", "handle", "build_lock", "get_graph", "probe", "current_device"]
@@ -28,6 +29,20 @@ _local = threading.local()
 
 def graph_cache() -> LRUCache:
     return _graphs
+
+
+def _release_at_exit() -> None:
+    """Drops the cuDNN frontend objects this library keeps (built graphs in its caches, this thread's
+    handles) while the interpreter still runs: kept until the frontend's module is torn down, each is
+    reported as leaked there ("nanobind: leaked N instances!"). Registered after the frontend imported,
+    so it runs before anything the frontend registered."""
+    clear_all()
+    handles = getattr(_local, "handles", None)
+    if handles:
+        handles.clear()
+
+
+atexit.register(_release_at_exit)
 
 
 def handle(device: int, stream: int | None = None):
