@@ -5,6 +5,7 @@ same graphs the same way (the device is made current through the CUDA driver, cu
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import threading
 
@@ -35,11 +36,13 @@ def _release_at_exit() -> None:
     """Drops the cuDNN frontend objects this library keeps (built graphs in its caches, this thread's
     handles) while the interpreter still runs: kept until the frontend's module is torn down, each is
     reported as leaked there ("nanobind: leaked N instances!"). Registered after the frontend imported,
-    so it runs before anything the frontend registered."""
+    so it runs before anything the frontend registered. A collection then frees the graphs that only
+    reference cycles still hold (a kept exception's traceback and the frames it holds, for one)."""
     clear_all()
     handles = getattr(_local, "handles", None)
     if handles:
         handles.clear()
+    gc.collect()
 
 
 atexit.register(_release_at_exit)
