@@ -5,6 +5,8 @@ tests/gpu/test_jax_without_torch.py."""
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pytest
 
@@ -25,15 +27,19 @@ class FakeLaunch:
     def __init__(self, value=1.0):
         self.calls, self.value = [], value
 
-    def __call__(self, cfg, direction, inputs, results, score_mod):
+    def __call__(self, cfg, direction, inputs, results, score_mod, steps_of=None):
         self.calls.append((direction, cfg, {n: (tuple(x.shape), str(x.dtype)) for n, x in inputs.items()}))
+        self.steps_of = steps_of
         return {name: jnp.full(shape.shape, self.value, shape.dtype) for name, shape in results.items()}
 
 
 @pytest.fixture
 def fake(monkeypatch):
+    """The fake launch, with padded and THD passes fixing their rows in jax.numpy (the path score_mods and
+    max_logit keep; the custom call's own fix-ups run on the GPU: tests/gpu/test_jax.py)."""
     launch = FakeLaunch()
     monkeypatch.setattr(cudnn_call, "_launch", launch)
+    monkeypatch.setattr(cudnn_call.sequence_steps, "unsupported", lambda cfg: "the fake launch runs no kernels")
     return launch
 
 
@@ -200,3 +206,105 @@ def test_vmap_folds_into_the_batch_unless_a_shared_operand_is_vmapped(fake):
     out = jax.vmap(forward)(stacked_q, jnp.stack([bias] * 3))
     assert out.shape == (3, B, S, H, D)
     assert {call[1].batch for call in fake.calls} == {B}, "a vmapped bias runs item by item"
+
+
+# ------------------------------------------------- the custom call's own table and fix-ups (sequence_steps)
+
+class KernelLaunch(FakeLaunch):
+    """cudnn_call._launch as jax_call.cc runs a pass with its own kernels: the planned launches before the
+    graph (Triton's interpreter over torch tensors), the graph (a fake writing `graph_results`), the
+    launches after it; every word decoded as the handler decodes it."""
+
+    def __init__(self, graph_results):
+        super().__init__()
+        self.graph_results = graph_results
+
+    def __call__(self, cfg, direction, inputs, results, score_mod, steps_of=None):
+        import torch
+
+        assert steps_of is not None, "a padded or THD pass without its own kernels"
+        steps = steps_of(0)
+        assert not set(steps.table_slots) & set(inputs), "the graph reads its sequence rows from the table"
+        names = tuple(inputs)
+
+        def host(*values):  # the handler, on the host: jax_call.cc's order of work
+            buffers = {name: torch.from_numpy(np.array(x)) for name, x in zip(names, values)}
+            buffers.update({name: torch.from_numpy(self.graph_results(name, shape)) for name, shape in results.items()})
+            buffers[cudnn_call.sequence_steps.TABLE] = torch.full(steps.table_shape, -7, dtype=torch.int32)
+            for phase in (cudnn_call.sequence_steps.BEFORE, cudnn_call.sequence_steps.AFTER):
+                for launch in steps.launches:
+                    if launch.phase == phase:
+                        _run(steps.kernels[launch.kernel], launch, buffers)
+            return tuple(buffers[name].numpy() for name in results)
+
+        outs = jax.pure_callback(host, tuple(results.values()), *inputs.values())
+        return dict(zip(results, outs))
+
+
+def _run(kernel, launch, buffers) -> None:
+    """One planned launch in Triton's interpreter, its words decoded as jax_call.cc decodes them."""
+    import struct
+
+    _, function, constants, _ = kernel
+    names = cudnn_call.sequence_steps.arguments(function)
+    assert len(names) == len(launch.words)
+    args = []
+    for name, word in zip(names, launch.words):
+        if isinstance(word, tuple):
+            assert word[1] == 0 and word[0] in buffers, word
+            args.append(buffers[word[0]])
+        else:
+            args.append(struct.unpack("<f", struct.pack("<I", word))[0] if name == "gap_lse" else word)
+    function[(launch.blocks,)](*args, **constants)
+
+
+def _graph_results(name, shape):
+    """What the fake graph writes: fixed values per result, finite, differing by row."""
+    rng = np.random.default_rng(abs(hash((name, shape.shape))) % 2**32)
+    return rng.standard_normal(shape.shape).astype(shape.dtype)
+
+
+@pytest.mark.parametrize("case", ["padding", "padding_sink", "thd_gaps", "thd_causal_gqa", "bhsd", "sbhd"])
+def test_the_calls_own_fix_ups_give_what_the_jax_numpy_fixes_give(monkeypatch, triton_interpreter, case):
+    pytest.importorskip("torch")
+    pytest.importorskip("triton")
+    from fusedattn.backends.cudnn.native import sequence_plans
+
+    monkeypatch.setattr(sequence_plans, "_compile",
+                        lambda function, cfg, target, constants, divisible=None: (b"", function, constants, 0))
+    monkeypatch.setattr(cudnn_call.sequence_steps, "_target", lambda device: types.SimpleNamespace(arch="interpreted"))
+    cu = np.array([0, 5, 5])  # the second sequence has no queries
+    cu_kv = np.array([0, 0, 8])  # ... and the first has no keys
+    extra = {}
+    if case.startswith("thd"):
+        cfg = _cfg(layout="thd", mask="padding_causal" if case == "thd_causal_gqa" else "padding", seqlen_q=4,
+                   seqlen_kv=4, padded_offsets=True, dtype="float16")
+        cu, cu_kv, padded = np.array([0, 3, 5]), np.array([0, 2, 5]), np.array([0, 4, 8])
+        tokens = np.ones((8, H, D))
+        extra = dict(q=tokens, k=tokens, v=tokens, cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded)
+    else:
+        cfg = _cfg(mask="padding", dtype="float16", layout=case if case in ("bhsd", "sbhd") else "bshd",
+                   softmax="learnable" if case == "padding_sink" else "vanilla")
+        if case == "padding_sink":
+            extra = dict(sink=np.array([0.5, -1.0]))
+    arrays = [None if x is None else (x.astype(jnp.float16) if jnp.issubdtype(x.dtype, jnp.floating) else x)
+              for x in _arrays(cfg, cu_seqlens_q=cu, cu_seqlens_kv=cu_kv, **extra)]
+    own = KernelLaunch(_graph_results)
+    monkeypatch.setattr(cudnn_call, "_launch", own)
+    assert cudnn_call._own_fixes(cfg)
+    out, lse, _ = cudnn_call.forward(cfg, None, arrays)
+    grads = cudnn_call.backward(cfg, None, arrays, out, lse, None)
+
+    fixed_in_jax = FakeLaunch()
+    fixed_in_jax.__class__ = type("GraphValues", (FakeLaunch,), {"__call__": lambda self, cfg, direction, inputs,
+                                  results, score_mod, steps_of=None: {n: jnp.asarray(_graph_results(n, s))
+                                                                      for n, s in results.items()}})
+    monkeypatch.setattr(cudnn_call, "_launch", fixed_in_jax)
+    monkeypatch.setattr(cudnn_call.sequence_steps, "unsupported", lambda cfg: "compared")
+    want_out, want_lse, _ = cudnn_call.forward(cfg, None, arrays)
+    want_grads = cudnn_call.backward(cfg, None, arrays, want_out, want_lse, None)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want_out, np.float32))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(want_lse))
+    for name in "qkv":
+        np.testing.assert_array_equal(np.asarray(grads[name], np.float32), np.asarray(want_grads[name], np.float32),
+                                      err_msg=name)
