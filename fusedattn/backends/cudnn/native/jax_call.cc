@@ -154,8 +154,10 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, int64_t plan, ffi::Span<
     for (size_t i = 0; i < scalars.size(); ++i) {  // cuDNN copies pass-by-value inputs at launch
         slots[buffers + i] = const_cast<int32_t *>(scalars.begin() + i);
     }
-    std::vector<void *> addresses(slots.begin(), slots.begin() + buffers);
-    for (size_t i = 0; i < buffers; ++i) {  // unbound buffers still have addresses the kernels may read
+    const bool own_kernels = steps.size() > 0 || derived_slots > 0;
+    std::vector<void *> addresses;
+    if (own_kernels) addresses.assign(slots.begin(), slots.begin() + buffers);
+    for (size_t i = 0; own_kernels && i < buffers; ++i) {  // unbound buffers have addresses the kernels read
         if (addresses[i] != nullptr) continue;
         if (i < args.size()) {
             auto buffer = args.get<ffi::AnyBuffer>(i);
