@@ -12,6 +12,7 @@ import pytest
 
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
+from needs_torch import requires_torch  # noqa: E402
 
 from fusedattn.backends.base import ARRAY_NAMES  # noqa: E402
 from fusedattn.backends.cudnn.spec import sdpa_spec  # noqa: E402
@@ -264,9 +265,9 @@ def _graph_results(name, shape):
     return rng.standard_normal(shape.shape).astype(shape.dtype)
 
 
+@requires_torch("Triton's interpreter runs the sequence kernels over torch tensors")
 @pytest.mark.parametrize("case", ["padding", "padding_sink", "thd_gaps", "thd_causal_gqa", "bhsd", "sbhd"])
 def test_the_calls_own_fix_ups_give_what_the_jax_numpy_fixes_give(monkeypatch, triton_interpreter, case):
-    pytest.importorskip("torch")
     pytest.importorskip("triton")
     from fusedattn.backends.cudnn.native import sequence_plans
 
