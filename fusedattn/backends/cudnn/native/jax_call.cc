@@ -84,11 +84,13 @@ void *address(const std::vector<void *> &buffers, int64_t index, int64_t offset)
     return static_cast<char *>(buffers[static_cast<size_t>(index)]) + offset;
 }
 
-// Runs the kernel launches of `steps` whose phase is `phase` (0 before the graph, 1 after). A launch is
+// Calls visit(kernel, blocks, words) for each launch of `steps` whose phase is `phase` (0 before the
+// graph, 1 after), in order; "" when all ran, else why not (visit's own reason included). A launch is
 // phase, kernel, blocks, word count, then per word (buffer index or -1, value): a buffer's address plus
 // value bytes, or the value itself.
-std::string run_steps(int64_t phase, ffi::Span<const int64_t> steps, const KernelSet *kernels,
-                      const std::vector<void *> &buffers, int32_t device, cudaStream_t stream) {
+template <class Visit>
+std::string each_launch(int64_t phase, ffi::Span<const int64_t> steps, const std::vector<void *> &buffers,
+                        Visit visit) {
     size_t at = 0;
     std::vector<uint64_t> words;
     while (at + 4 <= steps.size()) {
@@ -96,9 +98,6 @@ std::string run_steps(int64_t phase, ffi::Span<const int64_t> steps, const Kerne
         int64_t count = head[3];
         if (count < 0 || at + 4 + 2 * size_t(count) > steps.size()) return "a launch's words lie outside its attribute";
         if (head[0] == phase) {
-            if (kernels == nullptr || head[1] < 0 || head[1] >= int64_t(kernels->kernels.size())) {
-                return "a launch names kernel " + std::to_string(head[1]) + ", which the call lacks";
-            }
             words.clear();
             for (int64_t w = 0; w < count; ++w) {
                 int64_t index = head[4 + 2 * w], value = head[5 + 2 * w];
@@ -106,12 +105,23 @@ std::string run_steps(int64_t phase, ffi::Span<const int64_t> steps, const Kerne
                 words.push_back(index < 0 ? static_cast<uint64_t>(value)
                                           : reinterpret_cast<uint64_t>(address(buffers, index, value)));
             }
-            std::string error = kernels->kernels[size_t(head[1])]->launch(device, stream, head[2], words);
+            std::string error = visit(head[1], head[2], words);
             if (!error.empty()) return error;
         }
         at += 4 + 2 * size_t(count);
     }
     return at == steps.size() ? "" : "the launch steps end mid-launch";
+}
+
+// Launches the kernels of `steps` whose phase is `phase` on `stream`.
+std::string run_steps(int64_t phase, ffi::Span<const int64_t> steps, const KernelSet *kernels,
+                      const std::vector<void *> &buffers, int32_t device, cudaStream_t stream) {
+    return each_launch(phase, steps, buffers, [&](int64_t kernel, int64_t blocks, std::vector<uint64_t> &words) {
+        if (kernels == nullptr || kernel < 0 || kernel >= int64_t(kernels->kernels.size())) {
+            return "a launch names kernel " + std::to_string(kernel) + ", which the call lacks";
+        }
+        return kernels->kernels[size_t(kernel)]->launch(device, stream, blocks, words);
+    });
 }
 
 ffi::Error Execute(cudaStream_t stream, int32_t device, int64_t plan, ffi::Span<const uint8_t> blob,
@@ -243,6 +253,27 @@ int fusedattn_jax_prepare_kernels(int64_t key, const uint8_t *images, int64_t im
         jax_error = kernels->kernels[i]->prepare(device);
     }
     return jax_error.empty() ? 0 : 1;
+}
+
+// What the handler would launch for `steps` in `phase` with buffer i at addresses[i], written to `out`
+// as kernel, blocks, word count, words... per launch (at most `capacity` numbers): the count written,
+// or -1 (jax_last_error says why). Python's tests check their encoding against it.
+int64_t fusedattn_jax_launch_words(const int64_t *steps, int64_t count, int64_t phase, const uint64_t *addresses,
+                                   int64_t buffers, uint64_t *out, int64_t capacity) {
+    jax_error.clear();
+    std::vector<void *> buffer_at(static_cast<size_t>(buffers), nullptr);
+    for (int64_t i = 0; i < buffers; ++i) buffer_at[size_t(i)] = reinterpret_cast<void *>(addresses[i]);
+    int64_t written = 0;
+    jax_error = each_launch(phase, ffi::Span<const int64_t>(steps, size_t(count)), buffer_at,
+                            [&](int64_t kernel, int64_t blocks, std::vector<uint64_t> &words) -> std::string {
+                                if (written + 3 + int64_t(words.size()) > capacity) return "out of room";
+                                out[written++] = uint64_t(kernel);
+                                out[written++] = uint64_t(blocks);
+                                out[written++] = words.size();
+                                for (uint64_t word : words) out[written++] = word;
+                                return "";
+                            });
+    return jax_error.empty() ? written : -1;
 }
 
 // Finds the launch core's functions in the library at `core_path` (already loaded by Python). 0 on success.
