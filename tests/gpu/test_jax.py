@@ -19,6 +19,8 @@ Skipped without a GPU (conftest), without a GPU backend for JAX, or without nvid
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -335,6 +337,21 @@ def thd_case(seed: int, gaps: bool):
     return arrays, options
 
 
+def empty_sequences_case(layout: str, seed: int):
+    """Sequences without queries or without keys, with learnable sinks: rows outside every sequence, and
+    queries whose sequence has no keys (output 0, the sink's LSE), which the call's own fix-ups write."""
+    lens_q, lens_kv = [60, 0, 17, 33], [30, 12, 0, 40]
+    options = {"layout": layout, "mask": "padding", "softmax_type": "learnable",
+               "cu_seqlens_q": cumulative(lens_q), "cu_seqlens_kv": cumulative(lens_kv)}
+    sink = normal(seed + 6, (H,))
+    if layout == "thd":
+        tq, tkv = sum(lens_q) + 5, sum(lens_kv) + 3  # tokens after the last sequence too
+        return {"q": normal(seed, (tq, H, D)), "k": normal(seed + 1, (tkv, 2, D)), "v": normal(seed + 2, (tkv, 2, D)),
+                "sink": sink}, options
+    q, k, v = qkv(seed, b=4, sq=64, skv=48)
+    return {"q": q, "k": k, "v": v, "sink": sink}, options
+
+
 def scored(case, **options):
     arrays, given = case
     return arrays, {**given, **options, "score_mod": sm.softcap(2.0)}
@@ -361,6 +378,8 @@ FEATURES = {
     "padding_causal_bottom_right": lambda seed: padding_case("padding_causal_bottom_right", seed),
     "thd": lambda seed: thd_case(seed, gaps=False),
     "thd-padded_offsets": lambda seed: thd_case(seed, gaps=True),
+    "padding-empty_sequences-sink": lambda seed: empty_sequences_case("bshd", seed),
+    "thd-empty_sequences-sink": lambda seed: empty_sequences_case("thd", seed),
     "window-causal-32": lambda seed: ({n: x for n, x in zip("qkv", qkv(seed))}, {"mask": "causal", "window": (32, 0)}),
     "window-16-16": lambda seed: ({n: x for n, x in zip("qkv", qkv(seed))}, {"mask": "none", "window": (16, 16)}),
     "bias-1HSS": lambda seed: bias_case((1, H, S, S), seed),
@@ -384,6 +403,28 @@ def test_features_forward_lse_and_gradients(cudnn_calls, name, dtype):
     seed = 1000 + 10 * list(FEATURES).index(name)
     arrays, options = FEATURES[name](seed)
     check(cudnn_calls, arrays, options, dtype, seed=seed)
+
+
+@pytest.mark.parametrize("name", ["padding", "thd-padded_offsets", "thd-empty_sequences-sink"])
+def test_padded_and_thd_passes_fix_their_rows_inside_the_custom_call(cudnn_calls, name):
+    """The call's own kernels (jax/sequence_steps.py) build the sequence table and fix the rows cuDNN leaves:
+    the compiled program holds the custom calls and no select over a whole output or gradient."""
+    arrays, options = FEATURES[name](7)
+    jarrays, joptions = jax_inputs(arrays, options, BF16)
+    names = list(jarrays)
+
+    def loss(*values):
+        out = fj.attention(**dict(zip(names, values)), **joptions, backend="cudnn")
+        return out.astype(jnp.float32).sum()
+
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*jarrays.values()).as_text()
+    calls = [line for line in text.splitlines() if native.TARGET in line]
+    keys = [re.search(r"kernels_key = (-?\d+)", line) for line in calls]
+    assert len(calls) == 2 and all(key and key.group(1) != "0" for key in keys), [line[:300] for line in calls]
+    shapes = {"x".join(map(str, jarrays[name].shape)) + "x" for name in ("q", "k", "v")}
+    whole = [line[:200] for line in text.splitlines()
+             if "stablehlo.select" in line and any(f"tensor<{shape}" in line for shape in shapes)]
+    assert not whole, whole
 
 
 def test_eager_call_with_bias_and_sink(cudnn_calls):
