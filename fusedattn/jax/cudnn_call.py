@@ -8,6 +8,10 @@ Around the graph, as the torch path does it (backends/cudnn/torch_run.py), in ja
   after: the LSE from cuDNN's row maxima and sums (max_logit), rows a score_mod left without keys
   (output 0, LSE -inf), rows outside every sequence (padded and THD), dBias summed over its
   broadcast axes, dSink in the sink's dtype.
+A padded or THD pass does its sequence work inside the custom call instead, as the torch operator does
+(jax/sequence_steps.py: the sequence table before the graph, the row fix-ups after it, Triton kernels
+launched by the handler), so no XLA pass reads and rewrites a whole output; the jax.numpy forms above
+stay for score_mods (padding penalties), return_max_logit and head dims that are not multiples of 8.
 Offsets reach here already checked or made safe by the frontend (a broken traced call runs on
 all-zero offsets and its outputs are NaN), so cuDNN never reads past a buffer. Numbers of a
 score_mod travel by value in the call's attributes; its arrays are operands.
