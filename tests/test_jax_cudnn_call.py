@@ -209,6 +209,30 @@ def test_vmap_folds_into_the_batch_unless_a_shared_operand_is_vmapped(fake):
     assert {call[1].batch for call in fake.calls} == {B}, "a vmapped bias runs item by item"
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["per-item", "shared"])
+def test_vmap_gives_nan_to_the_items_whose_offsets_break_the_rules_and_runs_the_others_on_theirs(fake, shared):
+    """Folding concatenates the items' lengths, which hides offsets that do not start at 0: a pass that checks
+    its own offsets (cudnn_call.checks_offsets) would run the folded batch as valid. The rule checks each item
+    first: a broken item runs on all-zero offsets and its results are NaN; the others run on their own."""
+    cfg = _cfg(mask="padding")
+    good, broken = np.array([0, 5, 8]), np.array([1, 5, 8])
+    arrays = list(_arrays(cfg, cu_seqlens_q=good, cu_seqlens_kv=good))
+    stacked_q = jnp.stack([arrays[0]] * 3)
+    cus = jnp.asarray(np.stack([good, broken, good]), jnp.int32)
+
+    def forward(q, cu):
+        named = dict(zip(ARRAY_NAMES, arrays), q=q, cu_seqlens_q=cu, cu_seqlens_kv=cu)
+        return cudnn_call.forward(cfg, None, tuple(named[name] for name in ARRAY_NAMES))
+
+    out, lse, _ = jax.vmap(forward, in_axes=(0, None if shared else 0))(stacked_q, cus[1] if shared else cus)
+    out, lse = np.asarray(out, np.float32), np.asarray(lse)
+    broken_items = [0, 1, 2] if shared else [1]
+    assert np.isnan(out[broken_items]).all() and np.isnan(lse[broken_items]).all()
+    if not shared:
+        assert not np.isnan(out[[0, 2]]).any()
+    assert {call[1].batch for call in fake.calls if call[0] == "forward"} >= {3 * B}, "the items run as one folded pass"
+
+
 # ------------------------------------------------- the custom call's own table and fix-ups (sequence_steps)
 
 class KernelLaunch(FakeLaunch):
@@ -231,13 +255,14 @@ class KernelLaunch(FakeLaunch):
         def host(*values):  # the handler, on the host: jax_call.cc's order of work
             buffers = {name: torch.from_numpy(np.array(x)) for name, x in zip(names, values)}
             buffers.update({name: torch.from_numpy(self.graph_results(name, shape)) for name, shape in results.items()})
-            buffers[cudnn_call.sequence_steps.TABLE] = torch.full(steps.table_shape, -7, dtype=torch.int32)
             for phase in (cudnn_call.sequence_steps.BEFORE, cudnn_call.sequence_steps.AFTER):
                 for launch in steps.launches:
                     if launch.phase == phase:
                         _run(steps.kernels[launch.kernel], launch, buffers)
             return tuple(buffers[name].numpy() for name in results)
 
+        # the table is one more result of the call, as cudnn_call._launch declares it
+        results = dict(results, **{cudnn_call.sequence_steps.TABLE: jax.ShapeDtypeStruct(steps.table_shape, jnp.int32)})
         outs = jax.pure_callback(host, tuple(results.values()), *inputs.values())
         return dict(zip(results, outs))
 
@@ -260,7 +285,10 @@ def _run(kernel, launch, buffers) -> None:
 
 
 def _graph_results(name, shape):
-    """What the fake graph writes: fixed values per result, finite, differing by row."""
+    """What the fake graph writes: fixed values per result, finite, differing by row (the sequence table:
+    -7, for the table kernel to overwrite)."""
+    if name == cudnn_call.sequence_steps.TABLE:
+        return np.full(shape.shape, -7, np.int32)
     rng = np.random.default_rng(abs(hash((name, shape.shape))) % 2**32)
     return rng.standard_normal(shape.shape).astype(shape.dtype)
 
@@ -269,11 +297,7 @@ def _graph_results(name, shape):
 @pytest.mark.parametrize("case", ["padding", "padding_sink", "thd_gaps", "thd_causal_gqa", "bhsd", "sbhd"])
 def test_the_calls_own_fix_ups_give_what_the_jax_numpy_fixes_give(monkeypatch, triton_interpreter, case):
     pytest.importorskip("triton")
-    from fusedattn.backends.cudnn.native import sequence_plans
-
-    monkeypatch.setattr(sequence_plans, "_compile",
-                        lambda function, cfg, target, constants, divisible=None: (b"", function, constants, 0))
-    monkeypatch.setattr(cudnn_call.sequence_steps, "_target", lambda device: types.SimpleNamespace(arch="interpreted"))
+    _interpreted_kernels(monkeypatch)
     cu = np.array([0, 5, 5])  # the second sequence has no queries
     cu_kv = np.array([0, 0, 8])  # ... and the first has no keys
     extra = {}
@@ -309,3 +333,34 @@ def test_the_calls_own_fix_ups_give_what_the_jax_numpy_fixes_give(monkeypatch, t
     for name in "qkv":
         np.testing.assert_array_equal(np.asarray(grads[name], np.float32), np.asarray(want_grads[name], np.float32),
                                       err_msg=name)
+
+
+def _interpreted_kernels(monkeypatch) -> None:
+    """sequence_steps' kernels as Triton's interpreter runs them (_run), not compiled for a GPU."""
+    from fusedattn.backends.cudnn.native import sequence_plans
+
+    monkeypatch.setattr(sequence_plans, "_compile",
+                        lambda function, cfg, target, constants, divisible=None: (b"", function, constants, 0))
+    monkeypatch.setattr(cudnn_call.sequence_steps, "_target", lambda device: types.SimpleNamespace(arch="interpreted"))
+
+
+@requires_torch("Triton's interpreter runs the sequence kernels over torch tensors")
+@pytest.mark.parametrize("cu", [[1, 5, 8], [0, 9, 9], [0, 6, 2]], ids=["not-from-zero", "too-long", "negative"])
+def test_a_call_that_checks_its_own_offsets_gives_nan_everywhere_for_broken_ones(monkeypatch, triton_interpreter, cu):
+    """The frontend multiplies nothing by its NaN-or-one factor around a pass that checks its offsets itself
+    (cudnn_call.checks_offsets): the table kernel flags them and every output and gradient is NaN."""
+    pytest.importorskip("triton")
+    _interpreted_kernels(monkeypatch)
+    cfg = _cfg(mask="padding", dtype="float16", softmax="learnable", bias="post_scale", bias_shape=(1, H, S, S),
+               bias_requires_grad=True)
+    assert cudnn_call.checks_offsets(cfg)
+    arrays = [None if x is None else (x.astype(jnp.float16) if jnp.issubdtype(x.dtype, jnp.floating) else x)
+              for x in _arrays(cfg, cu_seqlens_q=np.array(cu), cu_seqlens_kv=np.array(cu), sink=np.array([0.5, -1.0]),
+                              bias=np.random.default_rng(1).standard_normal((1, H, S, S)))]
+    monkeypatch.setattr(cudnn_call, "_launch", KernelLaunch(_graph_results))
+    out, lse, _ = cudnn_call.forward(cfg, None, arrays)
+    grads = cudnn_call.backward(cfg, None, arrays, out, lse, None)
+    assert np.isnan(np.asarray(out, np.float32)).all() and np.isnan(np.asarray(lse)).all()
+    assert set(grads) >= {"q", "k", "v", "bias", "sink"}
+    for name, grad in grads.items():
+        assert np.isnan(np.asarray(grad, np.float32)).all(), name

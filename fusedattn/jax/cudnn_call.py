@@ -12,8 +12,11 @@ A padded or THD pass does its sequence work inside the custom call instead, as t
 (jax/sequence_steps.py: the sequence table before the graph, the row fix-ups after it, Triton kernels
 launched by the handler), so no XLA pass reads and rewrites a whole output; the jax.numpy forms above
 stay for score_mods (padding penalties), return_max_logit and head dims that are not multiples of 8.
-Offsets reach here already checked or made safe by the frontend (a broken traced call runs on
-all-zero offsets and its outputs are NaN), so cuDNN never reads past a buffer. Numbers of a
+Such a pass also checks its offsets itself, as the torch operator's does (the table kernel flags broken
+ones, reads none of them into the table, and the fix-ups write NaN into every output and gradient row;
+checks_offsets), so the frontend multiplies nothing by a NaN-or-one factor around it. Other passes get
+their offsets already checked or made safe by the frontend (a broken traced call runs on all-zero
+offsets and its outputs are NaN), so cuDNN never reads past a buffer. Numbers of a
 score_mod travel by value in the call's attributes; its arrays are operands.
 """
 
@@ -40,7 +43,7 @@ from fusedattn.jax.pass_calls import backward_call, forward_call, output_shapes
 from fusedattn.score_mods.core import MASKED, MASKED_BELOW, may_empty_rows
 from fusedattn.xp.jax_ops import OPS
 
-__all__ = ["unavailable", "forward", "backward"]
+__all__ = ["unavailable", "checks_offsets", "forward", "backward"]
 
 _SCALAR_BITS = {"float32": np.float32, "int32": np.int32}
 
@@ -180,6 +183,19 @@ def _own_fixes(cfg: AttentionConfig) -> bool:
     return cfg.has_sequence_lengths and sequence_steps.unsupported(cfg) is None
 
 
+def checks_offsets(cfg: AttentionConfig) -> bool:
+    """Whether cfg's passes check their sequence offsets on the device themselves: given broken ones, the
+    custom call reads none of them and writes NaN into every output and gradient (the poisoned ones here)."""
+    return not rows_without_keys(cfg) and _own_fixes(cfg)
+
+
+def _poisoned_by_table(x, cfg: AttentionConfig, table):
+    """x, or NaN where the call's sequence table flags its offsets as broken (a small gradient the
+    fix-ups do not reach: dBias, dSink)."""
+    broken = table[config_layout(cfg).flag_row, 0] != 0
+    return jnp.where(broken, jnp.full((), jnp.nan, x.dtype), x)
+
+
 def _offsets(named: dict) -> dict:
     """The call's sequence offsets as int32 operands, by sequence_steps.OFFSET_NAMES."""
     return {name: named[name].astype(jnp.int32) for name in sequence_steps.OFFSET_NAMES if named.get(name) is not None}
@@ -303,6 +319,9 @@ def _backward_pass(cfg: AttentionConfig, named: dict, aux: dict, score_mod, out,
         grads["bias"] = dbias.reshape(named["bias"].shape).astype(named["bias"].dtype)
     if "dsink" in got and cfg.softmax is SoftmaxType.LEARNABLE:
         grads["sink"] = got["dsink"].reshape(cfg.heads_q).astype(named["sink"].dtype)
+    if own_fixes:
+        grads.update({name: _poisoned_by_table(grads[name], cfg, got[sequence_steps.TABLE])
+                      for name in ("bias", "sink") if name in grads})
     return {name: grads[name] for name in wanted if name in grads}
 
 
