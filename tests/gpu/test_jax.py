@@ -405,7 +405,8 @@ def test_features_forward_lse_and_gradients(cudnn_calls, name, dtype):
     check(cudnn_calls, arrays, options, dtype, seed=seed)
 
 
-@pytest.mark.parametrize("name", ["padding", "thd-padded_offsets", "thd-empty_sequences-sink"])
+# (THD with a learnable sink: cuDNN 9.19 declines its backward, the features test skips it saying so)
+@pytest.mark.parametrize("name", ["padding", "thd-padded_offsets", "padding-empty_sequences-sink"])
 def test_padded_and_thd_passes_fix_their_rows_inside_the_custom_call(cudnn_calls, name):
     """The call's own kernels (jax/sequence_steps.py) build the sequence table and fix the rows cuDNN leaves:
     the compiled program holds the custom calls and no select over a whole output or gradient."""
