@@ -5,11 +5,14 @@ tests/gpu/test_jax_without_torch.py."""
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pytest
 
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
+from needs_torch import requires_torch  # noqa: E402
 
 from fusedattn.backends.base import ARRAY_NAMES  # noqa: E402
 from fusedattn.backends.cudnn.spec import sdpa_spec  # noqa: E402
@@ -25,15 +28,19 @@ class FakeLaunch:
     def __init__(self, value=1.0):
         self.calls, self.value = [], value
 
-    def __call__(self, cfg, direction, inputs, results, score_mod):
+    def __call__(self, cfg, direction, inputs, results, score_mod, steps_of=None):
         self.calls.append((direction, cfg, {n: (tuple(x.shape), str(x.dtype)) for n, x in inputs.items()}))
+        self.steps_of = steps_of
         return {name: jnp.full(shape.shape, self.value, shape.dtype) for name, shape in results.items()}
 
 
 @pytest.fixture
 def fake(monkeypatch):
+    """The fake launch, with padded and THD passes fixing their rows in jax.numpy (the path score_mods and
+    max_logit keep; the custom call's own fix-ups run on the GPU: tests/gpu/test_jax.py)."""
     launch = FakeLaunch()
     monkeypatch.setattr(cudnn_call, "_launch", launch)
+    monkeypatch.setattr(cudnn_call.sequence_steps, "unsupported", lambda cfg: "the fake launch runs no kernels")
     return launch
 
 
@@ -200,3 +207,160 @@ def test_vmap_folds_into_the_batch_unless_a_shared_operand_is_vmapped(fake):
     out = jax.vmap(forward)(stacked_q, jnp.stack([bias] * 3))
     assert out.shape == (3, B, S, H, D)
     assert {call[1].batch for call in fake.calls} == {B}, "a vmapped bias runs item by item"
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["per-item", "shared"])
+def test_vmap_gives_nan_to_the_items_whose_offsets_break_the_rules_and_runs_the_others_on_theirs(fake, shared):
+    """Folding concatenates the items' lengths, which hides offsets that do not start at 0: a pass that checks
+    its own offsets (cudnn_call.checks_offsets) would run the folded batch as valid. The rule checks each item
+    first: a broken item runs on all-zero offsets and its results are NaN; the others run on their own."""
+    cfg = _cfg(mask="padding")
+    good, broken = np.array([0, 5, 8]), np.array([1, 5, 8])
+    arrays = list(_arrays(cfg, cu_seqlens_q=good, cu_seqlens_kv=good))
+    stacked_q = jnp.stack([arrays[0]] * 3)
+    cus = jnp.asarray(np.stack([good, broken, good]), jnp.int32)
+
+    def forward(q, cu):
+        named = dict(zip(ARRAY_NAMES, arrays), q=q, cu_seqlens_q=cu, cu_seqlens_kv=cu)
+        return cudnn_call.forward(cfg, None, tuple(named[name] for name in ARRAY_NAMES))
+
+    out, lse, _ = jax.vmap(forward, in_axes=(0, None if shared else 0))(stacked_q, cus[1] if shared else cus)
+    out, lse = np.asarray(out, np.float32), np.asarray(lse)
+    broken_items = [0, 1, 2] if shared else [1]
+    assert np.isnan(out[broken_items]).all() and np.isnan(lse[broken_items]).all()
+    if not shared:
+        assert not np.isnan(out[[0, 2]]).any()
+    assert {call[1].batch for call in fake.calls if call[0] == "forward"} >= {3 * B}, "the items run as one folded pass"
+
+
+# ------------------------------------------------- the custom call's own table and fix-ups (sequence_steps)
+
+class KernelLaunch(FakeLaunch):
+    """cudnn_call._launch as jax_call.cc runs a pass with its own kernels: the planned launches before the
+    graph (Triton's interpreter over torch tensors), the graph (a fake writing `graph_results`), the
+    launches after it; every word decoded as the handler decodes it."""
+
+    def __init__(self, graph_results):
+        super().__init__()
+        self.graph_results = graph_results
+
+    def __call__(self, cfg, direction, inputs, results, score_mod, steps_of=None):
+        import torch
+
+        assert steps_of is not None, "a padded or THD pass without its own kernels"
+        steps = steps_of(0)
+        assert not set(steps.table_slots) & set(inputs), "the graph reads its sequence rows from the table"
+        names = tuple(inputs)
+
+        def host(*values):  # the handler, on the host: jax_call.cc's order of work
+            buffers = {name: torch.from_numpy(np.array(x)) for name, x in zip(names, values)}
+            buffers.update({name: torch.from_numpy(self.graph_results(name, shape)) for name, shape in results.items()})
+            for phase in (cudnn_call.sequence_steps.BEFORE, cudnn_call.sequence_steps.AFTER):
+                for launch in steps.launches:
+                    if launch.phase == phase:
+                        _run(steps.kernels[launch.kernel], launch, buffers)
+            return tuple(buffers[name].numpy() for name in results)
+
+        # the table is one more result of the call, as cudnn_call._launch declares it
+        results = dict(results, **{cudnn_call.sequence_steps.TABLE: jax.ShapeDtypeStruct(steps.table_shape, jnp.int32)})
+        outs = jax.pure_callback(host, tuple(results.values()), *inputs.values())
+        return dict(zip(results, outs))
+
+
+def _run(kernel, launch, buffers) -> None:
+    """One planned launch in Triton's interpreter, its words decoded as jax_call.cc decodes them."""
+    import struct
+
+    _, function, constants, _ = kernel
+    names = cudnn_call.sequence_steps.arguments(function)
+    assert len(names) == len(launch.words)
+    args = []
+    for name, word in zip(names, launch.words):
+        if isinstance(word, tuple):
+            assert word[1] == 0 and word[0] in buffers, word
+            args.append(buffers[word[0]])
+        else:
+            args.append(struct.unpack("<f", struct.pack("<I", word))[0] if name == "gap_lse" else word)
+    function[(launch.blocks,)](*args, **constants)
+
+
+def _graph_results(name, shape):
+    """What the fake graph writes: fixed values per result, finite, differing by row (the sequence table:
+    -7, for the table kernel to overwrite)."""
+    if name == cudnn_call.sequence_steps.TABLE:
+        return np.full(shape.shape, -7, np.int32)
+    rng = np.random.default_rng(abs(hash((name, shape.shape))) % 2**32)
+    return rng.standard_normal(shape.shape).astype(shape.dtype)
+
+
+@requires_torch("Triton's interpreter runs the sequence kernels over torch tensors")
+@pytest.mark.parametrize("case", ["padding", "padding_sink", "thd_gaps", "thd_causal_gqa", "bhsd", "sbhd"])
+def test_the_calls_own_fix_ups_give_what_the_jax_numpy_fixes_give(monkeypatch, triton_interpreter, case):
+    pytest.importorskip("triton")
+    _interpreted_kernels(monkeypatch)
+    cu = np.array([0, 5, 5])  # the second sequence has no queries
+    cu_kv = np.array([0, 0, 8])  # ... and the first has no keys
+    extra = {}
+    if case.startswith("thd"):
+        cfg = _cfg(layout="thd", mask="padding_causal" if case == "thd_causal_gqa" else "padding", seqlen_q=4,
+                   seqlen_kv=4, padded_offsets=True, dtype="float16")
+        cu, cu_kv, padded = np.array([0, 3, 5]), np.array([0, 2, 5]), np.array([0, 4, 8])
+        tokens = np.ones((8, H, D))
+        extra = dict(q=tokens, k=tokens, v=tokens, cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded)
+    else:
+        cfg = _cfg(mask="padding", dtype="float16", layout=case if case in ("bhsd", "sbhd") else "bshd",
+                   softmax="learnable" if case == "padding_sink" else "vanilla")
+        if case == "padding_sink":
+            extra = dict(sink=np.array([0.5, -1.0]))
+    arrays = [None if x is None else (x.astype(jnp.float16) if jnp.issubdtype(x.dtype, jnp.floating) else x)
+              for x in _arrays(cfg, cu_seqlens_q=cu, cu_seqlens_kv=cu_kv, **extra)]
+    own = KernelLaunch(_graph_results)
+    monkeypatch.setattr(cudnn_call, "_launch", own)
+    assert cudnn_call._own_fixes(cfg)
+    out, lse, _ = cudnn_call.forward(cfg, None, arrays)
+    grads = cudnn_call.backward(cfg, None, arrays, out, lse, None)
+
+    fixed_in_jax = FakeLaunch()
+    fixed_in_jax.__class__ = type("GraphValues", (FakeLaunch,), {"__call__": lambda self, cfg, direction, inputs,
+                                  results, score_mod, steps_of=None: {n: jnp.asarray(_graph_results(n, s))
+                                                                      for n, s in results.items()}})
+    monkeypatch.setattr(cudnn_call, "_launch", fixed_in_jax)
+    monkeypatch.setattr(cudnn_call.sequence_steps, "unsupported", lambda cfg: "compared")
+    want_out, want_lse, _ = cudnn_call.forward(cfg, None, arrays)
+    want_grads = cudnn_call.backward(cfg, None, arrays, want_out, want_lse, None)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want_out, np.float32))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(want_lse))
+    for name in "qkv":
+        np.testing.assert_array_equal(np.asarray(grads[name], np.float32), np.asarray(want_grads[name], np.float32),
+                                      err_msg=name)
+
+
+def _interpreted_kernels(monkeypatch) -> None:
+    """sequence_steps' kernels as Triton's interpreter runs them (_run), not compiled for a GPU."""
+    from fusedattn.backends.cudnn.native import sequence_plans
+
+    monkeypatch.setattr(sequence_plans, "_compile",
+                        lambda function, cfg, target, constants, divisible=None: (b"", function, constants, 0))
+    monkeypatch.setattr(cudnn_call.sequence_steps, "_target", lambda device: types.SimpleNamespace(arch="interpreted"))
+
+
+@requires_torch("Triton's interpreter runs the sequence kernels over torch tensors")
+@pytest.mark.parametrize("cu", [[1, 5, 8], [0, 9, 9], [0, 6, 2]], ids=["not-from-zero", "too-long", "negative"])
+def test_a_call_that_checks_its_own_offsets_gives_nan_everywhere_for_broken_ones(monkeypatch, triton_interpreter, cu):
+    """The frontend multiplies nothing by its NaN-or-one factor around a pass that checks its offsets itself
+    (cudnn_call.checks_offsets): the table kernel flags them and every output and gradient is NaN."""
+    pytest.importorskip("triton")
+    _interpreted_kernels(monkeypatch)
+    cfg = _cfg(mask="padding", dtype="float16", softmax="learnable", bias="post_scale", bias_shape=(1, H, S, S),
+               bias_requires_grad=True)
+    assert cudnn_call.checks_offsets(cfg)
+    arrays = [None if x is None else (x.astype(jnp.float16) if jnp.issubdtype(x.dtype, jnp.floating) else x)
+              for x in _arrays(cfg, cu_seqlens_q=np.array(cu), cu_seqlens_kv=np.array(cu), sink=np.array([0.5, -1.0]),
+                              bias=np.random.default_rng(1).standard_normal((1, H, S, S)))]
+    monkeypatch.setattr(cudnn_call, "_launch", KernelLaunch(_graph_results))
+    out, lse, _ = cudnn_call.forward(cfg, None, arrays)
+    grads = cudnn_call.backward(cfg, None, arrays, out, lse, None)
+    assert np.isnan(np.asarray(out, np.float32)).all() and np.isnan(np.asarray(lse)).all()
+    assert set(grads) >= {"q", "k", "v", "bias", "sink"}
+    for name, grad in grads.items():
+        assert np.isnan(np.asarray(grad, np.float32)).all(), name

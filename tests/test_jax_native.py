@@ -239,3 +239,73 @@ def test_the_loaded_cudnn_is_read_from_the_process_maps(monkeypatch, tmp_path):
     assert build.loaded_cudnn(str(maps)) == "/site/nvidia/cudnn/lib/libcudnn.so.9"
     maps.write_text("7f00-7f01 r-xp 00000000 08:01 123 /usr/lib/libc.so.6\n")
     assert build.loaded_cudnn(str(maps)) == "libcudnn.so.9"  # not loaded yet: by name
+
+
+@pytest.fixture(scope="module")
+def handler_library(tmp_path_factory):
+    """The handler library, built once for the module's tests into a cache of their own."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(build.ENV_CACHE, str(tmp_path_factory.mktemp("handler") / "cache"))
+        handler = ctypes.CDLL(str(build.library_path("jax", announce=lambda message: None)))
+    handler.fusedattn_jax_launch_words.restype = ctypes.c_int64
+    handler.fusedattn_jax_last_error.restype = ctypes.c_char_p
+    return handler
+
+
+@pytest.mark.parametrize("layout", ["thd", "bshd"])
+def test_the_handler_decodes_each_planned_launch_as_python_encoded_it(handler_library, monkeypatch, layout):
+    """A padded or THD pass's own kernels: Python plans them (jax/sequence_steps.py) and encodes them
+    (native.attributes_of_steps); the handler's decoder (jax_call.cc: each_launch, reached through
+    fusedattn_jax_launch_words) gives back every launch's kernel, blocks and words, with each buffer
+    word its buffer's address plus the byte offset. The kernels run in tests/gpu/test_jax.py."""
+    from fusedattn.backends.cudnn.native import sequence_plans
+    from fusedattn.config import AttentionConfig
+    from fusedattn.jax import sequence_steps
+
+    handler = handler_library
+    monkeypatch.setattr(sequence_plans, "_compile", lambda function, cfg, target, constants, divisible=None: (
+        function.__name__.encode() * 3, function.__name__, 4, 128))
+    monkeypatch.setattr(sequence_steps, "_target", lambda device: types.SimpleNamespace(arch="decoder test"))
+    monkeypatch.setattr(native, "_prepare_kernels", lambda key, attributes, device: None)
+    ragged = layout == "thd"
+    cfg = AttentionConfig(dtype="bfloat16", layout=layout, batch=3, seqlen_q=32, seqlen_kv=24, heads_q=4, heads_kv=2,
+                          head_dim_qk=64, head_dim_v=32, is_training=True, device="cuda", framework="jax",
+                          mask="padding_causal", softmax="learnable", padded_offsets=ragged)
+    q, k, v = ((50, 4, 64), (40, 2, 64), (40, 2, 32)) if ragged else ((3, 32, 4, 64), (3, 24, 2, 64), (3, 24, 2, 32))
+    forward = sequence_steps.forward(cfg, 0, {"q": q, "k": k, "o": q[:-1] + (32,),
+                                              "stats": (50, 4) if ragged else (3, 4, 32)})
+    backward = sequence_steps.backward(cfg, 0, {"q": q, "k": k, "v": v})
+    offsets = sequence_steps.OFFSET_NAMES if ragged else sequence_steps.OFFSET_NAMES[:2]
+    forward_buffers = ("q", "k", "v", "sink", *offsets, "o", "stats", sequence_steps.TABLE, "workspace")
+    calls = [(forward, forward_buffers),
+             (backward, ("q", "k", "v", "sink", *offsets, "o", "dO", "stats", "dq", "dk", "dv", "dsink",
+                         sequence_steps.TABLE, "workspace"))]
+    for steps, buffers in calls:
+        attributes = native.attributes_of_steps(steps, buffers, tuple(steps.table_slots), 0)
+        addresses = [0x10000 * (i + 1) for i in range(len(buffers))]
+        encoded = attributes["steps"]
+        for phase in (sequence_steps.BEFORE, sequence_steps.AFTER):
+            out = (ctypes.c_uint64 * 1024)()
+            written = handler.fusedattn_jax_launch_words(
+                encoded.ctypes.data_as(ctypes.c_void_p), ctypes.c_int64(encoded.size), ctypes.c_int64(phase),
+                (ctypes.c_uint64 * len(addresses))(*addresses), ctypes.c_int64(len(addresses)), out,
+                ctypes.c_int64(1024))
+            assert written >= 0, handler.fusedattn_jax_last_error()
+            want = []
+            for launch in steps.launches:
+                if launch.phase == phase:
+                    want += [launch.kernel, launch.blocks, len(launch.words)]
+                    want += [addresses[buffers.index(w[0])] + w[1] if isinstance(w, tuple) else w % 2**64
+                             for w in launch.words]
+            assert list(out[:written]) == want and want
+        pairs = attributes["derived"].reshape(-1, 2).tolist()
+        assert pairs == [[buffers.index(sequence_steps.TABLE), offset] for offset in steps.table_slots.values()]
+        images, meta = attributes["kernel_images"].tobytes(), attributes["kernel_meta"].reshape(-1, 6)
+        assert [(images[a:a + n], images[c:c + m].decode(), w, s) for a, n, c, m, w, s in meta.tolist()] == [
+            tuple(kernel) for kernel in steps.kernels]
+    truncated = native.attributes_of_steps(forward, forward_buffers, (), 0)["steps"][:-1]
+    out = (ctypes.c_uint64 * 1024)()
+    assert handler.fusedattn_jax_launch_words(
+        truncated.ctypes.data_as(ctypes.c_void_p), ctypes.c_int64(truncated.size), ctypes.c_int64(1),
+        (ctypes.c_uint64 * 32)(*range(32)), ctypes.c_int64(32), out, ctypes.c_int64(1024)) == -1
+    assert b"outside its attribute" in handler.fusedattn_jax_last_error()

@@ -8,6 +8,11 @@ axis (a (1, H, Sq, Skv) bias, sinks, ALiBi slopes, score_mod arrays) are shared 
 they may not be vmapped themselves, and their gradients, summed over the batch, would mix the
 items: such calls, THD (one token axis), dropout (per-item bits) and max_logit (a max over the
 batch) run item by item instead (lax.map: one launch each), correct but not folded.
+
+Sequence lengths are checked per item first: a custom call that checks its offsets itself
+(cudnn_call.checks_offsets) would see one valid folded batch where an item's offsets break the rules
+(not starting at 0, say), so an item with broken offsets runs on none and its results are NaN, as the
+frontend's own check makes them.
 """
 
 from __future__ import annotations
@@ -44,13 +49,44 @@ def batchable(cfg: AttentionConfig, run, operands, names, operand_roles, out_rol
 
     @call.def_vmap
     def rule(axis_size, in_batched, *xs):
+        broken, xs = _items_with_broken_offsets(cfg, axis_size, in_batched, xs, names)
         fold = _fold(cfg, axis_size, in_batched, xs, names, operand_roles, summed)
         if fold is None:
-            return _item_by_item(call, in_batched, xs), (True,) * len(out_roles)
-        results = batchable(fold.cfg, run, fold.operands, names, operand_roles, out_roles, summed)
-        return tuple(_split(x, role, fold) for x, role in zip(results, out_roles)), (True,) * len(out_roles)
+            results = _item_by_item(call, in_batched, xs)
+        else:
+            results = batchable(fold.cfg, run, fold.operands, names, operand_roles, out_roles, summed)
+            results = tuple(_split(x, role, fold) for x, role in zip(results, out_roles))
+        return tuple(_poisoned(x, broken) for x in results), (True,) * len(out_roles)
 
     return call(*operands)
+
+
+def _items_with_broken_offsets(cfg, items: int, in_batched, xs, names) -> tuple:
+    """((N,) booleans: whose sequence lengths break the rules, or None; the operands with those lengths
+    made all-zero). Padded layouts only: THD runs item by item, each call checking its own offsets."""
+    from fusedattn.layout import offsets_violated
+
+    if cfg.layout.is_ragged or not any(name in _SEQUENCE_LENGTHS for name in names):
+        return None, xs
+    broken = jnp.zeros((items,), bool)
+    for x, batched, name in zip(xs, in_batched, names):
+        if name in _SEQUENCE_LENGTHS:
+            limit = cfg.seqlen_q if name == "cu_seqlens_q" else cfg.seqlen_kv
+            check = jax.vmap(offsets_violated, (0, None, None)) if batched else offsets_violated
+            broken = broken | check(x, limit, None)
+    def safe(x, batched):  # a shared operand serves every item: all-zero when any item is broken
+        where = broken.reshape(-1, *(1,) * (x.ndim - 1)) if batched else broken.any()
+        return jnp.where(where, jnp.zeros((), x.dtype), x)
+
+    return broken, tuple(safe(x, batched) if name in _SEQUENCE_LENGTHS else x
+                         for x, batched, name in zip(xs, in_batched, names))
+
+
+def _poisoned(x, broken):
+    """A per-item result (items first), NaN for the items whose offsets are broken."""
+    if broken is None or not jnp.issubdtype(x.dtype, jnp.floating):
+        return x
+    return jnp.where(broken.reshape(-1, *(1,) * (x.ndim - 1)), jnp.full((), jnp.nan, x.dtype), x)
 
 
 def _batch_axis(ndim: int, role: str) -> int | None:

@@ -8,8 +8,15 @@ Around the graph, as the torch path does it (backends/cudnn/torch_run.py), in ja
   after: the LSE from cuDNN's row maxima and sums (max_logit), rows a score_mod left without keys
   (output 0, LSE -inf), rows outside every sequence (padded and THD), dBias summed over its
   broadcast axes, dSink in the sink's dtype.
-Offsets reach here already checked or made safe by the frontend (a broken traced call runs on
-all-zero offsets and its outputs are NaN), so cuDNN never reads past a buffer. Numbers of a
+A padded or THD pass does its sequence work inside the custom call instead, as the torch operator does
+(jax/sequence_steps.py: the sequence table before the graph, the row fix-ups after it, Triton kernels
+launched by the handler), so no XLA pass reads and rewrites a whole output; the jax.numpy forms above
+stay for score_mods (padding penalties), return_max_logit and head dims that are not multiples of 8.
+Such a pass also checks its offsets itself, as the torch operator's does (the table kernel flags broken
+ones, reads none of them into the table, and the fix-ups write NaN into every output and gradient row;
+checks_offsets), so the frontend multiplies nothing by a NaN-or-one factor around it. Other passes get
+their offsets already checked or made safe by the frontend (a broken traced call runs on all-zero
+offsets and its outputs are NaN), so cuDNN never reads past a buffer. Numbers of a
 score_mod travel by value in the call's attributes; its arrays are operands.
 """
 
@@ -30,13 +37,13 @@ from fusedattn.backends.cudnn.spec import (
     sdpa_spec,
 )
 from fusedattn.config import AttentionConfig, BiasType, Layout, SoftmaxType
-from fusedattn.jax import native
+from fusedattn.jax import native, sequence_steps
 from fusedattn.jax.partition import Split
 from fusedattn.jax.pass_calls import backward_call, forward_call, output_shapes
 from fusedattn.score_mods.core import MASKED, MASKED_BELOW, may_empty_rows
 from fusedattn.xp.jax_ops import OPS
 
-__all__ = ["unavailable", "forward", "backward"]
+__all__ = ["unavailable", "checks_offsets", "forward", "backward"]
 
 _SCALAR_BITS = {"float32": np.float32, "int32": np.int32}
 
@@ -144,22 +151,54 @@ def _scalars(cfg: AttentionConfig, score_mod) -> tuple[tuple[str, ...], np.ndarr
     return tuple(name for name, _, _ in entries), np.asarray(bits, np.int32).reshape(-1)
 
 
-def _launch(cfg: AttentionConfig, direction: str, inputs: dict, results: dict, score_mod) -> dict:
+def _launch(cfg: AttentionConfig, direction: str, inputs: dict, results: dict, score_mod,
+            steps_of=None) -> dict:
     """One custom call: the graph reads `inputs` and writes `results` ({name: ShapeDtypeStruct}), by
-    graph tensor name; the results as {name: array}. Names the graph lacks are left unbound."""
+    graph tensor name; the results as {name: array}. Names the graph lacks are left unbound.
+    steps_of(device): the call's own kernels around the graph (sequence_steps), whose table slots the
+    graph reads; None: none."""
     from fusedattn.backends.cudnn.graph_cache import current_device
 
+    device = current_device("jax")
     scalar_names, scalar_bits = _scalars(cfg, score_mod) if cfg.score_mod_key is not None else ((), None)
+    steps = None if steps_of is None else steps_of(device)
+    if steps is not None:
+        results = dict(results, **{sequence_steps.TABLE: jax.ShapeDtypeStruct(steps.table_shape, jnp.int32)})
+    derived = () if steps is None else tuple(steps.table_slots)
     in_names, out_names = tuple(inputs), tuple(results)
-    plan = native.plan(cfg, direction, current_device("jax"), in_names + out_names, scalar_names)
+    plan = native.plan(cfg, direction, device, in_names + out_names, scalar_names, derived)
     if plan is None:
         raise RuntimeError(f"fusedattn.jax.attention: cudnn: the {direction} graph cannot run as a native call "
                            "(cuDNN could not rebuild it from its bytes); use backend='reference'")
     workspace = jax.ShapeDtypeStruct((max(plan.workspace, 1),), jnp.uint8)
     call = jax.ffi.ffi_call(native.TARGET, (*results.values(), workspace), vmap_method="sequential")
     bits = np.zeros((0,), np.int32) if scalar_bits is None else scalar_bits
-    outs = call(*inputs.values(), **plan.attributes, scalars=bits)
+    own = native.attributes_of_steps(steps, in_names + out_names + ("workspace",), derived, device)
+    outs = call(*inputs.values(), **plan.attributes, scalars=bits, **own)
     return dict(zip(out_names, outs[:-1]))
+
+
+def _own_fixes(cfg: AttentionConfig) -> bool:
+    """Whether a padded or THD pass runs its table and fix-ups in the custom call (sequence_steps)."""
+    return cfg.has_sequence_lengths and sequence_steps.unsupported(cfg) is None
+
+
+def checks_offsets(cfg: AttentionConfig) -> bool:
+    """Whether cfg's passes check their sequence offsets on the device themselves: given broken ones, the
+    custom call reads none of them and writes NaN into every output and gradient (the poisoned ones here)."""
+    return not rows_without_keys(cfg) and _own_fixes(cfg)
+
+
+def _poisoned_by_table(x, cfg: AttentionConfig, table):
+    """x, or NaN where the call's sequence table flags its offsets as broken (a small gradient the
+    fix-ups do not reach: dBias, dSink)."""
+    broken = table[config_layout(cfg).flag_row, 0] != 0
+    return jnp.where(broken, jnp.full((), jnp.nan, x.dtype), x)
+
+
+def _offsets(named: dict) -> dict:
+    """The call's sequence offsets as int32 operands, by sequence_steps.OFFSET_NAMES."""
+    return {name: named[name].astype(jnp.int32) for name in sequence_steps.OFFSET_NAMES if named.get(name) is not None}
 
 
 def _sequences(cfg: AttentionConfig, named: dict) -> _Sequences | None:
@@ -176,6 +215,8 @@ def _forward_pass(cfg: AttentionConfig, named: dict, aux: dict, score_mod) -> tu
     """(out, lse, max_logit) of one unsharded forward."""
     if rows_without_keys(cfg):
         return _forward_rows_with_keys(cfg, named, aux, score_mod)
+    if _own_fixes(cfg):
+        return _forward_own_fixes(cfg, named, aux, score_mod)
     spec = sdpa_spec(cfg)
     q = named["q"]
     sequences = _sequences(cfg, named)
@@ -209,6 +250,20 @@ def _forward_pass(cfg: AttentionConfig, named: dict, aux: dict, score_mod) -> tu
     return out, lse, max_logit
 
 
+def _forward_own_fixes(cfg: AttentionConfig, named: dict, aux: dict, score_mod) -> tuple:
+    """A padded or THD forward whose custom call builds its sequence table and fixes its rows itself."""
+    q = named["q"]
+    out_shape, lse_shape, max_shape = output_shapes(cfg, q)
+    spec = sdpa_spec(cfg)
+    stats_shape = (q.shape[0], cfg.heads_q) if spec.ragged else spec.stats.dim
+    results = {"o": out_shape, "stats": jax.ShapeDtypeStruct(stats_shape, jnp.float32)}
+    inputs = {**_graph_inputs(cfg, named, aux, score_mod, None), **_offsets(named)}
+    shapes = {"q": q.shape, "k": named["k"].shape, "o": out_shape.shape, "stats": lse_shape.shape}
+    got = _launch(cfg, "forward", inputs, results, score_mod,
+                  lambda device: sequence_steps.forward(cfg, device, shapes))
+    return got["o"], got["stats"].reshape(lse_shape.shape), jnp.zeros(max_shape.shape, jnp.float32)
+
+
 def _fix_forward_rows(cfg: AttentionConfig, sequences: _Sequences, out, lse, sink) -> tuple:
     """Rows outside every sequence: output 0 and LSE -inf (THD gaps: 0); queries whose sequence has
     no keys: output 0 and the LSE of the sink alone (-inf without one)."""
@@ -228,12 +283,17 @@ def _backward_pass(cfg: AttentionConfig, named: dict, aux: dict, score_mod, out,
     if rows_without_keys(cfg):
         return _backward_rows_with_keys(cfg, named, aux, score_mod, out, lse, grad_out, wanted)
     spec = sdpa_spec(cfg)
-    sequences = _sequences(cfg, named)
+    own_fixes = _own_fixes(cfg)
+    sequences = None if own_fixes else _sequences(cfg, named)
     inputs = _graph_inputs(cfg, named, aux, score_mod, sequences)
+    if own_fixes:
+        inputs.update(_offsets(named))
     if spec.score_mod:  # +inf for empty rows, so exp(score - stats) is 0 there
         stats = jnp.where(lse == -jnp.inf, jnp.inf, lse)
     elif sequences is not None and not spec.ragged:  # finite past each sequence's end
         stats = jnp.where(sequences.within("q")[:, None, :], lse, 0.0)
+    elif own_fixes and not spec.ragged:  # finite past each sequence's end (and for queries without keys)
+        stats = jnp.where(lse == -jnp.inf, 0.0, lse)
     else:
         stats = lse
     inputs.update(o=out, dO=jnp.zeros_like(out) if grad_out is None else grad_out.astype(out.dtype),
@@ -243,7 +303,9 @@ def _backward_pass(cfg: AttentionConfig, named: dict, aux: dict, score_mod, out,
         results["dbias"] = jax.ShapeDtypeStruct(spec.bias.dim, named["q"].dtype)
     if spec.sink:  # written for an off-by-one sink too, and not returned
         results["dsink"] = jax.ShapeDtypeStruct((1, cfg.heads_q, 1, 1), jnp.float32)
-    got = _launch(cfg, "backward", inputs, results, score_mod)
+    shapes = {role: named[role].shape for role in ("q", "k", "v")}
+    steps_of = (lambda device: sequence_steps.backward(cfg, device, shapes)) if own_fixes else None
+    got = _launch(cfg, "backward", inputs, results, score_mod, steps_of)
     grads = {role: got["d" + role] for role in ("q", "k", "v")}
     if sequences is not None:  # rows outside every sequence, or without the other side: 0
         grads["q"] = _clear_rows(grads["q"], sequences.rows("q", grads["q"]), cfg)
@@ -257,6 +319,9 @@ def _backward_pass(cfg: AttentionConfig, named: dict, aux: dict, score_mod, out,
         grads["bias"] = dbias.reshape(named["bias"].shape).astype(named["bias"].dtype)
     if "dsink" in got and cfg.softmax is SoftmaxType.LEARNABLE:
         grads["sink"] = got["dsink"].reshape(cfg.heads_q).astype(named["sink"].dtype)
+    if own_fixes:
+        grads.update({name: _poisoned_by_table(grads[name], cfg, got[sequence_steps.TABLE])
+                      for name in ("bias", "sink") if name in grads})
     return {name: grads[name] for name in wanted if name in grads}
 
 

@@ -94,6 +94,19 @@ def _native(cfg, backend):
     return None
 
 
+def _checks_its_own_offsets(call, arrays: tuple, shard_axes) -> bool:
+    """Whether the call's one custom call per pass checks its sequence offsets on the device itself (a padded
+    or THD cuDNN pass with its own sequence kernels), as the torch operator does. Not under vmap (items
+    folded into one batch would share one check; the frontend's check is per item) nor split over devices."""
+    cfg, backend = call.cfg, get_backend(call.selection.name)
+    if _native(cfg, backend) is not cudnn_call or not cudnn_call.checks_offsets(cfg):
+        return False
+    if any(batched(x) for x in arrays if x is not None):
+        return False
+    q = arrays[0]
+    return find_split(API, cfg, q, layout_spec(cfg.layout).tensors[0][1], shard_axes) is None
+
+
 def _run_forward(cfg, backend_name, score_mod, split, arrays):
     """(outputs, saved): in jax.numpy, as native calls, or through torch for backends whose kernels are
     torch's where no native call runs them."""
@@ -318,7 +331,9 @@ def attention(q, k=None, v=None, **options):
     )
     offsets = {name: tensors[name] for name in TENSOR_ARGUMENTS[6:]}
     check = None
-    if segments_violated is not None or any(x is not None and not _is_concrete(x) for x in offsets.values()):
+    if segments_violated is None and _checks_its_own_offsets(call, (q, k, v, *offsets.values()), get("shard_axes")):
+        pass  # the custom call checks them itself (cudnn_call.checks_offsets): no factor around it
+    elif segments_violated is not None or any(x is not None and not _is_concrete(x) for x in offsets.values()):
         # Traced offsets or segment ids were never read: checked on the device, NaN results when broken
         # (outputs and gradients times a factor, fused with work XLA does anyway: offset_guard.py).
         passed = tuple(x for x in (q, k, v) if x is not None)

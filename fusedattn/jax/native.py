@@ -28,8 +28,8 @@ import numpy as np
 from fusedattn.backends.cudnn.native import build, core
 from fusedattn.cache import LRUCache, register
 
-__all__ = ["TARGET", "ENV_SWITCH", "COMMAND_BUFFER_SWITCH", "NativePlan", "enabled", "unavailable", "plan",
-           "rebuild_reason", "serialized"]
+__all__ = ["TARGET", "ENV_SWITCH", "COMMAND_BUFFER_SWITCH", "NativePlan", "NO_STEPS", "enabled", "unavailable",
+           "plan", "attributes_of_steps", "rebuild_reason", "serialized"]
 
 TARGET = "fusedattn_cudnn_execute"
 ENV_SWITCH = "FUSEDATTN_JAX_NATIVE"
@@ -64,23 +64,25 @@ def unavailable() -> str | None:
     return _state.get("reason")
 
 
-def plan(cfg, direction: str, device: int, buffers: tuple[str, ...], scalars: tuple[str, ...] = ()
-         ) -> NativePlan | None:
+def plan(cfg, direction: str, device: int, buffers: tuple[str, ...], scalars: tuple[str, ...] = (),
+         derived: tuple[str, ...] = ()) -> NativePlan | None:
     """The custom call for cfg's pass on `device`, registered with the core (and deserialized there)
     once. The call passes its operands and results named `buffers` (graph tensor names; a name the
     graph lacks is left unbound), then a uint8 workspace result of the plan's bytes (at least 1), then
-    the pass-by-value `scalars` as the "scalars" attribute. None when the native path is unavailable or
-    cuDNN cannot rebuild this graph from its bytes."""
+    the pass-by-value `scalars` as the "scalars" attribute, then the `derived` slots (addresses inside
+    another buffer: `attributes_of_steps`). None when the native path is unavailable or cuDNN cannot
+    rebuild this graph from its bytes."""
     if unavailable() is not None:
         return None
 
     def make() -> NativePlan | None:
         blob, uid_of = serialized(cfg, direction, device)
-        unbound = sorted(set(uid_of) - set(buffers) - set(scalars))
+        unbound = sorted(set(uid_of) - set(buffers) - set(scalars) - set(derived))
         if unbound:  # a bug of ours: the launch would fail on every call
             raise RuntimeError(f"fusedattn.jax: the {direction} graph binds {unbound}, which the call does not pass")
         uids = (*(core.buffer_slot(uid_of[n]) if n in uid_of else core.UNBOUND for n in buffers), core.WORKSPACE,
-                *(core.value_slot(uid_of[n]) if n in uid_of else core.UNBOUND for n in scalars))
+                *(core.value_slot(uid_of[n]) if n in uid_of else core.UNBOUND for n in scalars),
+                *(core.buffer_slot(uid_of[n]) if n in uid_of else core.UNBOUND for n in derived))
         registered = core.register(blob, uids, device)
         if isinstance(registered, str):
             _warn(f"cuDNN could not rebuild the {direction} graph from its bytes ({registered})")
@@ -89,7 +91,61 @@ def plan(cfg, direction: str, device: int, buffers: tuple[str, ...], scalars: tu
         return NativePlan(workspace, {"plan": np.int64(digest), "blob": np.frombuffer(blob, np.uint8),
                                       "uids": np.asarray(uids, np.int64)})
 
-    return _plans.get_or_build((cfg, direction, buffers, scalars), make)
+    return _plans.get_or_build((cfg, direction, buffers, scalars, derived), make)
+
+
+NO_STEPS = {"kernels_key": np.int64(0), "kernel_images": np.zeros((0,), np.uint8),
+            "kernel_meta": np.zeros((0,), np.int64), "steps": np.zeros((0,), np.int64),
+            "derived": np.zeros((0,), np.int64)}
+
+
+def attributes_of_steps(steps, buffers: tuple[str, ...], derived: tuple[str, ...], device: int) -> dict:
+    """The custom call's attributes for a pass's own kernels (jax/sequence_steps.SequenceSteps; None: none,
+    NO_STEPS). buffers: the call's operands then results by name, the workspace last; derived: the graph
+    slots bound inside the table, in the plan's order. The kernels are loaded on `device` now, so that no
+    later launch (perhaps under capture) loads one."""
+    if steps is None:
+        return NO_STEPS
+    from fusedattn.jax.sequence_steps import TABLE
+
+    index = {name: i for i, name in enumerate(buffers)}
+    images, meta = bytearray(), []
+    for cubin, name, warps, shared in steps.kernels:
+        meta += [len(images), len(cubin)]
+        images += cubin
+        meta += [len(images), len(name.encode())]
+        images += name.encode()
+        meta += [warps, shared]
+    encoded = []
+    for launch in steps.launches:
+        encoded += [launch.phase, launch.kernel, launch.blocks, len(launch.words)]
+        for word in launch.words:
+            encoded += [index[word[0]], word[1]] if isinstance(word, tuple) else [-1, int(word)]
+    attributes = {"kernels_key": np.int64(steps.key), "kernel_images": np.frombuffer(bytes(images), np.uint8),
+                  "kernel_meta": np.asarray(meta, np.int64), "steps": np.asarray(encoded, np.int64),
+                  "derived": np.asarray([x for name in derived for x in (index[TABLE], steps.table_slots[name])],
+                                        np.int64)}
+    _prepare_kernels(steps.key, attributes, device)
+    return attributes
+
+
+# (kernels key, device) -> True once the library holds that kernel set and has loaded it there
+_prepared: LRUCache = register("jax.native.prepared_kernels", LRUCache(core.PLAN_CAPACITY))
+
+
+def _prepare_kernels(key: int, attributes: dict, device: int) -> None:
+    def load() -> bool:
+        library = _state["library"]
+        images, meta = attributes["kernel_images"], attributes["kernel_meta"]
+        status = library.fusedattn_jax_prepare_kernels(
+            ctypes.c_int64(key), images.ctypes.data_as(ctypes.c_void_p), ctypes.c_int64(images.size),
+            meta.ctypes.data_as(ctypes.c_void_p), ctypes.c_int64(meta.size), ctypes.c_int32(device))
+        if status != 0:
+            raise RuntimeError(f"fusedattn.jax: the sequence kernels could not be loaded: "
+                               f"{library.fusedattn_jax_last_error().decode()}")
+        return True
+
+    _prepared.get_or_build((key, device), load)
 
 
 def rebuild_reason(cfg, device: int) -> str | None:

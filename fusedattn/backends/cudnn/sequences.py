@@ -9,22 +9,22 @@ whether the offsets were read before: a broken call gives NaN in every output an
 from __future__ import annotations
 
 import torch
-import triton
 
 from fusedattn.backends.cudnn import sequence_kernels
+from fusedattn.backends.cudnn.sequence_constants import (
+    ROWS_PER_PROGRAM,
+    fix_constants,
+    fix_programs,
+    table_constants,
+    table_programs,
+)
 from fusedattn.backends.cudnn.sequence_layout import Layout, config_layout, layout_of
 from fusedattn.backends.fast_launch import FastLaunch
 from fusedattn.config import SoftmaxType
-from fusedattn.score_mods.core import MASKED
 
 __all__ = ["Layout", "layout_of", "config_layout", "SequenceTable", "table_programs", "table_constants",
            "fix_constants", "ROWS_PER_PROGRAM"]
 
-_TABLE_BLOCK = 128  # sequences per step of the table kernel
-_PENALTY_BLOCK = 1024  # penalties per step of a penalty program
-ROWS_PER_PROGRAM = 16
-_ELEMENTS_PER_STEP = 1024
-_SINK_KINDS = {SoftmaxType.VANILLA: 0, SoftmaxType.OFF_BY_ONE: 1, SoftmaxType.LEARNABLE: 2}
 _sequence_tables = FastLaunch(sequence_kernels.sequence_tables)
 _fix_rows = FastLaunch(sequence_kernels.fix_rows)
 
@@ -94,7 +94,7 @@ class SequenceTable:
         strides = lambda t: (0, *t.stride()[:2]) if ragged else t.stride()[:3]  # noqa: E731
         heads = x.shape[-2]
         has_lse = lse is not None
-        _fix_rows((triton.cdiv(rows, ROWS_PER_PROGRAM),),
+        _fix_rows((fix_programs(rows),),
             x, x if y is None else y, lse if has_lse else x, stats if has_lse else x,
             sink if sink is not None else x, x if backward_stats is None else backward_stats, self.table,
             layout.width, layout.batch, rows, seqlen, heads,
@@ -103,31 +103,3 @@ class SequenceTable:
             *(strides(lse) if has_lse else (0, 0, 0)),
             **fix_constants(layout, side, heads, x.shape[-1], None if y is None else y.shape[-1], has_lse,
                             has_lse and stats is not lse, softmax, backward_stats is not None))
-
-
-def table_programs(layout: Layout) -> int:
-    """The table kernel's programs: one for the table, and one per sequence for its penalties."""
-    return 1 + (layout.batch if layout.penalty_rows is not None else 0)
-
-
-def table_constants(layout: Layout, padded_q: bool, padded_kv: bool) -> dict:
-    """The constexprs of `sequence_tables` for a layout (the native operator compiles the same kernel)."""
-    rows = layout.penalty_rows or (0, 0)
-    seqlens = layout.penalties or (0, 0)
-    return dict(ROW_UNITS=layout.row_units, ROW_SIDES=layout.row_sides, N_ROWS=len(layout.row_units),
-                PADDED_Q=padded_q, PADDED_KV=padded_kv, CHECK_TOTAL=layout.ragged, BLOCK=_TABLE_BLOCK,
-                BLOCKS=triton.cdiv(layout.batch + 1, _TABLE_BLOCK), PENALTY_ROW_Q=rows[0], PENALTY_ROW_KV=rows[1],
-                SEQ_Q=seqlens[0], SEQ_KV=seqlens[1], MASKED=MASKED,
-                PENALTY_BLOCK=min(_PENALTY_BLOCK, triton.next_power_of_2(max(seqlens))))
-
-
-def fix_constants(layout: Layout, side: str, heads: int, dim_x: int, dim_y: int | None, has_lse: bool,
-                  stats_apart: bool, softmax: SoftmaxType, backward_stats: bool = False) -> dict:
-    """The constexprs of `fix_rows` for one side's rows (dim_y None: no second tensor). backward_stats: it
-    also writes a score_mod backward's stats (the native operator's forward)."""
-    steps = lambda dim: triton.cdiv(heads * dim, _ELEMENTS_PER_STEP)  # noqa: E731
-    return dict(SIDE=0 if side == "q" else 1, N_UNITS=len(layout.offsets), RAGGED=layout.ragged,
-                SEARCH_STEPS=max(layout.batch.bit_length() + 1, 1), HAS_Y=dim_y is not None, HAS_LSE=has_lse,
-                STATS_APART=stats_apart, SINK_KIND=_SINK_KINDS[softmax], BLOCK_R=ROWS_PER_PROGRAM,
-                BLOCK_E=_ELEMENTS_PER_STEP, STEPS_X=steps(dim_x), STEPS_Y=steps(dim_x if dim_y is None else dim_y),
-                BLOCK_H=triton.next_power_of_2(max(heads, 1)), BACKWARD_STATS=backward_stats)

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from fusedattn.config import AttentionConfig
 
-__all__ = ["KERNELS", "FORWARD_SEQUENCE_SLOTS", "BACKWARD_SEQUENCE_SLOTS", "values", "kernels", "compile_kernel"]
+__all__ = ["KERNELS", "FORWARD_SEQUENCE_SLOTS", "BACKWARD_SEQUENCE_SLOTS", "values", "kernels", "kernel",
+           "compile_kernel"]
 
 # Graph tensors that read the table, in the slot order of torch_op.cc (after each graph's own slots).
 FORWARD_SEQUENCE_SLOTS = ("seq_len_q", "seq_len_kv", "ro_q", "ro_k", "ro_v", "ro_o", "ro_stats", "sm_row_penalty",
@@ -34,14 +35,14 @@ _FIX_DIVISIBILITY = {"X": 16, "Y": 16, **{name: 8 for name in ("sx_b", "sx_s", "
 
 
 def _layout(cfg: AttentionConfig):
-    from fusedattn.backends.cudnn.sequences import config_layout
+    from fusedattn.backends.cudnn.sequence_layout import config_layout
 
     return config_layout(cfg)
 
 
 def values(cfg: AttentionConfig) -> list[int]:
     """The sequence plan as fusedattn_torch_sequences takes it (torch_op.cc)."""
-    from fusedattn.backends.cudnn.sequences import ROWS_PER_PROGRAM, table_programs
+    from fusedattn.backends.cudnn.sequence_constants import ROWS_PER_PROGRAM, table_programs
 
     layout = _layout(cfg)
     rows = {"seq_len_q": 0, "seq_len_kv": 1}
@@ -60,24 +61,33 @@ def kernels(cfg: AttentionConfig, stats: bool, target=None) -> list:
     """The config's compiled kernels in KERNELS' order, each as (cubin, name, warps, shared bytes).
     stats: the forward graph writes the LSE (the forward fix-up writes the returned LSE from it).
     target: a triton GPUTarget; the current device's by default."""
+    return [kernel(cfg, which, stats, target) for which in KERNELS]
+
+
+def kernel(cfg: AttentionConfig, which: str, stats: bool, target=None, stats_apart: bool | None = None) -> tuple:
+    """One of KERNELS, compiled as `kernels` does. stats_apart (fix_forward): the graph's stats are a tensor
+    of their own, which the fix-up makes finite outside every sequence for the backward (the default: the
+    operator's padded calls); False where the LSE is the stats, fixed in place."""
     from fusedattn.backends.cudnn import sequence_kernels
-    from fusedattn.backends.cudnn.sequences import fix_constants, table_constants
+    from fusedattn.backends.cudnn.sequence_constants import fix_constants, table_constants
 
     layout = _layout(cfg)
     heads_kv, dim_qk, dim_v = cfg.heads_kv, cfg.head_dim_qk, cfg.head_dim_v
     fix = sequence_kernels.fix_rows
-    return [
-        _compile(sequence_kernels.sequence_tables, cfg, target, table_constants(layout, cfg.padded_offsets,
-                                                                                 cfg.padded_offsets)),
-        _compile(fix, cfg, target, fix_constants(layout, "q", cfg.heads_q, dim_v, None, stats,
-                                                 stats and not layout.ragged, cfg.softmax,
-                                                 stats and layout.penalty_rows is not None and cfg.is_training),
-                 _FIX_DIVISIBILITY),
-        _compile(fix, cfg, target, fix_constants(layout, "q", cfg.heads_q, dim_qk, None, False, False,
-                                                 cfg.softmax), _FIX_DIVISIBILITY),
-        _compile(fix, cfg, target, fix_constants(layout, "kv", heads_kv, dim_qk, dim_v, False, False,
-                                                 cfg.softmax), _FIX_DIVISIBILITY),
-    ]
+    if which == "table":
+        return _compile(sequence_kernels.sequence_tables, cfg, target,
+                        table_constants(layout, cfg.padded_offsets, cfg.padded_offsets))
+    if which == "fix_forward":
+        apart = stats and not layout.ragged if stats_apart is None else stats_apart
+        constants = fix_constants(layout, "q", cfg.heads_q, dim_v, None, stats, apart, cfg.softmax,
+                                  stats and layout.penalty_rows is not None and cfg.is_training)
+    elif which == "fix_backward_q":
+        constants = fix_constants(layout, "q", cfg.heads_q, dim_qk, None, False, False, cfg.softmax)
+    elif which == "fix_backward_kv":
+        constants = fix_constants(layout, "kv", heads_kv, dim_qk, dim_v, False, False, cfg.softmax)
+    else:
+        raise ValueError(f"no sequence kernel {which!r}; the kernels are {KERNELS}")
+    return _compile(fix, cfg, target, constants, _FIX_DIVISIBILITY)
 
 
 def _compile(function, cfg: AttentionConfig, target, constants: dict, divisible: dict | None = None) -> tuple:

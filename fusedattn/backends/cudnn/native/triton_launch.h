@@ -38,6 +38,15 @@ class TritonKernel {
         return !cu.error.empty() || cu.is_capturing(stream, &status) != 0 || status != 0;
     }
 
+    // Loads the kernel on `device` now rather than at its first launch (which may be under capture); ""
+    // on success, else why not.
+    std::string prepare(int device) {
+        if (device < 0 || device >= kMaxDevices) return "device index out of range";
+        if (!driver().error.empty()) return driver().error;
+        void *function = nullptr;
+        return load(device, &function);
+    }
+
     // Launches `blocks` programs on `stream` (a CUstream) of `device`; "" on success, else why not.
     std::string launch(int device, void *stream, int64_t blocks, std::vector<uint64_t> &words) {
         if (blocks <= 0) return "";
