@@ -314,6 +314,54 @@ def test_the_calls_own_fix_ups_give_what_the_jax_numpy_fixes_give(monkeypatch, t
             extra = dict(sink=np.array([0.5, -1.0]))
     arrays = [None if x is None else (x.astype(jnp.float16) if jnp.issubdtype(x.dtype, jnp.floating) else x)
               for x in _arrays(cfg, cu_seqlens_q=cu, cu_seqlens_kv=cu_kv, **extra)]
+    _assert_own_fix_ups_match_the_jax_numpy_ones(monkeypatch, cfg, arrays)
+
+
+def _generated_case(seed: int) -> tuple:
+    """(cfg, arrays) of a random padded or THD call: 1-3 sequences of 0 to S tokens on each side (THD: gaps
+    between them and after the last), grouped heads, any sink, head dims 8-24, one to eight positions."""
+    rng = np.random.default_rng(seed)
+    layout = str(rng.choice(["bshd", "sbhd", "bhsd", "thd"]))
+    b, hkv = int(rng.integers(1, 4)), int(rng.choice([1, 2]))
+    hq, d = hkv * int(rng.choice([1, 2])), int(rng.choice([8, 16, 24]))
+    sq, skv = int(rng.choice([1, 3, 8])), int(rng.choice([1, 5, 8]))
+    lengths = {"q": rng.integers(0, sq + 1, b), "kv": rng.integers(0, skv + 1, b)}
+    cfg = _cfg(layout=layout, mask=str(rng.choice(["padding", "padding_causal"])), batch=b, seqlen_q=sq, seqlen_kv=skv,
+               heads_q=hq, heads_kv=hkv, head_dim_qk=d, head_dim_v=d, dtype="float16",
+               softmax=str(rng.choice(["vanilla", "off_by_one", "learnable"])), padded_offsets=layout == "thd")
+    named = {f"cu_seqlens_{side}": np.concatenate([[0], np.cumsum(n)]) for side, n in lengths.items()}
+    if layout == "thd":
+        shapes = {}
+        for side, n in lengths.items():
+            padded = np.concatenate([[0], np.cumsum(n + rng.integers(0, 3, b))])
+            named[f"cu_seqlens_{side}_padded"] = padded
+            shapes[side] = int(padded[-1]) + int(rng.integers(0, 3))
+        q_shape, kv_shape = (shapes["q"], hq, d), (shapes["kv"], hkv, d)
+    else:
+        dims = {"bshd": lambda s, h: (b, s, h, d), "sbhd": lambda s, h: (s, b, h, d), "bhsd": lambda s, h: (b, h, s, d)}
+        q_shape, kv_shape = dims[layout](sq, hq), dims[layout](skv, hkv)
+    named.update(q=rng.standard_normal(q_shape), k=rng.standard_normal(kv_shape), v=rng.standard_normal(kv_shape))
+    if cfg.softmax.value == "learnable":
+        named["sink"] = rng.standard_normal(hq)
+    arrays = tuple(None if named.get(n) is None else jnp.asarray(named[n], jnp.int32 if n.startswith("cu_")
+                                                                   else jnp.float16 if n != "sink" else jnp.float32)
+                   for n in ARRAY_NAMES)
+    return cfg, arrays
+
+
+@requires_torch("Triton's interpreter runs the sequence kernels over torch tensors")
+@pytest.mark.parametrize("seed", range(12))
+def test_generated_padded_and_thd_calls_fix_their_rows_as_the_jax_numpy_path_does(monkeypatch, triton_interpreter,
+                                                                                  seed):
+    """Random layouts, lengths (empty and one-token sequences included), THD gaps, grouped heads and sinks: the
+    custom call's own kernels give the jax.numpy path's out, LSE and gradients bit for bit."""
+    pytest.importorskip("triton")
+    _interpreted_kernels(monkeypatch)
+    cfg, arrays = _generated_case(seed)
+    _assert_own_fix_ups_match_the_jax_numpy_ones(monkeypatch, cfg, arrays)
+
+
+def _assert_own_fix_ups_match_the_jax_numpy_ones(monkeypatch, cfg, arrays) -> None:
     own = KernelLaunch(_graph_results)
     monkeypatch.setattr(cudnn_call, "_launch", own)
     assert cudnn_call._own_fixes(cfg)
@@ -330,7 +378,8 @@ def test_the_calls_own_fix_ups_give_what_the_jax_numpy_fixes_give(monkeypatch, t
     want_grads = cudnn_call.backward(cfg, None, arrays, want_out, want_lse, None)
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want_out, np.float32))
     np.testing.assert_array_equal(np.asarray(lse), np.asarray(want_lse))
-    for name in "qkv":
+    assert set(grads) == set(want_grads)
+    for name in grads:
         np.testing.assert_array_equal(np.asarray(grads[name], np.float32), np.asarray(want_grads[name], np.float32),
                                       err_msg=name)
 
