@@ -331,11 +331,12 @@ def attention(q, k=None, v=None, **options):
     )
     offsets = {name: tensors[name] for name in TENSOR_ARGUMENTS[6:]}
     check = None
-    if segments_violated is None and _checks_its_own_offsets(call, (q, k, v, *offsets.values()), get("shard_axes")):
-        pass  # the custom call checks them itself (cudnn_call.checks_offsets): no factor around it
-    elif segments_violated is not None or any(x is not None and not _is_concrete(x) for x in offsets.values()):
-        # Traced offsets or segment ids were never read: checked on the device, NaN results when broken
-        # (outputs and gradients times a factor, fused with work XLA does anyway: offset_guard.py).
+    unread = segments_violated is not None or any(x is not None and not _is_concrete(x) for x in offsets.values())
+    # Traced offsets or segment ids were never read: checked on the device, NaN results when broken (outputs
+    # and gradients times a factor, fused with work XLA does anyway: offset_guard.py), unless the custom call
+    # checks them itself (cudnn_call.checks_offsets) and no factor is needed around it.
+    if unread and not (segments_violated is None
+                       and _checks_its_own_offsets(call, (q, k, v, *offsets.values()), get("shard_axes"))):
         passed = tuple(x for x in (q, k, v) if x is not None)
         check = check_unread_offsets(call.cfg, passed, offsets, segments_violated)
         call = call._replace(arrays=guard_inputs(call.cfg, passed, call.arrays, check))
